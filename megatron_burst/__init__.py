@@ -1,0 +1,28 @@
+"""megatron-burst: context-parallel BurstAttention and memory optimizations for Megatron-Core.
+
+Public API (functional, usable without Megatron):
+  layout_indices, shard, unshard          -- sequence layouts (contiguous, zigzag, striped)
+  cp_attention                            -- context-parallel attention (ring, burst, auto)
+  comm_counter                            -- byte accounting of every CP transfer
+Megatron integration: megatron_burst.specs, megatron_burst.add_args, get_batch_on_this_cp_rank.
+"""
+from megatron_burst.layout import LAYOUTS, layout_indices, shard, unshard
+from megatron_burst.comm import comm_counter
+from megatron_burst.algorithms import CP_ALGOS, cp_attention
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Megatron-facing helpers import megatron.core lazily, so the engine works without it.
+    if name == "add_args":
+        from megatron_burst.megatron.args import add_args
+        return add_args
+    if name == "get_batch_on_this_cp_rank":
+        from megatron_burst.megatron.batch import get_batch_on_this_cp_rank
+        return get_batch_on_this_cp_rank
+    raise AttributeError(f"module 'megatron_burst' has no attribute {name!r}")
+
+
+__all__ = ["LAYOUTS", "CP_ALGOS", "layout_indices", "shard", "unshard", "cp_attention", "comm_counter",
+           "add_args", "get_batch_on_this_cp_rank"]

@@ -1,0 +1,128 @@
+"""Context-parallel attention: the functional API and the autograd Function behind it.
+
+``cp_attention`` takes this rank's tokens (in the layout's order) and returns this rank's output.
+Algorithms differ in their backward (the forward always circulates K,V):
+
+* ``ring``: K,V,dK,dV circulate (TransformerEngine's p2p scheme).
+* ``burst``: Q,dO,D,lse,dQ circulate (BurstAttention).
+* ``auto``: per call shape and dtype, whichever backward sends fewer bytes. For multi-head attention
+  that is burst; with GQA at hq/hkv >= 2 (and at 4/3 <= ratio in fp32) ring is cheaper.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_burst.algorithms import burst, ring
+from megatron_burst.algorithms.schedule import RingPlan
+from megatron_burst.comm import RingComm
+from megatron_burst.layout import check_layout, check_local_len
+
+CP_ALGOS = ("ring", "burst", "auto")
+QKV_FORMATS = ("sbhd", "bshd")
+
+_BACKWARD = {"ring": ring.ring_backward, "burst": burst.burst_backward}
+_BACKWARD_BYTES = {"ring": ring.backward_bytes, "burst": burst.backward_bytes}
+
+
+def backward_bytes(algo: str, b: int, hq: int, hkv: int, n: int, d: int, elem: int, world_size: int) -> int:
+    """Bytes one rank sends in ``algo``'s backward for n local tokens (see each algorithm's docstring)."""
+    return _BACKWARD_BYTES[resolve_algo(algo, b, hq, hkv, n, d, elem, world_size)](b, hq, hkv, n, d, elem, world_size)
+
+
+def resolve_algo(algo: str, b: int, hq: int, hkv: int, n: int, d: int, elem: int, world_size: int) -> str:
+    """``auto`` -> the backward scheme that sends fewer bytes for this shape (ties go to burst)."""
+    if algo != "auto":
+        return algo
+    args = (b, hq, hkv, n, d, elem, world_size)
+    return "ring" if ring.backward_bytes(*args) < burst.backward_bytes(*args) else "burst"
+
+
+class _CPAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: RingPlan, backward_algo: str):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse = ring.kv_ring_forward(q, k, v, plan)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.backward_algo = plan, backward_algo
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = dout.contiguous()
+        D = (dout.float() * out.float()).sum(-1)
+        dq, dk, dv = _BACKWARD[ctx.backward_algo](dout, q, k, v, D, lse, ctx.plan)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _group_geometry(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 0, 1  # plain single-process use
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: int, algo: str, layout: str,
+             qkv_format: str, stripe: int, dropout_p: float, attn_bias: Optional[torch.Tensor]) -> None:
+    """Raise ValueError for anything cp_attention cannot do. Local checks only: safe before collectives."""
+    if algo not in CP_ALGOS:
+        raise ValueError(f"unknown algo {algo!r}: choose one of {', '.join(CP_ALGOS)}")
+    check_layout(layout, stripe)
+    if qkv_format not in QKV_FORMATS:
+        raise ValueError(f"unknown qkv_format {qkv_format!r}: choose one of {', '.join(QKV_FORMATS)}")
+    if dropout_p:
+        raise ValueError(f"dropout_p={dropout_p}: attention dropout is not supported under context "
+                         "parallelism; set attention dropout to 0 (Megatron: --attention-dropout 0)")
+    if attn_bias is not None:
+        raise ValueError("attn_bias is not supported by cp_attention; remove the attention bias "
+                         "(ALiBi/relative bias) or run without context parallelism")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D {qkv_format} [.., .., heads, head_dim], got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}; cast them to one dtype")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[:2] != k.shape[:2]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in sequence/batch dims "
+                         f"(format {qkv_format})")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q head dim {q.shape[3]} != k head dim {k.shape[3]}")
+    hq, hkv = q.shape[2], k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} are not divisible by key/value heads {hkv} (GQA needs hq % hkv == 0)")
+    local_len = q.shape[0] if qkv_format == "sbhd" else q.shape[1]
+    check_local_len(local_len, world_size, layout, stripe)
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Optional[dist.ProcessGroup] = None,
+                 algo: str = "burst", layout: str = "zigzag", causal: bool = True,
+                 softmax_scale: Optional[float] = None, qkv_format: str = "sbhd", stripe: int = 1,
+                 dropout_p: float = 0.0, attn_bias: Optional[torch.Tensor] = None,
+                 kernel: Optional[str] = None) -> torch.Tensor:
+    """Context-parallel softmax attention over the ranks of ``group``.
+
+    q [s, b, hq, d], k/v [s, b, hkv, d] (``qkv_format="sbhd"``, Megatron's; or [b, s, h, d] for
+    "bshd") hold this rank's s local tokens in ``layout``'s order (see megatron_burst.layout).
+    Returns this rank's output, same shape and dtype as q. Differentiable; gradients are exact.
+    ``group`` None means the default process group (or a single process if none is initialized).
+    ``kernel`` forces a local attention backend (megatron_burst.kernels.BACKENDS).
+    """
+    rank, world_size = _group_geometry(group)
+    validate(q, k, v, world_size=world_size, algo=algo, layout=layout, qkv_format=qkv_format, stripe=stripe,
+             dropout_p=dropout_p, attn_bias=attn_bias)
+    perm = (1, 2, 0, 3) if qkv_format == "sbhd" else (0, 2, 1, 3)  # to [b, h, s, d]
+    qh, kh, vh = (t.permute(*perm) for t in (q, k, v))
+    b, hq, n, d = qh.shape
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    backward_algo = resolve_algo(algo, b, hq, kh.shape[1], n, d, q.element_size(), world_size)
+    comm = RingComm(group) if world_size > 1 else None
+    plan = RingPlan(comm, rank, world_size, layout, stripe, causal, scale, kernel)
+    out = _CPAttention.apply(qh, kh, vh, plan, backward_algo)
+    inverse = (2, 0, 1, 3) if qkv_format == "sbhd" else (0, 2, 1, 3)
+    return out.permute(*inverse)

@@ -1,0 +1,48 @@
+"""BurstAttention's backward: K,V,dK,dV stay home; Q, dO, D, lse circulate and dQ travels (fp32).
+
+(BurstEngine Algorithm 2 / BurstAttention GAO backward.) The forward is ring's K,V circulation.
+Each rank computes, for the visiting query block of rank s, the block gradients against its own
+K,V: dK,dV accumulate at home, dQ is added to the travelling dQ of block s.
+
+Bytes per rank in the backward (n local tokens, batch b, hq query heads, head dim d, e = input
+element size): (W-1) * (2*b*hq*n*d*e  [Q, dO] + b*hq*n*d*4  [dQ] + 2*b*hq*n*4  [D, lse]).
+For multi-head attention that is 3/4 of ring's backward (at fp32 gradients in flight) plus the
+small D/lse term; with GQA the Q side carries hq heads against ring's hkv, so at hq/hkv >= 2 ring
+is cheaper (see ``algo="auto"``).
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_burst.algorithms.schedule import RingPlan, ring_pass
+from megatron_burst.kernels import block_backward
+from megatron_burst.layout import block_mask
+
+
+def burst_backward(dout, q, k, v, D, lse, plan: RingPlan):
+    """Q,dO,D,lse,dQ circulate. q/dout [b, hq, n, d], k/v [b, hkv, n, d], D/lse [b, hq, n] fp32."""
+    n = q.shape[2]
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    dq_like = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+
+    def visit(owner, travel):
+        qdo, dl = travel
+        dq = torch.zeros_like(dq_like)
+        # the visiting queries are rank ``owner``'s, the keys are ours
+        mask = block_mask(plan.layout, owner, plan.rank, plan.world_size, n, plan.causal, plan.stripe)
+        if mask.kind != "empty":
+            dqb, dkb, dvb = block_backward(qdo[1], qdo[0], k, v, dl[0], dl[1], mask, plan.scale, plan.kernel)
+            dq[:, :, mask.q_slice] += dqb
+            dk[:, :, mask.kv_slice] += dkb
+            dv[:, :, mask.kv_slice] += dvb
+        return dq
+
+    travel = [torch.stack([q, dout.to(q.dtype)]), torch.stack([D, lse])]
+    dq = ring_pass(plan, travel, visit, "backward", grad_like=dq_like)
+    return dq, dk, dv
+
+
+def backward_bytes(b: int, hq: int, hkv: int, n: int, d: int, elem: int, world_size: int) -> int:
+    """Bytes one rank sends in the burst backward."""
+    return (world_size - 1) * (2 * b * hq * n * d * elem + b * hq * n * d * 4 + 2 * b * hq * n * 4)

@@ -1,0 +1,65 @@
+"""Ring attention (the TransformerEngine p2p baseline).
+
+Forward: K,V circulate; each rank merges the visible part of every block into its (out, lse).
+Backward: K,V circulate again and dK,dV travel with them (fp32), accumulated by every rank whose
+queries see the block; dQ stays home.
+
+Bytes per rank (n local tokens, batch b, hkv kv heads, head dim d, e = input element size):
+  forward  (W-1) * 2*b*hkv*n*d*e
+  backward (W-1) * (2*b*hkv*n*d*e + 2*b*hkv*n*d*4)
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_burst.algorithms.schedule import RingPlan, ring_pass
+from megatron_burst.kernels import block_backward, block_forward, merge_into
+from megatron_burst.layout import block_mask
+
+
+def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of ring and burst. q [b, hq, n, d], k/v [b, hkv, n, d] -> (out like q, lse [b, hq, n] fp32)."""
+    b, hq, n, _ = q.shape
+    out = torch.zeros(b, hq, n, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
+
+    def visit(owner, kv):
+        mask = block_mask(plan.layout, plan.rank, owner, plan.world_size, n, plan.causal, plan.stripe)
+        if mask.kind != "empty":
+            o, l = block_forward(q, kv[0], kv[1], mask, plan.scale, plan.kernel)
+            merge_into(out[:, :, mask.q_slice], lse[:, :, mask.q_slice], o, l)
+
+    ring_pass(plan, [torch.stack([k, v])], lambda owner, t: visit(owner, t[0]), "forward")
+    return out.to(q.dtype), lse
+
+
+def ring_backward(dout, q, k, v, D, lse, plan: RingPlan):
+    """K,V,dK,dV circulate. Shapes as in the forward; D, lse [b, hq, n] fp32. Returns fp32 (dq, dk, dv)."""
+    n = q.shape[2]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv_like = torch.zeros((2,) + tuple(k.shape), dtype=torch.float32, device=q.device)
+
+    def visit(owner, travel):
+        kv = travel[0]
+        dkv = torch.zeros_like(dkv_like)
+        mask = block_mask(plan.layout, plan.rank, owner, plan.world_size, n, plan.causal, plan.stripe)
+        if mask.kind != "empty":
+            dqb, dkb, dvb = block_backward(dout, q, kv[0], kv[1], D, lse, mask, plan.scale, plan.kernel)
+            dq[:, :, mask.q_slice] += dqb
+            dkv[0][:, :, mask.kv_slice] += dkb
+            dkv[1][:, :, mask.kv_slice] += dvb
+        return dkv
+
+    dkv = ring_pass(plan, [torch.stack([k, v])], visit, "backward", grad_like=dkv_like)
+    return dq, dkv[0], dkv[1]
+
+
+def backward_bytes(b: int, hq: int, hkv: int, n: int, d: int, elem: int, world_size: int) -> int:
+    """Bytes one rank sends in the ring backward."""
+    return (world_size - 1) * (2 * b * hkv * n * d * elem + 2 * b * hkv * n * d * 4)
+
+
+def forward_bytes(b: int, hkv: int, n: int, d: int, elem: int, world_size: int) -> int:
+    """Bytes one rank sends in the K,V-circulating forward (ring and burst)."""
+    return (world_size - 1) * 2 * b * hkv * n * d * elem

@@ -1,0 +1,51 @@
+"""torch's fused CPU flash-attention op (``aten._scaled_dot_product_flash_attention_for_cpu``).
+
+Its backward wants the block's output O only to form D = rowsum(dO * O). A rank that holds a remote
+Q block in BurstAttention's backward has D but not O, so we hand the op a stand-in O' with the same
+row sums against dO: O' = dO * D / rowsum(dO * dO) (and 0 where dO is 0, where D is 0 too). In fp32
+that reproduces D to rounding; in bf16 O' is rounded per element, which perturbs D by about
+2^-9 / sqrt(head_dim) relative — below the bf16 rounding of dO itself.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_burst.kernels.reference import expand_kv, reduce_kv, visibility
+
+_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _mask_args(kind, block, sq, sk, dtype, device):
+    if kind == "full":
+        return False, None
+    if kind == "causal":
+        return True, None
+    # the op takes an additive mask of the query's dtype
+    vis = visibility(kind, block, sq, sk, device)
+    return False, torch.zeros(sq, sk, dtype=dtype, device=device).masked_fill_(~vis, float("-inf"))
+
+
+def forward(q, k, v, kind="full", block=1, scale=1.0):
+    is_causal, mask = _mask_args(kind, block, q.shape[2], k.shape[2], q.dtype, q.device)
+    hq = q.shape[1]
+    out, lse = _fwd(q, expand_kv(k, hq), expand_kv(v, hq), 0.0, is_causal, attn_mask=mask, scale=scale)
+    return out, lse
+
+
+def stand_in_output(dout: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """O' [b, h, s, d] with rowsum(dout * O') == D (see module docstring)."""
+    do = dout.float()
+    norm = (do * do).sum(-1, keepdim=True)
+    coef = torch.where(norm > 0, D.float()[..., None] / norm.clamp_min(torch.finfo(torch.float32).tiny),
+                       torch.zeros_like(norm))
+    return (do * coef).to(dout.dtype)
+
+
+def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0):
+    is_causal, mask = _mask_args(kind, block, q.shape[2], k.shape[2], q.dtype, q.device)
+    hq, hkv = q.shape[1], k.shape[1]
+    out = stand_in_output(dout, D)
+    dq, dk, dv = _bwd(dout.contiguous(), q, expand_kv(k, hq), expand_kv(v, hq), out, lse.contiguous(), 0.0,
+                      is_causal, attn_mask=mask, scale=scale)
+    return dq, reduce_kv(dk, hkv), reduce_kv(dv, hkv)

@@ -1,0 +1,71 @@
+"""Naive attention: materializes the full score matrix in fp32. Obviously correct; tests compare to it.
+
+All kernels share one interface on tensors laid out [b, h, s, d] (q has hq heads, k/v hkv heads,
+hq % hkv == 0):
+
+  forward(q, k, v, kind, block, scale) -> (out [b, hq, sq, d] in q.dtype, lse [b, hq, sq] fp32)
+  backward(dout, q, k, v, D, lse, kind, block, scale) -> (dq, dk, dv)   (fp32 or input dtype)
+
+``kind`` is "full", "causal" (row i sees column j iff i >= j) or "block_causal" (iff
+i // block >= j // block). D = rowsum(dout * out) is passed in, not recomputed: a rank that received
+a remote Q block never has the remote output.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def visibility(kind: str, block: int, sq: int, sk: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean [sq, sk] visible-mask for ``kind``, or None for "full"."""
+    if kind == "full":
+        return None
+    rows = torch.arange(sq, device=device)[:, None]
+    cols = torch.arange(sk, device=device)[None, :]
+    if kind == "causal":
+        return rows >= cols
+    if kind == "block_causal":
+        return rows // block >= cols // block
+    raise ValueError(f"unknown mask kind {kind!r}")
+
+
+def expand_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
+    """Repeat kv heads [b, hkv, s, d] to [b, hq, s, d] (local compute only; never before sending)."""
+    g = hq // x.shape[1]
+    return x if g == 1 else x.repeat_interleave(g, dim=1)
+
+
+def reduce_kv(dx: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Sum gradients of repeated kv heads [b, hq, s, d] back to [b, hkv, s, d]."""
+    b, hq, s, d = dx.shape
+    g = hq // hkv
+    return dx if g == 1 else dx.view(b, hkv, g, s, d).sum(2)
+
+
+def _scores(q, k, kind, block, scale):
+    s = torch.einsum("bhqd,bhkd->bhqk", q.float(), expand_kv(k, q.shape[1]).float()) * scale
+    vis = visibility(kind, block, q.shape[2], k.shape[2], q.device)
+    if vis is not None:
+        s = s.masked_fill(~vis, float("-inf"))
+    return s
+
+
+def forward(q, k, v, kind="full", block=1, scale=1.0):
+    s = _scores(q, k, kind, block, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None])
+    out = torch.einsum("bhqk,bhkd->bhqd", p, expand_kv(v, q.shape[1]).float())
+    return out.to(q.dtype), lse
+
+
+def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0):
+    hkv = k.shape[1]
+    s = _scores(q, k, kind, block, scale)
+    p = torch.exp(s - lse[..., None].float())
+    do = dout.float()
+    ve = expand_kv(v, q.shape[1]).float()
+    dv = torch.einsum("bhqk,bhqd->bhkd", p, do)
+    dp = torch.einsum("bhqd,bhkd->bhqk", do, ve)
+    ds = p * (dp - D[..., None].float())
+    dq = torch.einsum("bhqk,bhkd->bhqd", ds, expand_kv(k, q.shape[1]).float()) * scale
+    dk = torch.einsum("bhqk,bhqd->bhkd", ds, q.float()) * scale
+    return dq, reduce_kv(dk, hkv), reduce_kv(dv, hkv)

@@ -1,0 +1,176 @@
+"""Sequence layouts: which global tokens each context-parallel rank holds, and what it may see.
+
+A layout maps a global sequence of ``seq_len`` tokens onto ``world_size`` ranks:
+
+* ``contiguous``: rank r holds tokens [r*n, (r+1)*n), n = seq_len / W.
+* ``zigzag``: Megatron's load balancing: the sequence is cut into 2W chunks and rank r holds chunks
+  r and 2W-1-r (in that order).
+* ``striped``: stripes of ``stripe`` consecutive tokens are dealt round-robin: stripe j goes to rank
+  j mod W. ``stripe=1`` puts token t on rank t mod W; wider stripes are "block-striped".
+
+In every layout a rank's local tokens are in increasing global order. That makes the diagonal block
+(q rank == kv rank) plain causal in local indices, and lets :func:`block_mask` describe every other
+(q rank, kv rank) block as a rectangle with a simple mask inside.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+LAYOUTS = ("contiguous", "zigzag", "striped")
+
+
+def check_layout(layout: str, stripe: int = 1) -> None:
+    """Raise ValueError for an unknown layout name or a bad stripe width."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
+    if not isinstance(stripe, int) or stripe < 1:
+        raise ValueError(f"stripe={stripe!r} must be a positive int")
+    if stripe != 1 and layout != "striped":
+        raise ValueError(f"stripe={stripe} is only meaningful with layout='striped', not {layout!r}")
+
+
+def seq_divisor(layout: str, world_size: int, stripe: int = 1) -> int:
+    """The number the global sequence length must be divisible by for ``layout``."""
+    check_layout(layout, stripe)
+    if layout == "contiguous":
+        return world_size
+    if layout == "zigzag":
+        return 2 * world_size
+    return world_size * stripe
+
+
+def check_seq_len(seq_len: int, world_size: int, layout: str, stripe: int = 1) -> None:
+    """Raise ValueError unless ``seq_len`` splits evenly over ``world_size`` ranks in ``layout``."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    div = seq_divisor(layout, world_size, stripe)
+    if seq_len <= 0 or seq_len % div:
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by {div}, which layout={layout!r} needs "
+            f"with world_size={world_size}" + (f" and stripe={stripe}" if layout == "striped" else "")
+            + f": pad the sequence to a multiple of {div}"
+        )
+
+
+def check_local_len(local_len: int, world_size: int, layout: str, stripe: int = 1) -> None:
+    """Raise ValueError unless a rank-local length fits ``layout`` (a zigzag shard has 2 chunks...)."""
+    check_seq_len(local_len * world_size, world_size, layout, stripe)
+
+
+def layout_indices(seq_len: int, rank: int, world_size: int, layout: str, stripe: int = 1) -> torch.Tensor:
+    """Global token positions held by ``rank``, in local order. Returns LongTensor [seq_len / W]."""
+    check_seq_len(seq_len, world_size, layout, stripe)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is outside [0, {world_size})")
+    n = seq_len // world_size
+    if layout == "contiguous":
+        return torch.arange(rank * n, (rank + 1) * n)
+    if layout == "zigzag":
+        c = n // 2
+        return torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                          torch.arange((2 * world_size - 1 - rank) * c, (2 * world_size - rank) * c)])
+    stripes = torch.arange(rank, seq_len // stripe, world_size)
+    return (stripes[:, None] * stripe + torch.arange(stripe)[None, :]).reshape(-1)
+
+
+def shard(x: torch.Tensor, dim: int, rank: int, world_size: int, layout: str, stripe: int = 1) -> torch.Tensor:
+    """The part of the full-sequence tensor ``x`` (sequence along ``dim``) that ``rank`` holds."""
+    idx = layout_indices(x.shape[dim], rank, world_size, layout, stripe)
+    if layout == "contiguous":
+        return x.narrow(dim, int(idx[0]), idx.numel())
+    return x.index_select(dim, idx.to(x.device))
+
+
+def unshard(shards: Sequence[torch.Tensor], dim: int, layout: str, stripe: int = 1) -> torch.Tensor:
+    """Inverse of :func:`shard`: reassemble the full sequence from every rank's shard (in rank order)."""
+    world_size = len(shards)
+    local_len = shards[0].shape[dim]
+    seq_len = local_len * world_size
+    cat = torch.cat(list(shards), dim=dim)
+    if layout == "contiguous":
+        check_seq_len(seq_len, world_size, layout, stripe)
+        return cat
+    order = torch.cat([layout_indices(seq_len, r, world_size, layout, stripe) for r in range(world_size)])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(seq_len)
+    return cat.index_select(dim, inverse.to(cat.device))
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """What part of a (local q block, local kv block) pair is visible.
+
+    kind:
+      * ``empty``: nothing visible, skip the block.
+      * ``full``: q rows [q_start, q_stop) see kv rows [kv_start, kv_stop) entirely.
+      * ``causal``: inside that rectangle, row i sees column j iff i - q_start >= j - kv_start.
+      * ``block_causal``: inside the rectangle, row i sees column j iff
+        (i - q_start) // block >= (j - kv_start) // block.
+    Rows outside [q_start, q_stop) receive nothing from this block.
+    """
+
+    kind: str
+    q_start: int = 0
+    q_stop: int = 0
+    kv_start: int = 0
+    kv_stop: int = 0
+    block: int = 1
+
+    @property
+    def q_slice(self) -> slice:
+        return slice(self.q_start, self.q_stop)
+
+    @property
+    def kv_slice(self) -> slice:
+        return slice(self.kv_start, self.kv_stop)
+
+    def dense(self, q_len: int, kv_len: int) -> torch.Tensor:
+        """Boolean [q_len, kv_len] visibility matrix (tests and fallback kernels)."""
+        m = torch.zeros(q_len, kv_len, dtype=torch.bool)
+        if self.kind == "empty":
+            return m
+        rows = torch.arange(self.q_stop - self.q_start)[:, None]
+        cols = torch.arange(self.kv_stop - self.kv_start)[None, :]
+        if self.kind == "full":
+            sub = torch.ones(rows.shape[0], cols.shape[1], dtype=torch.bool)
+        elif self.kind == "causal":
+            sub = rows >= cols
+        else:
+            sub = rows // self.block >= cols // self.block
+        m[self.q_slice, self.kv_slice] = sub
+        return m
+
+
+def block_mask(layout: str, q_rank: int, kv_rank: int, world_size: int, local_len: int,
+               causal: bool, stripe: int = 1) -> BlockMask:
+    """Visible part of the block (queries of ``q_rank``) x (keys of ``kv_rank``), both ``local_len`` long."""
+    n = local_len
+    if not causal:
+        return BlockMask("full", 0, n, 0, n)
+    if q_rank == kv_rank:
+        return BlockMask("causal", 0, n, 0, n)
+    if layout == "contiguous":
+        return BlockMask("full", 0, n, 0, n) if kv_rank < q_rank else BlockMask("empty")
+    if layout == "zigzag":
+        c = n // 2
+        if kv_rank < q_rank:  # both q chunks see the kv rank's early chunk; its late chunk is in the future
+            return BlockMask("full", 0, n, 0, c)
+        return BlockMask("full", c, n, 0, n)  # only the q rank's late chunk sees this (later) kv rank
+    # striped: q stripe a of rank i vs kv stripe b of rank j: visible iff b <= a (j < i) or b < a (j > i)
+    if kv_rank < q_rank:
+        return BlockMask("causal" if stripe == 1 else "block_causal", 0, n, 0, n, stripe)
+    if n == stripe:  # a single stripe per rank: the later rank's stripe is entirely in the future
+        return BlockMask("empty")
+    return BlockMask("causal" if stripe == 1 else "block_causal", stripe, n, 0, n - stripe, stripe)
+
+
+def global_causal_mask(layout: str, q_rank: int, kv_rank: int, world_size: int, local_len: int,
+                       stripe: int = 1) -> torch.Tensor:
+    """Boolean [n, n] causal visibility computed from global positions (the definition tests check against)."""
+    seq_len = local_len * world_size
+    qp = layout_indices(seq_len, q_rank, world_size, layout, stripe)
+    kp = layout_indices(seq_len, kv_rank, world_size, layout, stripe)
+    return kp[None, :] <= qp[:, None]

@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-burst",
+    version="0.1.0",
+    description="Context-parallel BurstAttention, ring and memory optimizations for Megatron-Core",
+    packages=find_packages(include=["megatron_burst", "megatron_burst.*"]),
+    python_requires=">=3.10",
+    # torch is not pinned here: a looser spec would pull CUDA wheels on CPU machines; the Makefile
+    # installs torch==2.13.0 when it is absent.
+    install_requires=["torch>=2.6", "megatron-core>=0.15,<0.17", "numpy"],
+    extras_require={
+        "test": ["pytest>=7"],
+        "bench": ["matplotlib"],
+        "triton": ["triton"],
+        "gpu": ["flash-attn", "transformer-engine"],
+    },
+)
