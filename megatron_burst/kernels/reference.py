@@ -41,8 +41,13 @@ def reduce_kv(dx: torch.Tensor, hkv: int) -> torch.Tensor:
     return dx if g == 1 else dx.view(b, hkv, g, s, d).sum(2)
 
 
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """Compute in fp32, or fp64 when given fp64 (the exactness tests use it)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _scores(q, k, kind, block, scale):
-    s = torch.einsum("bhqd,bhkd->bhqk", q.float(), expand_kv(k, q.shape[1]).float()) * scale
+    s = torch.einsum("bhqd,bhkd->bhqk", _acc(q), _acc(expand_kv(k, q.shape[1]))) * scale
     vis = visibility(kind, block, q.shape[2], k.shape[2], q.device)
     if vis is not None:
         s = s.masked_fill(~vis, float("-inf"))
@@ -53,19 +58,19 @@ def forward(q, k, v, kind="full", block=1, scale=1.0):
     s = _scores(q, k, kind, block, scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None])
-    out = torch.einsum("bhqk,bhkd->bhqd", p, expand_kv(v, q.shape[1]).float())
+    out = torch.einsum("bhqk,bhkd->bhqd", p, _acc(expand_kv(v, q.shape[1])))
     return out.to(q.dtype), lse
 
 
 def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0):
     hkv = k.shape[1]
     s = _scores(q, k, kind, block, scale)
-    p = torch.exp(s - lse[..., None].float())
-    do = dout.float()
-    ve = expand_kv(v, q.shape[1]).float()
+    p = torch.exp(s - _acc(lse)[..., None])
+    do = _acc(dout)
+    ve = _acc(expand_kv(v, q.shape[1]))
     dv = torch.einsum("bhqk,bhqd->bhkd", p, do)
     dp = torch.einsum("bhqd,bhkd->bhqk", do, ve)
-    ds = p * (dp - D[..., None].float())
-    dq = torch.einsum("bhqk,bhkd->bhqd", ds, expand_kv(k, q.shape[1]).float()) * scale
-    dk = torch.einsum("bhqk,bhqd->bhkd", ds, q.float()) * scale
+    ds = p * (dp - _acc(D)[..., None])
+    dq = torch.einsum("bhqk,bhkd->bhqd", ds, _acc(expand_kv(k, q.shape[1]))) * scale
+    dk = torch.einsum("bhqk,bhqd->bhkd", ds, _acc(q)) * scale
     return dq, reduce_kv(dk, hkv), reduce_kv(dv, hkv)

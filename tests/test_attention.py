@@ -1,0 +1,106 @@
+"""cp_attention on W gloo ranks equals a single-process full-sequence reference, and sends exactly
+the bytes each algorithm's analysis says."""
+import pytest
+import torch
+
+from attention_cases import bad_input_errors, run_case, run_matrix
+from harness import run_ranks
+
+ALGOS = ["ring", "burst", "auto"]
+LAYOUTS = ["contiguous", "zigzag", "striped"]
+FP32_TOL = 1e-5
+
+
+def _assert_close(results, tol=FP32_TOL, relative=False):
+    for case, errs in results.items():
+        for name in ("out", "dq", "dk", "dv"):
+            bound = tol * errs["scale"] if relative else tol
+            assert errs[name] <= bound, f"{case}: {name} error {errs[name]:.2e} > {bound:.1e}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_matrix_fp32(world_size, algo, layout):
+    """{causal, full} x {MHA, GQA 4:1, MQA}, local length 6 (not a power of two)."""
+    for rank_results in run_ranks(world_size, run_matrix, algo, layout):
+        _assert_close(rank_results)
+
+
+@pytest.mark.parametrize("algo", ["ring", "burst"])
+def test_world_size_8(algo):
+    for rank_results in run_ranks(8, run_matrix, algo, "zigzag", local_len=4):
+        _assert_close(rank_results)
+
+
+@pytest.mark.parametrize("layout,stripe", [("zigzag", 1), ("striped", 1), ("striped", 2), ("contiguous", 1)])
+def test_odd_sizes(layout, stripe):
+    """head dim 48, 10 local tokens (5 stripes of 2 when block-striped), GQA 6:2, W = 3."""
+    for algo in ("ring", "burst"):
+        for errs in run_ranks(3, run_case, algo, layout, True, (6, 2), local_len=10, d=48, stripe=stripe):
+            _assert_close({(algo, layout, stripe): errs})
+
+
+@pytest.mark.parametrize("algo", ["ring", "burst"])
+def test_bf16_within_documented_tolerance(algo):
+    """bf16 inputs vs the fp32 reference on the same rounded inputs: max error <= 2e-2 x max |ref|."""
+    for errs in run_ranks(4, run_case, algo, "zigzag", True, "gqa4", local_len=8, d=32, dtype=torch.bfloat16):
+        _assert_close({algo: errs}, tol=2e-2, relative=True)
+
+
+@pytest.mark.parametrize("kernel", ["tiled", "reference"])
+def test_other_kernels_under_cp(kernel):
+    for errs in run_ranks(2, run_case, "burst", "striped", True, "gqa4", kernel=kernel):
+        _assert_close({kernel: errs})
+
+
+# Exact volumes, computed by hand for b=2, n=6 local tokens, d=8, fp32 (4 bytes), W=4 (3 hops):
+#   forward (K,V):            3 * 2 * (2*hkv*6*8) * 4
+#   ring backward (K,V,dK,dV): 3 * 4 * (2*hkv*6*8) * 4
+#   burst backward:            3 * [2*(2*hq*6*8)*4 (Q,dO) + (2*hq*6*8)*4 (dQ) + 2*(2*hq*6)*4 (D,lse)]
+HAND_BYTES = {
+    # heads: (forward, ring backward, burst backward)
+    "mha": (3 * 2 * 384 * 4, 3 * 4 * 384 * 4, 3 * (2 * 384 * 4 + 384 * 4 + 2 * 48 * 4)),  # hq=hkv=4
+    "gqa4": (3 * 2 * 192 * 4, 3 * 4 * 192 * 4, 3 * (2 * 768 * 4 + 768 * 4 + 2 * 96 * 4)),  # hq=8, hkv=2
+    "mqa": (3 * 2 * 96 * 4, 3 * 4 * 96 * 4, 3 * (2 * 384 * 4 + 384 * 4 + 2 * 48 * 4)),  # hq=4, hkv=1
+}
+
+
+@pytest.mark.parametrize("heads", list(HAND_BYTES))
+def test_exact_bytes(heads):
+    fwd, ring_bwd, burst_bwd = HAND_BYTES[heads]
+    for algo, bwd in (("ring", ring_bwd), ("burst", burst_bwd), ("auto", min(ring_bwd, burst_bwd))):
+        for layout in ("zigzag", "striped"):
+            for errs in run_ranks(4, run_case, algo, layout, True, heads):
+                assert errs["bytes"] == {"forward": fwd, "backward": bwd}, (algo, layout, heads, errs["bytes"])
+                assert errs["received"] == fwd + bwd  # a ring receives what it sends
+
+
+def test_burst_backward_sends_three_quarters_of_ring_for_mha():
+    """The issue's criterion: MHA, burst backward <= 0.75 x ring's + the D/lse term (head dim 128)."""
+    ring_b = run_ranks(2, run_case, "ring", "zigzag", True, "mha", local_len=4, d=128)[0]["bytes"]["backward"]
+    burst_b = run_ranks(2, run_case, "burst", "zigzag", True, "mha", local_len=4, d=128)[0]["bytes"]["backward"]
+    d_lse_term = 1 * (2 * 2 * 4 * 4 * 4)  # (W-1) * 2 tensors * b * hq * n * 4 bytes
+    assert burst_b == 0.75 * ring_b + d_lse_term
+    assert burst_b / ring_b < 0.76
+
+
+def test_auto_picks_the_cheaper_backward():
+    from megatron_burst.algorithms import backward_bytes, resolve_algo
+    for hq, hkv, elem in [(32, 32, 2), (32, 32, 4), (32, 16, 2), (32, 8, 2), (32, 24, 4), (32, 1, 2)]:
+        args = (1, hq, hkv, 1024, 128, elem, 8)
+        cheapest = min(backward_bytes("ring", *args), backward_bytes("burst", *args))
+        assert backward_bytes("auto", *args) == cheapest
+    assert resolve_algo("auto", 1, 32, 32, 1024, 128, 2, 8) == "burst"  # MHA
+    assert resolve_algo("auto", 1, 32, 16, 1024, 128, 2, 8) == "ring"  # GQA 2:1
+
+
+def test_bad_inputs_raise_on_every_rank_before_any_collective():
+    for messages, moved, group_ok in run_ranks(2, bad_input_errors):
+        assert group_ok and moved == 0
+        for name, msg in messages.items():
+            assert msg is not None, f"{name} did not raise ValueError"
+        assert "divisible by 4" in messages["seq_not_divisible"]
+        assert "p2p" in messages["unknown_algo"] and "ring" in messages["unknown_algo"]
+        assert "dropout" in messages["dropout"]
+        assert "attn_bias" in messages["bias"]
