@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): ``python -m megatron_burst.bench {attention,kernels} --help``."""

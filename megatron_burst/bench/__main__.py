@@ -1,0 +1,16 @@
+"""``python -m megatron_burst.bench <name> [options]``: attention | kernels."""
+import importlib
+import sys
+
+BENCHES = {"attention": "megatron_burst.bench.attention", "kernels": "megatron_burst.bench.kernels"}
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in BENCHES:
+        print(f"usage: python -m megatron_burst.bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
+        sys.exit(2)
+    importlib.import_module(BENCHES[sys.argv[1]]).main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""CP attention benchmark: per algo x layout, forward/backward time and bytes per rank.
+
+    python -m megatron_burst.bench attention --world-size 4 --seq 8192 --heads 8 --head-dim 64
+
+Times are medians over ``--repeats`` after a warm-up, taken on rank 0 between barriers; ratios are
+to ring (same layout) in the same run. On a 2-core machine the ranks share cores, so absolute
+times are compute-bound; the byte columns are exact.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import megatron_burst as mb
+from megatron_burst.bench.launch import run_local
+
+
+def _measure(algo, layout, args):
+    W, r = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(1234 + r)
+    n = args.seq // W
+    dtype = getattr(torch, args.dtype)
+    mk = lambda h: torch.randn(n, args.batch, h, args.head_dim, dtype=dtype)  # noqa: E731
+    q, k, v, dout = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
+    fwd, bwd = [], []
+    for i in range(args.warmup + args.repeats):
+        ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+        with mb.comm_counter() as c:
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = mb.cp_attention(ql, kl, vl, algo=algo, layout=layout, causal=not args.full)
+            dist.barrier()
+            t1 = time.perf_counter()
+            out.backward(dout)
+            dist.barrier()
+            t2 = time.perf_counter()
+        if i >= args.warmup:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return dict(fwd=statistics.median(fwd), bwd=statistics.median(bwd),
+                fwd_bytes=c.bytes("sent", "forward"), bwd_bytes=c.bytes("sent", "backward"))
+
+
+def _all(args):
+    return {(a, l): _measure(a, l, args) for l in args.layouts for a in args.algos}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m megatron_burst.bench attention", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--seq", type=int, default=8192, help="global sequence length")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--full", action="store_true", help="no causal mask")
+    p.add_argument("--algos", nargs="+", default=["ring", "burst", "auto"])
+    p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag", "striped"])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    args = p.parse_args(argv)
+    args.kv_heads = args.kv_heads or args.heads
+    res = run_local(args.world_size, _all, args, threads=args.threads)[0]
+    mask = "full" if args.full else "causal"
+    print(f"# cp attention: W={args.world_size} gloo ranks, seq={args.seq}, batch={args.batch}, "
+          f"heads={args.heads}/{args.kv_heads} kv, head_dim={args.head_dim}, {args.dtype}, {mask}, "
+          f"median of {args.repeats}")
+    print("| layout | algo | fwd s | bwd s | total s | total vs ring | fwd MB sent/rank | bwd MB sent/rank | bwd bytes vs ring |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (algo, layout), m in res.items():
+        base = res.get(("ring", layout), m)
+        tot, base_tot = m["fwd"] + m["bwd"], base["fwd"] + base["bwd"]
+        print(f"| {layout} | {algo} | {m['fwd']:.3f} | {m['bwd']:.3f} | {tot:.3f} | {tot / base_tot:.2f} | "
+              f"{m['fwd_bytes'] / 1e6:.2f} | {m['bwd_bytes'] / 1e6:.2f} | {m['bwd_bytes'] / base['bwd_bytes']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

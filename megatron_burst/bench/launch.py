@@ -1,0 +1,52 @@
+"""Start W local gloo ranks for a benchmark (or join the ones torchrun started) and gather results."""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: tuple, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        queue.put((rank, fn(*args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_local(world_size: int, fn: Callable[..., Any], *args: Any, threads: int = 1) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` spawned gloo ranks; returns per-rank results."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, threads, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        while len(results) < world_size:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError(f"a benchmark rank failed (exit codes {[p.exitcode for p in procs]})")
+            try:
+                rank, res = queue.get(timeout=1.0)
+                results[rank] = res
+            except Exception:  # queue.Empty: poll the exit codes again
+                continue
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world_size)]
