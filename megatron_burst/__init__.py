@@ -3,12 +3,14 @@
 Public API (functional, usable without Megatron):
   layout_indices, shard, unshard          -- sequence layouts (contiguous, zigzag, striped)
   cp_attention                            -- context-parallel attention (ring, burst, auto)
+  build_cp_topology                       -- intra/inter-node rings for the topology-aware double ring
   comm_counter                            -- byte accounting of every CP transfer
 Megatron integration: megatron_burst.specs, megatron_burst.add_args, get_batch_on_this_cp_rank.
 """
 from megatron_burst.layout import LAYOUTS, layout_indices, shard, unshard
 from megatron_burst.comm import comm_counter
 from megatron_burst.algorithms import CP_ALGOS, cp_attention
+from megatron_burst.topology import build_cp_topology
 
 __version__ = "0.1.0"
 
@@ -24,5 +26,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'megatron_burst' has no attribute {name!r}")
 
 
-__all__ = ["LAYOUTS", "CP_ALGOS", "layout_indices", "shard", "unshard", "cp_attention", "comm_counter",
+__all__ = ["LAYOUTS", "CP_ALGOS", "layout_indices", "shard", "unshard", "cp_attention", "build_cp_topology", "comm_counter",
            "add_args", "get_batch_on_this_cp_rank"]

@@ -32,9 +32,13 @@ def reference_attention(q, k, v, dout, causal, scale):
 
 
 def run_case(algo, layout, causal, heads, local_len=6, b=2, d=8, dtype=torch.float32, stripe=1, seed=0,
-             kernel=None, group=None):
-    """Errors (max abs) of cp_attention vs the reference for one configuration, on this rank."""
-    W, r = dist.get_world_size(group), dist.get_rank(group)
+             kernel=None, group=None, ring=None):
+    """Errors (max abs) of cp_attention vs the reference for one configuration, on this rank.
+
+    ``group`` may be a process group or a CPTopology (then ``ring`` picks flat/double).
+    """
+    pg = group.group if isinstance(group, mb.topology.CPTopology) else group
+    W, r = dist.get_world_size(pg), dist.get_rank(pg)
     hq, hkv = HEADS[heads] if isinstance(heads, str) else heads
     seq = local_len * W
     q, k, v, dout = full_inputs(seq, b, hq, hkv, d, dtype, seed)
@@ -44,13 +48,15 @@ def run_case(algo, layout, causal, heads, local_len=6, b=2, d=8, dtype=torch.flo
     ql, kl, vl = (sh(t).clone().requires_grad_() for t in (q, k, v))
     with mb.comm_counter() as counter:
         out = mb.cp_attention(ql, kl, vl, group=group, algo=algo, layout=layout, causal=causal,
-                              softmax_scale=scale, kernel=kernel, stripe=stripe)
+                              softmax_scale=scale, kernel=kernel, stripe=stripe, ring=ring)
         out.backward(sh(dout))
     got = (out, ql.grad, kl.grad, vl.grad)
     errs = {name: (g.float() - sh(e)).abs().max().item() for name, g, e in zip(("out", "dq", "dk", "dv"), got, ref)}
     errs["scale"] = max(sh(e).abs().max().item() for e in ref)
     errs["bytes"] = {p: counter.bytes("sent", phase=p) for p in ("forward", "backward")}
     errs["received"] = counter.bytes("received")
+    errs["links"] = {(p, l): counter.bytes("sent", phase=p, link=l) for p in ("forward", "backward")
+                     for l in ("intra", "inter")}
     return errs
 
 

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from megatron_burst.algorithms import burst, ring
 from megatron_burst.algorithms.schedule import RingPlan
-from megatron_burst.comm import RingComm
 from megatron_burst.layout import check_layout, check_local_len
+from megatron_burst.topology import RING_SHAPES, CPTopology, single_node_topology
 
 CP_ALGOS = ("ring", "burst", "auto")
 QKV_FORMATS = ("sbhd", "bshd")
@@ -59,12 +59,6 @@ class _CPAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def _group_geometry(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 0, 1  # plain single-process use
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: int, algo: str, layout: str,
              qkv_format: str, stripe: int, dropout_p: float, attn_bias: Optional[torch.Tensor]) -> None:
     """Raise ValueError for anything cp_attention cannot do. Local checks only: safe before collectives."""
@@ -100,8 +94,9 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: i
     check_local_len(local_len, world_size, layout, stripe)
 
 
-def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Optional[dist.ProcessGroup] = None,
-                 algo: str = "burst", layout: str = "zigzag", causal: bool = True,
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                 group: Optional[dist.ProcessGroup | CPTopology] = None,
+                 algo: str = "burst", layout: str = "zigzag", causal: bool = True, ring: Optional[str] = None,
                  softmax_scale: Optional[float] = None, qkv_format: str = "sbhd", stripe: int = 1,
                  dropout_p: float = 0.0, attn_bias: Optional[torch.Tensor] = None,
                  kernel: Optional[str] = None) -> torch.Tensor:
@@ -110,10 +105,19 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Op
     q [s, b, hq, d], k/v [s, b, hkv, d] (``qkv_format="sbhd"``, Megatron's; or [b, s, h, d] for
     "bshd") hold this rank's s local tokens in ``layout``'s order (see megatron_burst.layout).
     Returns this rank's output, same shape and dtype as q. Differentiable; gradients are exact.
-    ``group`` None means the default process group (or a single process if none is initialized).
+    ``group`` None means the default process group (or a single process if none is initialized);
+    a :class:`CPTopology` from ``build_cp_topology`` makes the ring topology-aware: ``ring="double"``
+    (the default when it spans several nodes) runs intra-node rings inside an inter-node ring, and
+    ``ring="flat"`` one ring whose bytes are still classed intra/inter.
     ``kernel`` forces a local attention backend (megatron_burst.kernels.BACKENDS).
     """
-    rank, world_size = _group_geometry(group)
+    topo = group if isinstance(group, CPTopology) else single_node_topology(group)
+    ring = ring or topo.default_ring
+    if ring not in RING_SHAPES:
+        raise ValueError(f"unknown ring {ring!r}: choose one of {', '.join(RING_SHAPES)}")
+    if ring == "double" and topo.num_nodes == 1 and not isinstance(group, CPTopology):
+        raise ValueError("ring='double' needs group=megatron_burst.build_cp_topology(cp_group, ranks_per_node)")
+    world_size = topo.world_size
     validate(q, k, v, world_size=world_size, algo=algo, layout=layout, qkv_format=qkv_format, stripe=stripe,
              dropout_p=dropout_p, attn_bias=attn_bias)
     perm = (1, 2, 0, 3) if qkv_format == "sbhd" else (0, 2, 1, 3)  # to [b, h, s, d]
@@ -121,8 +125,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Op
     b, hq, n, d = qh.shape
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     backward_algo = resolve_algo(algo, b, hq, kh.shape[1], n, d, q.element_size(), world_size)
-    comm = RingComm(group) if world_size > 1 else None
-    plan = RingPlan(comm, rank, world_size, layout, stripe, causal, scale, kernel)
+    plan = RingPlan(topo, ring, layout, stripe, causal, scale, kernel)
     out = _CPAttention.apply(qh, kh, vh, plan, backward_algo)
     inverse = (2, 0, 1, 3) if qkv_format == "sbhd" else (0, 2, 1, 3)
     return out.permute(*inverse)

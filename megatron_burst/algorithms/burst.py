@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_burst.algorithms.schedule import RingPlan, ring_pass
+from megatron_burst.algorithms.schedule import RingPlan, cp_ring_pass
 from megatron_burst.kernels import block_backward
 from megatron_burst.layout import block_mask
 
@@ -39,7 +39,7 @@ def burst_backward(dout, q, k, v, D, lse, plan: RingPlan):
         return dq
 
     travel = [torch.stack([q, dout.to(q.dtype)]), torch.stack([D, lse])]
-    dq = ring_pass(plan, travel, visit, "backward", grad_like=dq_like)
+    dq = cp_ring_pass(plan, travel, visit, "backward", grad_like=dq_like)
     return dq, dk, dv
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_burst.algorithms.schedule import RingPlan, ring_pass
+from megatron_burst.algorithms.schedule import RingPlan, cp_ring_pass
 from megatron_burst.kernels import block_backward, block_forward, merge_into
 from megatron_burst.layout import block_mask
 
@@ -30,7 +30,7 @@ def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Rin
             o, l = block_forward(q, kv[0], kv[1], mask, plan.scale, plan.kernel)
             merge_into(out[:, :, mask.q_slice], lse[:, :, mask.q_slice], o, l)
 
-    ring_pass(plan, [torch.stack([k, v])], lambda owner, t: visit(owner, t[0]), "forward")
+    cp_ring_pass(plan, [torch.stack([k, v])], lambda owner, t: visit(owner, t[0]), "forward")
     return out.to(q.dtype), lse
 
 
@@ -51,7 +51,7 @@ def ring_backward(dout, q, k, v, D, lse, plan: RingPlan):
             dkv[1][:, :, mask.kv_slice] += dvb
         return dkv
 
-    dkv = ring_pass(plan, [torch.stack([k, v])], visit, "backward", grad_like=dkv_like)
+    dkv = cp_ring_pass(plan, [torch.stack([k, v])], visit, "backward", grad_like=dkv_like)
     return dq, dkv[0], dkv[1]
 
 

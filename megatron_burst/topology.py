@@ -1,0 +1,133 @@
+"""CP topology: which CP ranks share a node, and the rings and communicators built from that.
+
+The CP group's ranks are taken node-major: CP rank g sits on node g // R (R = ranks per node) at
+local index g % R, which is how launchers number ranks and how Megatron lays out CP groups inside
+a node when CP <= GPUs per node. From that:
+
+* ``flat``: one ring over all CP ranks; a hop is "inter" when it crosses a node boundary.
+* ``inner``: the ring of the R ranks of this node (intra-node links only).
+* ``outer``: the ring of the ranks with this local index on every node (inter-node links only).
+
+Activations and gradients get separate communicators on the inner and outer rings (a second
+process group of the same ranks), so on NCCL the two rings proceed on separate streams; on gloo the
+messages are additionally told apart by tag.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from megatron_burst.comm import RingComm
+
+RING_SHAPES = ("flat", "double")
+
+
+@dataclass
+class Ring:
+    """A ring of ranks with one communicator for activations and one for gradients."""
+
+    act: RingComm
+    grad: RingComm
+
+    @property
+    def size(self) -> int:
+        return len(self.act.ring)
+
+    @property
+    def pos(self) -> int:
+        return self.act.pos
+
+
+@dataclass
+class CPTopology:
+    """This rank's view of the CP group split into nodes (see module docstring)."""
+
+    group: Optional[dist.ProcessGroup]
+    rank: int
+    world_size: int
+    ranks_per_node: int
+    flat: Optional[Ring]
+    inner: Optional[Ring] = None
+    outer: Optional[Ring] = None
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    def node_of(self, cp_rank: int) -> int:
+        return cp_rank // self.ranks_per_node
+
+    def link_of(self, cp_rank: int) -> str:
+        return "intra" if self.node_of(cp_rank) == self.node_of(self.rank) else "inter"
+
+    @property
+    def default_ring(self) -> str:
+        return "double" if self.num_nodes > 1 else "flat"
+
+
+def check_ranks_per_node(world_size: int, ranks_per_node: int) -> None:
+    if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int")
+    if world_size % ranks_per_node:
+        raise ValueError(f"CP size {world_size} is not divisible by ranks_per_node={ranks_per_node}: set "
+                         f"--cp-ranks-per-node to a divisor of the context-parallel size")
+
+
+def single_node_topology(group: Optional[dist.ProcessGroup]) -> CPTopology:
+    """Topology of a plain CP group: one node, a flat ring, no new communicators (no collective)."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return CPTopology(None, 0, 1, 1, None)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ring = None
+    if world > 1:
+        comm = RingComm(group)
+        ring = Ring(comm, comm)
+    return CPTopology(group, rank, world, world, ring)
+
+
+def build_cp_topology(cp_group: Optional[dist.ProcessGroup], ranks_per_node: int) -> CPTopology:
+    """Split ``cp_group`` into nodes of ``ranks_per_node`` ranks and build the rings' communicators.
+
+    Collective over the default (world) group: every rank of the job must call it, once, with the
+    same ``ranks_per_node`` (creating process groups is a world-wide operation in torch.distributed).
+    Raises ValueError before any collective if the CP size is not divisible by ``ranks_per_node``.
+    """
+    world = dist.get_world_size(cp_group)
+    check_ranks_per_node(world, ranks_per_node)
+    rank = dist.get_rank(cp_group)
+    # Every rank learns every CP group (as global ranks), so all create the same groups in order.
+    mine = [dist.get_global_rank(cp_group, r) if cp_group is not None else r for r in range(world)]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (mine, ranks_per_node))
+    settings = {tuple(m) for m, _ in everyone}
+    if len({len(m) for m in settings}) != 1 or len({r for _, r in everyone}) != 1:
+        raise ValueError(f"build_cp_topology needs equal CP sizes and the same ranks_per_node on every rank; "
+                         f"got CP groups {sorted(settings)} and ranks_per_node {sorted({r for _, r in everyone})}")
+    R, nodes = ranks_per_node, world // ranks_per_node
+    node, local = divmod(rank, R)
+    inner_groups: dict[str, dist.ProcessGroup] = {}
+    outer_groups: dict[str, dist.ProcessGroup] = {}
+    for ranks in sorted(settings):
+        for n in range(nodes):
+            members = list(ranks[n * R:(n + 1) * R])
+            for purpose in ("act", "grad"):
+                g = dist.new_group(members)
+                if tuple(ranks) == tuple(mine) and n == node:
+                    inner_groups[purpose] = g
+        for l in range(R):
+            members = list(ranks[l::R])
+            for purpose in ("act", "grad"):
+                g = dist.new_group(members)
+                if tuple(ranks) == tuple(mine) and l == local:
+                    outer_groups[purpose] = g
+    topo = CPTopology(cp_group, rank, world, R, None)
+    if world > 1:
+        flat = RingComm(cp_group, link_of=topo.link_of)
+        topo.flat = Ring(flat, flat)
+    if R > 1:
+        topo.inner = Ring(*(RingComm(inner_groups[p], link_of=lambda peer: "intra") for p in ("act", "grad")))
+    if nodes > 1:
+        topo.outer = Ring(*(RingComm(outer_groups[p], link_of=lambda peer: "inter") for p in ("act", "grad")))
+    return topo

@@ -1,0 +1,24 @@
+"""pytest setup: make `harness` and `megatron_burst` importable; stop rank pools at session end."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+_REPO_ROOT = os.path.dirname(_TESTS_DIR)
+
+# Test modules import each other as plain modules (`from harness import run_ranks`); the harness
+# workers get this sys.path too, so functions defined in test modules unpickle there.
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+# Use the source tree when the package is not installed (find_spec does not import it).
+if importlib.util.find_spec("megatron_burst") is None:
+    sys.path.insert(0, _REPO_ROOT)
+
+import harness  # noqa: E402  (needs the sys.path entry above)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Workers (and the forkserver) exit before pytest reports, leaving no orphan processes."""
+    harness.shutdown_pools(stop_forkserver=True)

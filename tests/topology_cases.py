@@ -1,0 +1,42 @@
+"""Rank-side bodies of the topology tests: double vs flat rings on an emulated node split."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+import megatron_burst as mb
+from attention_cases import HEADS, run_case
+
+_TOPOLOGIES: dict[int, "mb.topology.CPTopology"] = {}
+
+
+def topology(ranks_per_node: int):
+    """One topology per worker process and split (building one creates process groups)."""
+    if ranks_per_node not in _TOPOLOGIES:
+        _TOPOLOGIES[ranks_per_node] = mb.build_cp_topology(None, ranks_per_node)
+    return _TOPOLOGIES[ranks_per_node]
+
+
+def run_topology_matrix(ranks_per_node: int, ring: str, algo: str, layouts=("contiguous", "zigzag", "striped"),
+                        heads=("mha", "gqa4")):
+    topo = topology(ranks_per_node)
+    out = {}
+    for layout in layouts:
+        for causal in (True, False):
+            for h in heads:
+                out[(layout, causal, h)] = run_case(algo, layout, causal, h, group=topo, ring=ring)
+    return out
+
+
+def link_bytes(ranks_per_node: int, ring: str, algo: str):
+    topo = topology(ranks_per_node)
+    errs = run_case(algo, "zigzag", True, "mha", group=topo, ring=ring)
+    return errs["links"], topo.rank, topo.ranks_per_node
+
+
+def construction_error(ranks_per_node):
+    try:
+        mb.build_cp_topology(None, ranks_per_node)
+    except ValueError as e:
+        t = dist.get_world_size()  # still usable afterwards
+        return str(e)
+    return None
