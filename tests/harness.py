@@ -119,7 +119,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: mp_connection.Conn
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _start_orphan_watchdog()
     # The parent sends SIGUSR1 to a hung worker to get its Python stacks for the error message.
-    stack_file = open(stack_path, "w")  # noqa: SIM115 - must stay open for faulthandler
+    stack_file = open(stack_path, "w")  # stays open: faulthandler writes to it on SIGUSR1
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),

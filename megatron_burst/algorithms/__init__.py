@@ -5,8 +5,9 @@ Algorithms differ in their backward (the forward always circulates K,V):
 
 * ``ring``: K,V,dK,dV circulate (TransformerEngine's p2p scheme).
 * ``burst``: Q,dO,D,lse,dQ circulate (BurstAttention).
-* ``auto``: per call shape and dtype, whichever backward sends fewer bytes. For multi-head attention
-  that is burst; with GQA at hq/hkv >= 2 (and at 4/3 <= ratio in fp32) ring is cheaper.
+* ``auto``: per call shape, dtype and topology, the backward the cost model (megatron_burst.plan)
+  predicts faster, which is the one sending fewer bytes. For multi-head attention that is burst;
+  with GQA at hq/hkv >= 2 ring is cheaper (in bf16 already from hq/hkv > 1.5, in fp32 > 4/3).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from megatron_burst.algorithms import burst, ring
 from megatron_burst.algorithms.schedule import RingPlan
 from megatron_burst.layout import check_layout, check_local_len
+from megatron_burst.plan import AttnShape, Cluster, choose_backward
 from megatron_burst.topology import RING_SHAPES, CPTopology, single_node_topology
 
 CP_ALGOS = ("ring", "burst", "auto")
@@ -28,17 +30,23 @@ _BACKWARD = {"ring": ring.ring_backward, "burst": burst.burst_backward}
 _BACKWARD_BYTES = {"ring": ring.backward_bytes, "burst": burst.backward_bytes}
 
 
-def backward_bytes(algo: str, b: int, hq: int, hkv: int, n: int, d: int, elem: int, world_size: int) -> int:
-    """Bytes one rank sends in ``algo``'s backward for n local tokens (see each algorithm's docstring)."""
-    return _BACKWARD_BYTES[resolve_algo(algo, b, hq, hkv, n, d, elem, world_size)](b, hq, hkv, n, d, elem, world_size)
-
-
-def resolve_algo(algo: str, b: int, hq: int, hkv: int, n: int, d: int, elem: int, world_size: int) -> str:
-    """``auto`` -> the backward scheme that sends fewer bytes for this shape (ties go to burst)."""
+def resolve_algo(algo: str, b: int, hq: int, hkv: int, n: int, d: int, elem: int, world_size: int,
+                 nodes: int = 1, ring: str = "flat", causal: bool = True) -> str:
+    """``auto`` -> the backward scheme the cost model (megatron_burst.plan) predicts faster on this
+    topology and ring; with equal hop counts for both schemes that is the one sending fewer bytes."""
     if algo != "auto":
         return algo
-    args = (b, hq, hkv, n, d, elem, world_size)
-    return "ring" if ring.backward_bytes(*args) < burst.backward_bytes(*args) else "burst"
+    if world_size == 1:
+        return "burst"
+    cluster = Cluster(nodes=nodes, gpus_per_node=world_size // nodes)
+    shape = AttnShape(seq=n * world_size, heads=hq, kv_heads=hkv, head_dim=d, batch=b, elem=elem, causal=causal)
+    return choose_backward(cluster, shape, ring if nodes > 1 else "flat")
+
+
+def backward_bytes(algo: str, b: int, hq: int, hkv: int, n: int, d: int, elem: int, world_size: int) -> int:
+    """Bytes one rank sends in ``algo``'s backward for n local tokens (see each algorithm's docstring)."""
+    scheme = resolve_algo(algo, b, hq, hkv, n, d, elem, world_size)
+    return _BACKWARD_BYTES[scheme](b, hq, hkv, n, d, elem, world_size)
 
 
 class _CPAttention(torch.autograd.Function):
@@ -124,7 +132,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     qh, kh, vh = (t.permute(*perm) for t in (q, k, v))
     b, hq, n, d = qh.shape
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    backward_algo = resolve_algo(algo, b, hq, kh.shape[1], n, d, q.element_size(), world_size)
+    backward_algo = resolve_algo(algo, b, hq, kh.shape[1], n, d, q.element_size(), world_size,
+                                 nodes=topo.num_nodes, ring=ring, causal=causal)
     plan = RingPlan(topo, ring, layout, stripe, causal, scale, kernel)
     out = _CPAttention.apply(qh, kh, vh, plan, backward_algo)
     inverse = (2, 0, 1, 3) if qkv_format == "sbhd" else (0, 2, 1, 3)

@@ -1,0 +1,209 @@
+"""Communication/compute cost model for CP attention, and the planner CLI.
+
+    python -m megatron_burst.plan --nodes 4 --gpus-per-node 8 --intra-gbps 3200 --inter-gbps 200 \
+        --seq 1M --heads 40 --kv-heads 40 --head-dim 128 --layers 40
+
+Two levels:
+
+* :func:`table1` is BurstEngine's Table 1 as printed (communication time of one layer's forward +
+  backward for RingAttention, DoubleRing and BurstAttention), with T = latency + P / bandwidth.
+* :func:`predict` is our per-layer model of what this package runs, per rank: exact hop counts of
+  the flat and double rings (W-1 hops; on a double ring N_nodes*(R-1) intra and N_nodes-1 inter),
+  the bytes of each backward scheme with GQA (ring's K,V,dK,dV carry hkv heads, burst's Q,dO,dQ,
+  D,lse carry hq heads; gradients travel in fp32), inter-node transfers hidden behind the inner ring,
+  and compute from FLOPs at a given throughput, overlapped with communication.
+
+``algo="auto"`` in cp_attention uses :func:`choose_backward` with the run's shape and topology.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+ALGO_VARIANTS = {
+    # name: (backward scheme, ring shape)
+    "ring/flat": ("ring", "flat"),
+    "burst/flat": ("burst", "flat"),
+    "ring/double": ("ring", "double"),
+    "burst/double": ("burst", "double"),
+}
+
+# Defaults: the paper's A800 cluster (400 GB/s NVLink per GPU, one 200 Gb/s HDR NIC per GPU).
+DEFAULT_INTRA_GBPS = 3200.0
+DEFAULT_INTER_GBPS = 200.0
+DEFAULT_INTRA_LAT_US = 5.0
+DEFAULT_INTER_LAT_US = 10.0
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    intra_gbps: float = DEFAULT_INTRA_GBPS
+    inter_gbps: float = DEFAULT_INTER_GBPS
+    intra_lat_us: float = DEFAULT_INTRA_LAT_US
+    inter_lat_us: float = DEFAULT_INTER_LAT_US
+    tflops: float = 200.0  # sustained attention throughput per GPU
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def hop(self, nbytes: float, link: str) -> float:
+        """Seconds for one point-to-point transfer of ``nbytes`` over an intra/inter link."""
+        if link == "intra":
+            return self.intra_lat_us * 1e-6 + nbytes * 8 / (self.intra_gbps * 1e9)
+        return self.inter_lat_us * 1e-6 + nbytes * 8 / (self.inter_gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    seq: int  # global tokens
+    heads: int
+    kv_heads: int
+    head_dim: int
+    batch: int = 1
+    elem: int = 2  # bytes per activation element (bf16)
+    causal: bool = True
+
+
+def table1(world: int, nodes: int, t_intra: float, t_inter: float) -> dict[str, float]:
+    """BurstEngine Table 1, literally: N = total GPUs, T = one transfer of a tensor slice."""
+    n, ni = world, nodes
+    return {
+        "RingAttention": 6 * max(n * t_intra, n * t_inter),
+        "DoubleRing": 4 * max((n - ni) * t_intra, ni * t_inter) + 2 * ((n - ni) * t_intra + ni * t_inter),
+        "BurstAttention": 5 * max((n - ni) * t_intra, ni * t_inter),
+    }
+
+
+def hop_bytes(shape: AttnShape, world: int) -> dict[str, int]:
+    """Bytes of one ring hop per tensor group, for n = seq / world local tokens."""
+    n = shape.seq // world
+    b, hq, hkv, d, e = shape.batch, shape.heads, shape.kv_heads, shape.head_dim, shape.elem
+    return {
+        "forward": 2 * b * n * hkv * d * e,  # K, V
+        "ring_act": 2 * b * n * hkv * d * e,  # K, V again in the backward
+        "ring_grad": 2 * b * n * hkv * d * 4,  # dK, dV in fp32
+        "burst_act": 2 * b * n * hq * d * e + 2 * b * n * hq * 4,  # Q, dO + D, lse
+        "burst_grad": b * n * hq * d * 4,  # dQ in fp32
+    }
+
+
+def pass_time(cluster: Cluster, nbytes: float, ring: str) -> float:
+    """Seconds for one block to visit every rank (the communication of one ring pass)."""
+    W, N, R = cluster.world, cluster.nodes, cluster.gpus_per_node
+    if W == 1:
+        return 0.0
+    intra = cluster.hop(nbytes, "intra")
+    if N == 1:
+        return (W - 1) * intra
+    inter = cluster.hop(nbytes, "inter")
+    if ring == "flat":  # every step waits for the slowest hop of the ring
+        return (W - 1) * max(intra, inter)
+    # double: each inter-node transfer hides behind one whole inner ring; the last inner ring has none
+    return (N - 1) * max((R - 1) * intra, inter) + (R - 1) * intra
+
+
+def attention_flops(shape: AttnShape) -> tuple[float, float]:
+    """Global (forward, backward) attention FLOPs of one layer (backward = 2.5 x forward: 5 vs 2 matmuls)."""
+    fwd = 4.0 * shape.batch * shape.seq ** 2 * shape.heads * shape.head_dim * (0.5 if shape.causal else 1.0)
+    return fwd, 2.5 * fwd
+
+
+def predict(cluster: Cluster, shape: AttnShape) -> dict[str, dict[str, float]]:
+    """Per-layer, per-rank predicted seconds for every variant: comm and compute, forward/backward."""
+    hb = hop_bytes(shape, cluster.world)
+    fwd_flops, bwd_flops = attention_flops(shape)
+    comp_f = fwd_flops / cluster.world / (cluster.tflops * 1e12)
+    comp_b = bwd_flops / cluster.world / (cluster.tflops * 1e12)
+    out = {}
+    for name, (scheme, ring) in ALGO_VARIANTS.items():
+        comm_f = pass_time(cluster, hb["forward"], ring)
+        act = pass_time(cluster, hb[f"{scheme}_act"], ring)
+        grad = pass_time(cluster, hb[f"{scheme}_grad"], ring)
+        # activations and gradients go to the same neighbour over the same link: their times add
+        # (separate communicators let both overlap compute, not share one link's bandwidth twice)
+        comm_b = act + grad
+        out[name] = {
+            "fwd_comm": comm_f, "bwd_comm": comm_b, "fwd_compute": comp_f, "bwd_compute": comp_b,
+            "fwd_comm_bytes": hb["forward"] * (cluster.world - 1),
+            "bwd_comm_bytes": (hb[f"{scheme}_act"] + hb[f"{scheme}_grad"]) * (cluster.world - 1),
+            "total": max(comm_f, comp_f) + max(comm_b, comp_b),
+        }
+    return out
+
+
+def choose_backward(cluster: Cluster, shape: AttnShape, ring: str) -> str:
+    """The backward scheme ("ring" or "burst") with the lower predicted backward time on ``ring``.
+
+    Ties (e.g. compute-bound) go to the scheme that sends fewer bytes; then to burst.
+    """
+    pred = predict(cluster, shape)
+    r, b = pred[f"ring/{ring}"], pred[f"burst/{ring}"]
+    key = lambda p: (round(p["bwd_comm"], 12), p["bwd_comm_bytes"])  # noqa: E731
+    return "ring" if key(r) < key(b) else "burst"
+
+
+def rank_key(p: dict[str, float]) -> tuple[float, float]:
+    """Order variants by predicted time, then (when compute hides all of it) by communication time:
+    the variant with less communication keeps more slack for the rest of the step."""
+    return (round(p["total"], 9), p["fwd_comm"] + p["bwd_comm"])
+
+
+def recommend(cluster: Cluster, shape: AttnShape) -> str:
+    """The best variant name in ALGO_VARIANTS, e.g. "burst/double"."""
+    pred = predict(cluster, shape)
+    return min(pred, key=lambda k: rank_key(pred[k]))
+
+
+def _parse_count(text: str) -> int:
+    """'1M' -> 1048576, '128K' -> 131072, '4096' -> 4096."""
+    mult = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
+    t = text.strip().upper()
+    return int(float(t[:-1]) * mult[t[-1]]) if t[-1] in mult else int(t)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m megatron_burst.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--intra-gbps", type=float, default=DEFAULT_INTRA_GBPS, help="per-GPU intra-node Gbit/s")
+    p.add_argument("--inter-gbps", type=float, default=DEFAULT_INTER_GBPS, help="per-GPU inter-node Gbit/s")
+    p.add_argument("--intra-lat-us", type=float, default=DEFAULT_INTRA_LAT_US)
+    p.add_argument("--inter-lat-us", type=float, default=DEFAULT_INTER_LAT_US)
+    p.add_argument("--tflops", type=float, default=200.0, help="sustained attention TFLOP/s per GPU")
+    p.add_argument("--seq", type=_parse_count, required=True, help="global sequence length, e.g. 1M")
+    p.add_argument("--heads", type=int, required=True)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype-bytes", type=int, default=2)
+    p.add_argument("--full", action="store_true", help="no causal mask")
+    a = p.parse_args(argv)
+    cluster = Cluster(a.nodes, a.gpus_per_node, a.intra_gbps, a.inter_gbps, a.intra_lat_us, a.inter_lat_us, a.tflops)
+    shape = AttnShape(a.seq, a.heads, a.kv_heads or a.heads, a.head_dim, a.batch, a.dtype_bytes, not a.full)
+    if shape.seq % cluster.world:
+        raise SystemExit(f"--seq {shape.seq} is not divisible by {cluster.world} GPUs")
+    pred = predict(cluster, shape)
+    print(f"# {a.nodes} nodes x {a.gpus_per_node} GPUs, intra {a.intra_gbps:g} Gb/s, inter {a.inter_gbps:g} Gb/s; "
+          f"seq {shape.seq}, heads {shape.heads}/{shape.kv_heads} kv, head dim {shape.head_dim}, "
+          f"{a.layers} layers; times per layer in ms (x{a.layers} for the model)")
+    print("| variant | fwd comm | fwd compute | bwd comm | bwd compute | fwd+bwd (overlapped) | model s |")
+    print("|---|---|---|---|---|---|---|")
+    for name, v in sorted(pred.items(), key=lambda kv: rank_key(kv[1])):
+        print(f"| {name} | {v['fwd_comm'] * 1e3:.1f} | {v['fwd_compute'] * 1e3:.1f} | {v['bwd_comm'] * 1e3:.1f} | "
+              f"{v['bwd_compute'] * 1e3:.1f} | {v['total'] * 1e3:.1f} | {v['total'] * a.layers:.2f} |")
+    hb = hop_bytes(shape, cluster.world)
+    t1 = table1(cluster.world, cluster.nodes, cluster.hop(hb["forward"] / 2, "intra"), cluster.hop(hb["forward"] / 2, "inter"))
+    print("\nBurstEngine Table 1 (P = one K slice):", ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t1.items()))
+    best = recommend(cluster, shape)
+    scheme, ring = ALGO_VARIANTS[best]
+    print(f"\nrecommendation: --cp-algo {scheme} --cp-ring {ring}"
+          f" (backward by bytes/time on that ring: {choose_backward(cluster, shape, ring)})")
+
+
+if __name__ == "__main__":
+    main()
