@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import defaultdict
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -27,13 +28,21 @@ DIRECTIONS = ("sent", "received")
 
 
 class CommCounter:
-    """Bytes moved by this rank, keyed by (direction, phase, link)."""
+    """Bytes moved by this rank, keyed by (direction, phase, link), and seconds spent waiting on them."""
 
     def __init__(self) -> None:
         self._bytes: dict[tuple[str, str, str], int] = defaultdict(int)
+        self._wait: dict[tuple[str, str], float] = defaultdict(float)
 
     def record(self, direction: str, phase: str, link: str, nbytes: int) -> None:
         self._bytes[(direction, phase, link)] += int(nbytes)
+
+    def record_wait(self, phase: str, link: str, seconds: float) -> None:
+        self._wait[(phase, link)] += seconds
+
+    def wait_seconds(self, phase: Optional[str] = None, link: Optional[str] = None) -> float:
+        """Seconds this rank was blocked waiting for transfers (the part compute did not hide)."""
+        return sum(v for (p, l), v in self._wait.items() if (phase is None or p == phase) and (link is None or l == link))
 
     def bytes(self, direction: str = "sent", phase: Optional[str] = None, link: Optional[str] = None) -> int:
         """Total bytes for ``direction`` in {"sent", "received"}; ``phase``/``link`` None = all."""
@@ -48,6 +57,7 @@ class CommCounter:
 
     def reset(self) -> None:
         self._bytes.clear()
+        self._wait.clear()
 
     def as_dict(self) -> dict[str, int]:
         return {f"{d}/{p}/{l}": v for (d, p, l), v in sorted(self._bytes.items())}
@@ -76,6 +86,11 @@ def comm_counter() -> Iterator[CommCounter]:
 def record(direction: str, phase: str, link: str, nbytes: int) -> None:
     for c in _counters():
         c.record(direction, phase, link, nbytes)
+
+
+def record_wait(phase: str, link: str, seconds: float) -> None:
+    for c in _counters():
+        c.record_wait(phase, link, seconds)
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -121,14 +136,18 @@ class RingComm:
         send_to = self.next if send_to is None else send_to
         recv_from = self.prev if recv_from is None else recv_from
         ops = []
+        links = set()
         for t in send:
             ops.append(dist.P2POp(dist.isend, t, self._global(send_to), self.group, tag=stream))
             record("sent", phase, self._link_of(send_to), nbytes(t))
+            links.add(self._link_of(send_to))
         for t in recv:
             ops.append(dist.P2POp(dist.irecv, t, self._global(recv_from), self.group, tag=stream))
             record("received", phase, self._link_of(recv_from), nbytes(t))
+            links.add(self._link_of(recv_from))
         reqs = dist.batch_isend_irecv(ops) if ops else []
-        return PendingExchange(reqs, list(recv))
+        # a wait is charged to the slower link class involved
+        return PendingExchange(reqs, list(recv), phase, "inter" if "inter" in links else "intra")
 
     def send_to_next(self, tensors: Sequence[torch.Tensor], phase: str, stream: int = 0) -> "PendingExchange":
         """Send ``tensors`` to the next rank and receive same-shaped buffers from the previous one."""
@@ -147,12 +166,16 @@ class RingComm:
 class PendingExchange:
     """Handle of posted P2P operations; ``wait()`` returns the receive buffers once filled."""
 
-    def __init__(self, reqs: list, recv: list[torch.Tensor]) -> None:
+    def __init__(self, reqs: list, recv: list[torch.Tensor], phase: str = "forward", link: str = "intra") -> None:
         self._reqs = reqs
         self._recv = recv
+        self._phase, self._link = phase, link
 
     def wait(self) -> list[torch.Tensor]:
-        for r in self._reqs:
-            r.wait()
+        if self._reqs:
+            start = time.perf_counter()
+            for r in self._reqs:
+                r.wait()
+            record_wait(self._phase, self._link, time.perf_counter() - start)
         self._reqs = []
         return self._recv

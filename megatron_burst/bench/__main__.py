@@ -1,8 +1,12 @@
-"""``python -m megatron_burst.bench <name> [options]``: attention | kernels."""
+"""``python -m megatron_burst.bench <name> [options]``: attention | kernels | multinode."""
 import importlib
 import sys
 
-BENCHES = {"attention": "megatron_burst.bench.attention", "kernels": "megatron_burst.bench.kernels"}
+BENCHES = {
+    "attention": "megatron_burst.bench.attention",
+    "kernels": "megatron_burst.bench.kernels",
+    "multinode": "megatron_burst.bench.multinode",
+}
 
 
 def main() -> None:
