@@ -19,19 +19,19 @@ needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None
 
 @needs_netns
 def test_nodes_are_linked_rate_limited_and_removed_on_error():
-    nodes = EmulatedNodes(2, inter_mbit=50, intra_mbit=500, subnet_id=7)
+    nodes = EmulatedNodes(2, inter_mbit=50, intra_mbit=500, subnet_id=7, nics=2)
     with pytest.raises(RuntimeError, match="boom"):
         with nodes:
             assert nodes.exists()
-            # node 0 reaches node 1 over the bridge (TCP round trip)
+            # node 0 reaches node 1 over rail 1 (TCP round trip)
             server = subprocess.Popen(nodes.exec_prefix(1) + [sys.executable, "-c", SERVER])
             try:
-                client = subprocess.run(nodes.exec_prefix(0) + [sys.executable, "-c", CLIENT % nodes.address(1)],
+                client = subprocess.run(nodes.exec_prefix(0) + [sys.executable, "-c", CLIENT % nodes.address(1, 1)],
                                         capture_output=True, text=True, timeout=30)
                 assert client.stdout.strip() == "pong", client.stderr
             finally:
                 server.kill()
-            qdisc = subprocess.run(nodes.exec_prefix(1) + ["tc", "qdisc", "show", "dev", nodes.iface],
+            qdisc = subprocess.run(nodes.exec_prefix(1) + ["tc", "qdisc", "show", "dev", nodes.iface(1)],
                                    capture_output=True, text=True).stdout
             assert "tbf" in qdisc and "50Mbit" in qdisc
             lo = subprocess.run(nodes.exec_prefix(1) + ["tc", "qdisc", "show", "dev", "lo"],
@@ -39,7 +39,8 @@ def test_nodes_are_linked_rate_limited_and_removed_on_error():
             assert "500Mbit" in lo
             raise RuntimeError("boom")
     assert not nodes.exists()
-    assert nodes.bridge not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+    assert not any(b in links for b in nodes.bridges)
 
 
 def test_missing_privileges_are_explained(monkeypatch):
