@@ -127,6 +127,21 @@ class BlockMask:
     def kv_slice(self) -> slice:
         return slice(self.kv_start, self.kv_stop)
 
+    def clip_rows(self, rows: int) -> "BlockMask":
+        """The same block restricted to q rows [0, rows) (columns no row there sees are dropped too)."""
+        if self.kind == "empty" or rows >= self.q_stop:
+            return self
+        if rows <= self.q_start:
+            return BlockMask("empty")
+        height = rows - self.q_start
+        if self.kind == "causal":  # rows [0, h) of a causal rectangle see columns [0, h): stays square
+            kv_stop = min(self.kv_stop, self.kv_start + height)
+        elif self.kind == "block_causal":
+            kv_stop = min(self.kv_stop, self.kv_start + ((height - 1) // self.block + 1) * self.block)
+        else:
+            kv_stop = self.kv_stop
+        return BlockMask(self.kind, self.q_start, rows, self.kv_start, kv_stop, self.block)
+
     def dense(self, q_len: int, kv_len: int) -> torch.Tensor:
         """Boolean [q_len, kv_len] visibility matrix (tests and fallback kernels)."""
         m = torch.zeros(q_len, kv_len, dtype=torch.bool)
@@ -165,6 +180,15 @@ def block_mask(layout: str, q_rank: int, kv_rank: int, world_size: int, local_le
     if n == stripe:  # a single stripe per rank: the later rank's stripe is entirely in the future
         return BlockMask("empty")
     return BlockMask("causal" if stripe == 1 else "block_causal", stripe, n, 0, n - stripe, stripe)
+
+
+def rows_before(position: int, seq_len: int, rank: int, world_size: int, layout: str, stripe: int = 1) -> int:
+    """How many of ``rank``'s local tokens have global position < ``position``.
+
+    Local order is increasing global order in every layout, so these tokens are a prefix of the
+    local rows.
+    """
+    return int((layout_indices(seq_len, rank, world_size, layout, stripe) < position).sum())
 
 
 def global_causal_mask(layout: str, q_rank: int, kv_rank: int, world_size: int, local_len: int,

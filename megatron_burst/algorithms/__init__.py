@@ -12,6 +12,7 @@ Algorithms differ in their backward (the forward always circulates K,V):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -50,10 +51,21 @@ def backward_bytes(algo: str, b: int, hq: int, hkv: int, n: int, d: int, elem: i
 
 
 class _CPAttention(torch.autograd.Function):
+    """Ring forward (K,V circulate), backward by ``backward_algo``.
+
+    With ``q_rows`` and a cached tail (sequence-level selective checkpointing's recompute), the
+    forward computes only local query rows [0, q_rows) and takes (out, lse) of the other rows from
+    the cache; the backward is the same exact backward over all rows.
+    """
+
     @staticmethod
-    def forward(ctx, q, k, v, plan: RingPlan, backward_algo: str):
+    def forward(ctx, q, k, v, plan: RingPlan, backward_algo: str, q_rows: Optional[int] = None,
+                out_tail: Optional[torch.Tensor] = None, lse_tail: Optional[torch.Tensor] = None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = ring.kv_ring_forward(q, k, v, plan)
+        out, lse = ring.kv_ring_forward(q, k, v, plan, q_rows=q_rows)
+        if q_rows is not None:
+            out[:, :, q_rows:] = out_tail
+            lse[:, :, q_rows:] = lse_tail
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.backward_algo = plan, backward_algo
         return out
@@ -64,7 +76,7 @@ class _CPAttention(torch.autograd.Function):
         dout = dout.contiguous()
         D = (dout.float() * out.float()).sum(-1)
         dq, dk, dv = _BACKWARD[ctx.backward_algo](dout, q, k, v, D, lse, ctx.plan)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: int, algo: str, layout: str,
@@ -102,6 +114,47 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: i
     check_local_len(local_len, world_size, layout, stripe)
 
 
+@dataclass
+class Prepared:
+    """A validated call: [b, h, s, d] views of q, k, v, the ring plan and the backward scheme."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    plan: RingPlan
+    backward_algo: str
+    qkv_format: str
+
+    def restore(self, out: torch.Tensor) -> torch.Tensor:
+        """[b, h, s, d] -> the caller's format."""
+        return out.permute(2, 0, 1, 3) if self.qkv_format == "sbhd" else out.permute(0, 2, 1, 3)
+
+
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, algo: str = "burst",
+            layout: str = "zigzag", causal: bool = True, ring: Optional[str] = None,
+            softmax_scale: Optional[float] = None, qkv_format: str = "sbhd", stripe: int = 1,
+            dropout_p: float = 0.0, attn_bias: Optional[torch.Tensor] = None,
+            kernel: Optional[str] = None) -> Prepared:
+    """Validate a cp_attention call (before any collective) and resolve its plan; see cp_attention."""
+    topo = group if isinstance(group, CPTopology) else single_node_topology(group)
+    ring = ring or topo.default_ring
+    if ring not in RING_SHAPES:
+        raise ValueError(f"unknown ring {ring!r}: choose one of {', '.join(RING_SHAPES)}")
+    if ring == "double" and topo.num_nodes == 1 and not isinstance(group, CPTopology):
+        raise ValueError("ring='double' needs group=megatron_burst.build_cp_topology(cp_group, ranks_per_node)")
+    world_size = topo.world_size
+    validate(q, k, v, world_size=world_size, algo=algo, layout=layout, qkv_format=qkv_format, stripe=stripe,
+             dropout_p=dropout_p, attn_bias=attn_bias)
+    perm = (1, 2, 0, 3) if qkv_format == "sbhd" else (0, 2, 1, 3)  # to [b, h, s, d]
+    qh, kh, vh = (t.permute(*perm) for t in (q, k, v))
+    b, hq, n, d = qh.shape
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    backward_algo = resolve_algo(algo, b, hq, kh.shape[1], n, d, q.element_size(), world_size,
+                                 nodes=topo.num_nodes, ring=ring, causal=causal)
+    plan = RingPlan(topo, ring, layout, stripe, causal, scale, kernel)
+    return Prepared(qh, kh, vh, plan, backward_algo, qkv_format)
+
+
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  group: Optional[dist.ProcessGroup | CPTopology] = None,
                  algo: str = "burst", layout: str = "zigzag", causal: bool = True, ring: Optional[str] = None,
@@ -119,22 +172,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     ``ring="flat"`` one ring whose bytes are still classed intra/inter.
     ``kernel`` forces a local attention backend (megatron_burst.kernels.BACKENDS).
     """
-    topo = group if isinstance(group, CPTopology) else single_node_topology(group)
-    ring = ring or topo.default_ring
-    if ring not in RING_SHAPES:
-        raise ValueError(f"unknown ring {ring!r}: choose one of {', '.join(RING_SHAPES)}")
-    if ring == "double" and topo.num_nodes == 1 and not isinstance(group, CPTopology):
-        raise ValueError("ring='double' needs group=megatron_burst.build_cp_topology(cp_group, ranks_per_node)")
-    world_size = topo.world_size
-    validate(q, k, v, world_size=world_size, algo=algo, layout=layout, qkv_format=qkv_format, stripe=stripe,
-             dropout_p=dropout_p, attn_bias=attn_bias)
-    perm = (1, 2, 0, 3) if qkv_format == "sbhd" else (0, 2, 1, 3)  # to [b, h, s, d]
-    qh, kh, vh = (t.permute(*perm) for t in (q, k, v))
-    b, hq, n, d = qh.shape
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    backward_algo = resolve_algo(algo, b, hq, kh.shape[1], n, d, q.element_size(), world_size,
-                                 nodes=topo.num_nodes, ring=ring, causal=causal)
-    plan = RingPlan(topo, ring, layout, stripe, causal, scale, kernel)
-    out = _CPAttention.apply(qh, kh, vh, plan, backward_algo)
-    inverse = (2, 0, 1, 3) if qkv_format == "sbhd" else (0, 2, 1, 3)
-    return out.permute(*inverse)
+    p = prepare(q, k, v, group=group, algo=algo, layout=layout, causal=causal, ring=ring,
+                softmax_scale=softmax_scale, qkv_format=qkv_format, stripe=stripe, dropout_p=dropout_p,
+                attn_bias=attn_bias, kernel=kernel)
+    return p.restore(_CPAttention.apply(p.q, p.k, p.v, p.plan, p.backward_algo))

@@ -10,6 +10,8 @@ Bytes per rank (n local tokens, batch b, hkv kv heads, head dim d, e = input ele
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from megatron_burst.algorithms.schedule import RingPlan, cp_ring_pass
@@ -17,15 +19,21 @@ from megatron_burst.kernels import block_backward, block_forward, merge_into
 from megatron_burst.layout import block_mask
 
 
-def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward of ring and burst. q [b, hq, n, d], k/v [b, hkv, n, d] -> (out like q, lse [b, hq, n] fp32)."""
+def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
+                    q_rows: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of ring and burst. q [b, hq, n, d], k/v [b, hkv, n, d] -> (out like q, lse [b, hq, n] fp32).
+
+    ``q_rows`` limits the work to local query rows [0, q_rows) (the others come back as 0 / -inf):
+    sequence-level selective checkpointing recomputes only those. K,V still travel whole.
+    """
     b, hq, n, _ = q.shape
     out = torch.zeros(b, hq, n, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
 
     def visit(owner, kv):
         mask = block_mask(plan.layout, plan.rank, owner, plan.world_size, n, plan.causal, plan.stripe)
+        if q_rows is not None:
+            mask = mask.clip_rows(q_rows)
         if mask.kind != "empty":
             o, l = block_forward(q, kv[0], kv[1], mask, plan.scale, plan.kernel)
             merge_into(out[:, :, mask.q_slice], lse[:, :, mask.q_slice], o, l)
