@@ -24,7 +24,8 @@ BACKENDS: dict[str, ModuleType] = {
 }
 
 
-def select(q: torch.Tensor, kind: str, direction: str, name: Optional[str] = None) -> ModuleType:
+def select(q: torch.Tensor, kind: str, direction: str, name: Optional[str] = None,
+           k: Optional[torch.Tensor] = None) -> ModuleType:
     """The backend for a block: ``name`` (or $MEGATRON_BURST_KERNEL) if given, else the measured default."""
     name = name or os.environ.get("MEGATRON_BURST_KERNEL") or None
     if name is not None:
@@ -32,7 +33,7 @@ def select(q: torch.Tensor, kind: str, direction: str, name: Optional[str] = Non
             raise ValueError(f"unknown attention kernel {name!r}: choose one of {', '.join(BACKENDS)}")
         return BACKENDS[name]
     if q.is_cuda:
-        return cuda_flash if cuda_flash.supports(q, kind) else tiled
+        return cuda_flash if cuda_flash.supports(q, q if k is None else k, kind) else tiled
     if q.device.type == "cpu":
         if direction == "forward" or q.dtype == torch.float32:
             return cpu_flash
@@ -46,7 +47,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Block
     Returns (out [b, hq, q_rows, d], lse [b, hq, q_rows] fp32) for rows ``mask.q_slice``.
     """
     qs, ks, vs = q[:, :, mask.q_slice], k[:, :, mask.kv_slice], v[:, :, mask.kv_slice]
-    impl = select(q, mask.kind, "forward", kernel)
+    impl = select(qs, mask.kind, "forward", kernel, ks)
     return impl.forward(qs, ks, vs, mask.kind, mask.block, scale)
 
 
@@ -58,9 +59,10 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     D = rowsum(dout * out) [b, hq, n] and lse [b, hq, n] are for the whole q block (fp32).
     """
     qsl, ksl = mask.q_slice, mask.kv_slice
-    impl = select(q, mask.kind, "backward", kernel)
-    return impl.backward(dout[:, :, qsl], q[:, :, qsl], k[:, :, ksl], v[:, :, ksl], D[:, :, qsl],
-                         lse[:, :, qsl], mask.kind, mask.block, scale)
+    qs, ks = q[:, :, qsl], k[:, :, ksl]
+    impl = select(qs, mask.kind, "backward", kernel, ks)
+    return impl.backward(dout[:, :, qsl], qs, ks, v[:, :, ksl], D[:, :, qsl], lse[:, :, qsl], mask.kind,
+                         mask.block, scale)
 
 
 def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
