@@ -1,0 +1,42 @@
+# megatron-burst: `make demo` and `make test` set up .venv themselves (idempotent).
+#
+# torch is pinned to the exact CPU build that pip finds on disk here: a looser spec (plain `torch`,
+# or a range a newer release satisfies) would pull several GB of CUDA wheels from the registry.
+# A venv that already has a torch (e.g. a CUDA build you installed) keeps it.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+MCORE_SPEC ?= megatron-core==0.16.1
+STAMP := $(VENV)/.megatron-burst-env
+PYTEST_ARGS ?=
+
+.PHONY: all env demo test clean-data help
+
+all: help
+
+help:
+	@echo "make demo   - build data, train a small GPT at CP=4 (4 CPU ranks) and at CP=1, compare"
+	@echo "make test   - run the test suite"
+	@echo "make env    - only create/refresh $(VENV)"
+
+env: $(STAMP)
+
+# Re-run when the install recipe or the package metadata changes; otherwise reuse the venv.
+$(STAMP): setup.py Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install "$(MCORE_SPEC)"
+	$(PY) -m pip install -e ".[test]"
+	@$(PY) -c "import torch, megatron.core, megatron_burst; print('env ok: torch', torch.__version__, '| megatron-core', megatron.core.__version__)"
+	@touch $(STAMP)
+
+demo: env
+	$(PY) examples/demo.py
+
+test: env
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+
+clean-data:
+	rm -rf data_cache runs

@@ -1,0 +1,136 @@
+"""Command-line flags of megatron-burst and how they resolve into attention options.
+
+``add_args`` works as Megatron-LM's ``extra_args_provider`` and in :mod:`megatron_burst.train`.
+This module is the flag boundary: it is the only place that reads Megatron-LM's global args
+(:func:`megatron_lm_cp_flags`); everything below it takes explicit values.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+from megatron_burst.algorithms import CP_ALGOS
+from megatron_burst.layout import LAYOUTS, check_layout, check_seq_len
+
+DEFAULT_CP_ALGO = "burst"
+DEFAULT_CP_LAYOUT = "zigzag"  # what stock Megatron-LM slices batches and RoPE in
+
+# Megatron-LM's --cp-comm-type values that select Transformer Engine's CP implementations.
+# "p2p" (Megatron-LM's default, also what you get when you never typed the flag) is TE's ring
+# exchange of KV blocks, so it maps to our "ring"; the others have no equivalent here.
+_TE_RING_NAME = "p2p"
+_TE_ONLY_COMM_TYPES = ("a2a", "allgather", "all_gather", "a2a+p2p")
+
+
+@dataclass(frozen=True)
+class CPOptions:
+    """Resolved context-parallel attention options (what the core attention and the data use)."""
+
+    algo: str
+    layout: str
+    stripe: int = 1
+
+
+def resolve_cp_algo(cp_algo: Optional[str], cp_comm_type: Union[str, Sequence[str], None]) -> str:
+    """The attention algorithm from our ``--cp-algo`` and Megatron's ``--cp-comm-type``.
+
+    Rules, in order:
+      * ``cp_comm_type`` naming one of ``CP_ALGOS`` selects it; an explicit ``cp_algo`` must agree.
+      * ``cp_comm_type="p2p"`` (Megatron-LM's default) is TE's ring: it means ``ring`` unless
+        ``cp_algo`` is given, which then wins (the default is indistinguishable from a typed p2p).
+      * other ``cp_comm_type`` values (a2a, allgather, a2a+p2p) raise ValueError.
+      * otherwise ``cp_algo``, or ``"burst"`` when neither is set.
+    A per-layer list of comm types must name a single value (we run one algorithm for all layers).
+    """
+    if cp_algo is not None and cp_algo not in CP_ALGOS:
+        raise ValueError(f"cp_algo={cp_algo!r} is not a megatron-burst algorithm: choose one of "
+                         f"{', '.join(CP_ALGOS)} (--cp-algo)")
+    comm = cp_comm_type
+    if isinstance(comm, (list, tuple)):
+        distinct = sorted(set(comm))
+        if len(distinct) > 1:
+            raise ValueError(f"--cp-comm-type {' '.join(comm)}: megatron-burst runs one algorithm "
+                             f"in every layer; pass a single value ({', '.join(CP_ALGOS)})")
+        comm = distinct[0] if distinct else None
+    if comm is None:
+        return cp_algo or DEFAULT_CP_ALGO
+    if comm in CP_ALGOS:
+        if cp_algo is not None and cp_algo != comm:
+            raise ValueError(f"conflicting algorithms: --cp-algo {cp_algo} but --cp-comm-type {comm}; "
+                             "set one of them (or the same value in both)")
+        return comm
+    if comm == _TE_RING_NAME:
+        return cp_algo or "ring"
+    hint = " (a Transformer Engine CP mode)" if comm in _TE_ONLY_COMM_TYPES else ""
+    raise ValueError(f"--cp-comm-type {comm}{hint} is not supported by megatron-burst attention: "
+                     f"use --cp-comm-type with one of {', '.join(CP_ALGOS)}, or --cp-algo")
+
+
+def make_cp_options(cp_algo: Optional[str] = None, cp_layout: Optional[str] = None,
+                    cp_stripe: Optional[int] = None,
+                    cp_comm_type: Union[str, Sequence[str], None] = None) -> CPOptions:
+    """Validate and resolve CP options; ``None`` means "the default"."""
+    algo = resolve_cp_algo(cp_algo, cp_comm_type)
+    layout = cp_layout if cp_layout is not None else DEFAULT_CP_LAYOUT
+    stripe = 1 if cp_stripe is None else cp_stripe
+    if layout not in LAYOUTS:
+        raise ValueError(f"cp_layout={layout!r} is not a layout: choose one of {', '.join(LAYOUTS)} "
+                         "(--cp-layout)")
+    try:
+        check_layout(layout, stripe)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (--cp-stripe applies to --cp-layout striped only)") from None
+    return CPOptions(algo=algo, layout=layout, stripe=stripe)
+
+
+def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--cp-algo``, ``--cp-layout`` and ``--cp-stripe``; returns ``parser``.
+
+    Usable as Megatron-LM's ``extra_args_provider`` (which must return the parser).
+    """
+    group = parser.add_argument_group("megatron-burst", "context-parallel attention")
+    group.add_argument("--cp-algo", type=str, default=None, choices=list(CP_ALGOS),
+                       help="context-parallel attention algorithm. Default: the value of "
+                            "--cp-comm-type when it names one of ours, else 'burst'. "
+                            "Megatron-LM's default --cp-comm-type p2p counts as 'ring' only when "
+                            "--cp-algo is not given.")
+    group.add_argument("--cp-layout", type=str, default=DEFAULT_CP_LAYOUT, choices=list(LAYOUTS),
+                       help="how the sequence is split over CP ranks; batches and RoPE follow it "
+                            f"(default {DEFAULT_CP_LAYOUT}, Megatron's own)")
+    group.add_argument("--cp-stripe", type=int, default=1,
+                       help="tokens per stripe for --cp-layout striped (default 1)")
+    return parser
+
+
+def cp_options_from_args(args: argparse.Namespace) -> CPOptions:
+    """Resolve parsed flags (ours, plus Megatron's ``cp_comm_type`` when present) and validate
+    them against ``--seq-length`` and ``--context-parallel-size`` when those are present."""
+    opts = make_cp_options(getattr(args, "cp_algo", None), getattr(args, "cp_layout", None),
+                           getattr(args, "cp_stripe", None), getattr(args, "cp_comm_type", None))
+    seq_length = getattr(args, "seq_length", None)
+    cp = getattr(args, "context_parallel_size", None) or 1
+    if seq_length is not None:
+        try:
+            check_seq_len(seq_length, cp, opts.layout, opts.stripe)
+        except ValueError as exc:
+            raise ValueError(f"--seq-length {seq_length} with --context-parallel-size {cp} and "
+                             f"--cp-layout {opts.layout}: {exc}") from None
+    return opts
+
+
+def megatron_lm_cp_flags() -> Optional[argparse.Namespace]:
+    """Megatron-LM's parsed global args when Megatron-LM is running and our flags were added.
+
+    Lets the module-level ``megatron_burst.specs.gpt_layer_spec`` (imported by Megatron-LM's
+    ``--spec``, before any of our code sees the args) pick up ``--cp-algo/--cp-layout``.
+    Returns None outside Megatron-LM (megatron-core alone has no global args).
+    """
+    try:
+        from megatron.training import global_vars
+    except ImportError:
+        return None
+    args = getattr(global_vars, "_GLOBAL_ARGS", None)
+    if args is None or not hasattr(args, "cp_layout"):
+        return None
+    return args

@@ -1,0 +1,168 @@
+"""``BurstCoreAttention``: Megatron-Core ``core_attention`` backed by megatron-burst CP attention.
+
+Megatron's ``SelfAttention`` projects q/k/v, applies RoPE and calls its ``core_attention`` with
+``[s_local, b, heads_per_partition, d]`` tensors. This module hands them to
+:func:`megatron_burst.cp_attention` over the context-parallel group and returns
+``[s_local, b, heads * d]``, like Megatron's ``DotProductAttention`` (which needs CUDA and refuses
+CP > 1) and ``TEDotProductAttention``.
+
+Everything that cannot be honoured is rejected in ``__init__``, before any collective, with the
+setting to change. Heads come from the tensors, so TP (heads per partition) and GQA need no
+special handling: q has hq heads, k/v hkv, and ``cp_attention`` requires ``hq % hkv == 0``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+import megatron_burst
+from megatron_burst.megatron.args import CPOptions, make_cp_options, megatron_lm_cp_flags
+
+_SUPPORTED_MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
+
+
+def _cp_group_from(pg_collection: Optional[ProcessGroupCollection]) -> Optional[dist.ProcessGroup]:
+    if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
+        return pg_collection.cp
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_context_parallel_group()
+    return None  # plain single-process use: cp_attention treats None as the (size-1) world
+
+
+def _mask_is_causal(mask_type: AttnMaskType) -> bool:
+    if mask_type not in _SUPPORTED_MASKS:
+        raise ValueError(f"attn_mask_type={mask_type.name} is not supported by megatron-burst "
+                         "attention, which honours only 'causal' and 'no_mask' (padding and "
+                         "arbitrary masks cannot be applied across CP ranks); use a causal GPT "
+                         "layer spec and unpadded batches")
+    return _SUPPORTED_MASKS[mask_type]
+
+
+class BurstCoreAttention(MegatronModule):
+    """Context-parallel core attention with Megatron's constructor and forward signatures.
+
+    Extra keyword arguments (set through the layer spec's params, see
+    :func:`megatron_burst.specs.get_gpt_layer_spec`): ``cp_algo`` (ring/burst/auto, or None to
+    resolve from ``cp_comm_type``), ``cp_layout`` (None: zigzag) and ``cp_stripe``. None values
+    are taken from Megatron-LM's ``--cp-algo/--cp-layout/--cp-stripe`` when it runs with
+    :func:`megatron_burst.add_args`.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        *,
+        cp_algo: Optional[str] = None,
+        cp_layout: Optional[str] = None,
+        cp_stripe: Optional[int] = None,
+    ) -> None:
+        super().__init__(config=config)
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.cp_group = _cp_group_from(pg_collection)
+        cp_size = dist.get_world_size(self.cp_group) if dist.is_initialized() else 1
+
+        flags = megatron_lm_cp_flags()
+        if flags is not None:  # Megatron-LM with our flags: the spec's unset options follow them
+            cp_algo = cp_algo if cp_algo is not None else flags.cp_algo
+            cp_layout = cp_layout if cp_layout is not None else flags.cp_layout
+            cp_stripe = cp_stripe if cp_stripe is not None else flags.cp_stripe
+        self.options: CPOptions = make_cp_options(cp_algo, cp_layout, cp_stripe, cp_comm_type)
+
+        if attention_type != "self":
+            raise ValueError(f"attention_type={attention_type!r}: megatron-burst implements "
+                             "self-attention only; keep Megatron's core attention for cross "
+                             "attention")
+        self.causal = _mask_is_causal(attn_mask_type)
+        if config.context_parallel_size != cp_size:
+            raise ValueError(f"config.context_parallel_size={config.context_parallel_size} but the "
+                             f"CP process group has {cp_size} ranks: build the model after "
+                             "initialize_model_parallel(..., context_parallel_size="
+                             f"{config.context_parallel_size}) or pass pg_collection with that cp")
+        self.dropout_p = float(config.attention_dropout if attention_dropout is None
+                               else attention_dropout)
+        if self.dropout_p > 0 and cp_size > 1:
+            raise ValueError(f"attention dropout {self.dropout_p} is not supported with context "
+                             f"parallelism (CP={cp_size}): set attention_dropout=0.0 "
+                             "(--attention-dropout 0.0)")
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError(f"window_size={config.window_size}: sliding-window attention is not "
+                             "supported by megatron-burst; unset window_size (--window-size)")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by "
+                             "megatron-burst: use softmax_type='vanilla'")
+        if getattr(config, "multi_latent_attention", False):
+            raise ValueError("multi_latent_attention is not supported by megatron-burst attention")
+        if getattr(config, "qk_clip", False):
+            raise ValueError("qk_clip needs per-head max logits, which megatron-burst attention "
+                             "does not report: set qk_clip=False")
+
+        head_dim = config.kv_channels
+        # Megatron's apply_query_key_layer_scaling divides the scale by layer_number and multiplies
+        # the scores back by it inside the softmax (an fp16 overflow guard): the net scale is
+        # unchanged, so it is deliberately not applied here.
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+    ) -> torch.Tensor:
+        """q [s, b, hq, d], k/v [s, b, hkv, d] (this rank's tokens in the layout) -> [s, b, hq*d].
+
+        ``attention_mask`` is not read: causality comes from global token positions (see
+        :func:`megatron_burst.get_batch_on_this_cp_rank`, which checks the mask is causal).
+        """
+        if packed_seq_params is not None:
+            raise ValueError("packed sequences (packed_seq_params / THD) are not supported by "
+                             "megatron-burst attention: train with unpacked [b, s] batches")
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by megatron-burst attention")
+        causal = self.causal if attn_mask_type is None else _mask_is_causal(attn_mask_type)
+        s, b = query.shape[0], query.shape[1]
+        if self.dropout_p > 0 and self.training:
+            out = self._local_attention_with_dropout(query, key, value, causal)
+        else:
+            opts = self.options
+            out = megatron_burst.cp_attention(query, key, value, group=self.cp_group, algo=opts.algo,
+                                              layout=opts.layout, causal=causal,
+                                              softmax_scale=self.softmax_scale, qkv_format="sbhd",
+                                              stripe=opts.stripe)
+        return out.reshape(s, b, -1)
+
+    def _local_attention_with_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                      causal: bool) -> torch.Tensor:
+        """CP = 1 only (checked in __init__): attention dropout needs the whole row of probabilities
+        on one rank, so this path uses torch's SDPA instead of the CP engine."""
+        rep = q.shape[2] // k.shape[2]
+        k = k.repeat_interleave(rep, dim=2) if rep > 1 else k
+        v = v.repeat_interleave(rep, dim=2) if rep > 1 else v
+        to_bhsd = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731  [s, b, h, d] -> [b, h, s, d]
+        out = F.scaled_dot_product_attention(to_bhsd(q), to_bhsd(k), to_bhsd(v),
+                                             dropout_p=self.dropout_p, is_causal=causal,
+                                             scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3)

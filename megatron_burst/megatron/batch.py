@@ -1,0 +1,92 @@
+"""Slice a training batch for this context-parallel rank in any layout.
+
+Megatron's own ``get_batch_on_this_cp_rank`` only knows zigzag. This one takes the layout and
+uses :func:`megatron_burst.layout.layout_indices`, the same positions the attention engine and
+:mod:`megatron_burst.megatron.rope` assume, so tokens, labels, masks and RoPE stay aligned.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_burst.layout import check_layout, check_seq_len, layout_indices
+
+
+def _cp_rank_size(cp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    if cp_group is not None:
+        return dist.get_rank(cp_group), dist.get_world_size(cp_group)
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise ValueError("cp_group=None needs megatron.core.parallel_state to be initialized "
+                         "(initialize_model_parallel); otherwise pass cp_group explicitly")
+    return parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_world_size()
+
+
+def check_causal_attention_mask(mask: torch.Tensor, seq_len: int) -> None:
+    """Raise ValueError unless ``mask`` is Megatron's plain causal mask ([b|1, 1, s, s], True = hidden).
+
+    CP attention derives causality from positions and cannot honour any other mask (document
+    masks from --reset-attention-mask, padding masks), so those must not be silently dropped.
+    """
+    if mask.dim() != 4 or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (seq_len, seq_len):
+        raise ValueError(f"attention_mask of shape {tuple(mask.shape)} is not a [b, 1, {seq_len}, "
+                         f"{seq_len}] causal mask")
+    causal_hidden = torch.ones(seq_len, seq_len, dtype=torch.bool, device=mask.device).triu(1)
+    if not bool((mask.bool() == causal_hidden).all()):
+        raise ValueError("attention_mask is not the plain causal mask (document masks from "
+                         "--reset-attention-mask or padding masks are not supported under "
+                         "megatron-burst attention): build batches without reset_attention_mask, "
+                         "or without an attention mask at all (create_attention_mask=False / "
+                         "--no-create-attention-mask-in-dataloader)")
+
+
+def get_batch_on_this_cp_rank(batch: Dict[str, Any], layout: str = "zigzag",
+                              cp_group: Optional[dist.ProcessGroup] = None,
+                              stripe: int = 1) -> Dict[str, Any]:
+    """This CP rank's part of ``batch`` in ``layout``; returns a new dict with the same keys.
+
+    ``batch`` maps names to [b, s, ...] tensors (tokens, labels, loss_mask, position_ids, ...) or
+    None; each is sliced along dim 1 to the positions ``layout_indices(s, rank, W, layout)``.
+    ``attention_mask`` ([b, 1, s, s], True = hidden) is checked to be the plain causal mask and
+    replaced by None: the attention engine applies causality itself, from global positions.
+    ``cp_group=None`` uses megatron.core.parallel_state's CP group. Every check runs before any
+    slicing, and nothing here communicates.
+    """
+    check_layout(layout, stripe)
+    rank, size = _cp_rank_size(cp_group)
+    seq_len = None
+    for key, val in batch.items():
+        if val is None or key == "attention_mask":
+            continue
+        if not isinstance(val, torch.Tensor) or val.dim() < 2:
+            raise ValueError(f"batch[{key!r}] must be a [b, s, ...] tensor or None, got "
+                             f"{type(val).__name__}{tuple(val.shape) if isinstance(val, torch.Tensor) else ''}")
+        if seq_len is None:
+            seq_len = val.shape[1]
+        elif val.shape[1] != seq_len:
+            raise ValueError(f"batch[{key!r}] has sequence length {val.shape[1]}, other entries "
+                             f"have {seq_len}")
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        if seq_len is None:
+            seq_len = mask.shape[-1]
+        check_causal_attention_mask(mask, seq_len)
+    if seq_len is None:
+        return dict(batch)
+    check_seq_len(seq_len, size, layout, stripe)
+
+    out: Dict[str, Any] = {}
+    idx = None
+    for key, val in batch.items():
+        if key == "attention_mask":
+            out[key] = None
+        elif val is None or size == 1:
+            out[key] = val
+        else:
+            if idx is None or idx.device != val.device:
+                idx = layout_indices(seq_len, rank, size, layout, stripe).to(val.device)
+            out[key] = val.index_select(1, idx)
+    return out

@@ -1,0 +1,49 @@
+"""Glue for Megatron-LM's ``pretrain_gpt.py`` (see ``patches/pretrain_gpt.patch``).
+
+Megatron-LM is not a dependency: these helpers take its objects (parsed args, its
+``gpt_builder``) as arguments and only touch attributes its 0.15/0.16 releases define.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, Dict, Optional
+
+from megatron_burst.megatron.args import add_args, cp_options_from_args
+from megatron_burst.megatron.batch import get_batch_on_this_cp_rank
+from megatron_burst.megatron.rope import use_layout_rope
+
+BURST_SPEC = ["megatron_burst.specs", "gpt_layer_spec"]
+
+
+def extra_args_provider(parser: argparse.ArgumentParser,
+                        chained: Optional[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]] = None
+                        ) -> argparse.ArgumentParser:
+    """Megatron-LM ``extra_args_provider`` adding our flags after ``chained`` (e.g. ModelOpt's)."""
+    if chained is not None:
+        parser = chained(parser)
+    return add_args(parser)
+
+
+def wrap_gpt_builder(gpt_builder: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap Megatron-LM's ``gpt_builder(args, pre_process, post_process, ...)``.
+
+    Before building: validates our flags against ``--seq-length/--context-parallel-size`` and,
+    when no ``--spec`` was given, selects ``megatron_burst.specs gpt_layer_spec`` (which reads
+    ``--cp-algo/--cp-layout``). After: RoPE follows ``--cp-layout``.
+    """
+    def builder(args: argparse.Namespace, pre_process: bool, post_process: bool, *rest: Any, **kwargs: Any):
+        opts = cp_options_from_args(args)
+        if getattr(args, "spec", None) is None:
+            args.spec = list(BURST_SPEC)
+        model = gpt_builder(args, pre_process, post_process, *rest, **kwargs)
+        cp_group = model.pg_collection.cp if hasattr(model, "pg_collection") else None
+        return use_layout_rope(model, opts.layout, cp_group, opts.stripe)
+
+    builder.__name__ = getattr(gpt_builder, "__name__", "gpt_builder")
+    return builder
+
+
+def slice_batch(batch: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
+    """``get_batch_on_this_cp_rank`` with the layout from Megatron-LM's parsed args."""
+    opts = cp_options_from_args(args)
+    return get_batch_on_this_cp_rank(batch, layout=opts.layout, stripe=opts.stripe)

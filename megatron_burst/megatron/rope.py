@@ -1,0 +1,88 @@
+"""Rotary position embeddings that follow the context-parallel sequence layout.
+
+Megatron's ``RotaryEmbedding.forward`` builds the full-length frequency table and keeps this
+rank's part with ``get_pos_emb_on_this_cp_rank``, which assumes zigzag (and moves tensors to
+CUDA, so it fails on CPU). :class:`LayoutRotaryEmbedding` keeps rows
+``layout_indices(s, cp_rank, cp_size, layout)`` instead: exactly the global positions of this
+rank's tokens as sliced by :func:`megatron_burst.get_batch_on_this_cp_rank`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+from megatron_burst.layout import check_layout, layout_indices
+
+
+class LayoutRotaryEmbedding(RotaryEmbedding):
+    """A :class:`RotaryEmbedding` whose CP slicing follows ``layout`` (any of LAYOUTS).
+
+    Built from an existing RotaryEmbedding (``source``), whose frequencies (rotary percent,
+    base, llama-3 scaling) are reused as they are. ``inv_freq`` becomes a non-persistent fp32
+    buffer: ``model.cuda()`` moves it, ``model.bfloat16()`` leaves it fp32, checkpoints are
+    unchanged.
+    """
+
+    def __init__(self, source: RotaryEmbedding, layout: str, cp_group: Optional[dist.ProcessGroup],
+                 stripe: int = 1) -> None:
+        # RotaryEmbedding.__init__ recomputes inv_freq from constructor arguments GPTModel does
+        # not keep; copying the finished tensor is exact and version-independent.
+        torch.nn.Module.__init__(self)
+        check_layout(layout, stripe)
+        self.register_buffer("inv_freq", source.inv_freq.detach().clone(), persistent=False)
+        self.rotary_interleaved = source.rotary_interleaved
+        self.seq_len_interpolation_factor = source.seq_len_interpolation_factor
+        self.cp_group = cp_group
+        self.layout = layout
+        self.stripe = stripe
+
+    def _apply(self, fn, recurse: bool = True):
+        # Follow device moves (model.cuda()), but never dtype casts: Megatron-LM's Float16Module
+        # calls .bfloat16() on the whole model, and bf16 angles are wrong beyond a few hundred
+        # positions. Megatron's own RotaryEmbedding avoids this by not registering inv_freq.
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(device=self.inv_freq.device)
+        return self
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
+                cp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+        """Embedding rows for this CP rank's tokens: [max_seq_len / cp_size, 1, 1, dim]."""
+        if packed_seq:
+            raise ValueError("packed (THD) sequences are not supported by megatron-burst; "
+                             "train with unpacked [b, s] batches")
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if self.rotary_interleaved:
+            emb = torch.stack((freqs, freqs), dim=-1).view(freqs.shape[0], -1)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        emb = emb[:, None, None, :]
+        group = cp_group if cp_group is not None else self.cp_group
+        if group is not None and dist.get_world_size(group) > 1:
+            idx = layout_indices(max_seq_len, dist.get_rank(group), dist.get_world_size(group),
+                                 self.layout, self.stripe)
+            emb = emb.index_select(0, idx.to(emb.device))
+        return emb
+
+
+def use_layout_rope(model: torch.nn.Module, layout: str, cp_group: Optional[dist.ProcessGroup],
+                    stripe: int = 1) -> torch.nn.Module:
+    """Make ``model.rotary_pos_emb`` (a GPTModel's RoPE) follow ``layout``; returns ``model``.
+
+    A model without RoPE (learned_absolute / none position embeddings) is returned unchanged:
+    its positions come from the sliced ``position_ids``. YaRN and multimodal RoPE keep Megatron's
+    zigzag slicing, so they are accepted only without CP.
+    """
+    rope = getattr(model, "rotary_pos_emb", None)
+    if rope is None:
+        return model
+    if type(rope) is RotaryEmbedding or isinstance(rope, LayoutRotaryEmbedding):
+        model.rotary_pos_emb = LayoutRotaryEmbedding(rope, layout, cp_group, stripe)
+    elif cp_group is not None and dist.get_world_size(cp_group) > 1:
+        raise ValueError(f"{type(rope).__name__} is not supported with context parallelism under "
+                         "megatron-burst: use --position-embedding-type rope, learned_absolute or "
+                         "none")
+    return model
