@@ -33,6 +33,8 @@ def transformer_engine_available() -> bool:
 
 def get_gpt_layer_spec(cp_algo: Optional[str] = "burst", cp_layout: Optional[str] = "zigzag",
                        cp_stripe: Optional[int] = 1, use_te: Optional[bool] = None,
+                       cp_ring: Optional[str] = None, cp_ranks_per_node: Optional[int] = None,
+                       seq_selective_ckpt_ratio: Optional[float] = None,
                        **more_options: Any) -> ModuleSpec:
     """Megatron's GPT layer spec with :class:`BurstCoreAttention` as core attention.
 
@@ -43,12 +45,16 @@ def get_gpt_layer_spec(cp_algo: Optional[str] = "burst", cp_layout: Optional[str
             zigzag). Batches (:func:`megatron_burst.get_batch_on_this_cp_rank`) and RoPE
             (:class:`megatron_burst.megatron.model.BurstGPTModel`) must use the same layout.
         cp_stripe: stripe width for ``striped``.
+        cp_ring: "flat" or "double"; None: double when the CP group spans nodes.
+        cp_ranks_per_node: CP ranks per node; None: from the launcher (LOCAL_WORLD_SIZE / TP).
+        seq_selective_ckpt_ratio: with activation recompute, store (out, lse) of this later
+            fraction of each sequence and recompute attention only for the rest.
         use_te: build on ``get_gpt_layer_with_transformer_engine_spec`` (True) or
             ``get_gpt_layer_local_spec`` (False); None: TE when it is installed.
         more_options: passed to Megatron's spec function (normalization, qk_layernorm, ...).
     """
     # Validate now, not at model construction (None stays None: resolved there).
-    make_cp_options(cp_algo, cp_layout, cp_stripe)
+    make_cp_options(cp_algo, cp_layout, cp_stripe, None, cp_ring, cp_ranks_per_node, seq_selective_ckpt_ratio)
     if more_options.get("multi_latent_attention"):
         raise ValueError("multi_latent_attention=True is not supported by megatron-burst attention")
     if more_options.get("num_experts"):
@@ -67,7 +73,8 @@ def get_gpt_layer_spec(cp_algo: Optional[str] = "burst", cp_layout: Optional[str
     attn = spec.submodules.self_attention
     attn.submodules.core_attention = ModuleSpec(
         module=BurstCoreAttention,
-        params={"cp_algo": cp_algo, "cp_layout": cp_layout, "cp_stripe": cp_stripe},
+        params={"cp_algo": cp_algo, "cp_layout": cp_layout, "cp_stripe": cp_stripe, "cp_ring": cp_ring,
+                "cp_ranks_per_node": cp_ranks_per_node, "seq_selective_ckpt_ratio": seq_selective_ckpt_ratio},
     )
     return spec
 

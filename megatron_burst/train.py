@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="activation recompute (Megatron's): 'selective' recomputes core attention")
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int, default=None)
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None,
                    help="indexed dataset prefix(es), Megatron-LM style ('w1 p1 w2 p2' blends). "
@@ -254,6 +258,9 @@ def model_config(args: argparse.Namespace, topo: Topology, device: torch.device)
         use_cpu_initialization=True, perform_initialization=True,
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=(args.recompute_method or "uniform") if args.recompute_granularity == "full" else None,
+        recompute_num_layers=(args.recompute_num_layers or 1) if args.recompute_granularity == "full" else None,
     )
 
 
@@ -264,7 +271,13 @@ def build_model(args: argparse.Namespace, opts: CPOptions, topo: Topology, group
     from megatron_burst.specs import get_gpt_layer_spec
 
     spec = get_gpt_layer_spec(cp_algo=args.cp_algo, cp_layout=opts.layout, cp_stripe=opts.stripe,
+                              cp_ring=opts.ring, cp_ranks_per_node=opts.ranks_per_node,
+                              seq_selective_ckpt_ratio=opts.selective_ckpt_ratio,
                               use_te=False, normalization=args.normalization)
+    if device.type == "cpu" and args.recompute_granularity is not None:
+        from megatron_burst.megatron.cpu_compat import allow_checkpointing_without_cuda
+
+        allow_checkpointing_without_cuda()
     model = BurstGPTModel(
         config=model_config(args, topo, device), transformer_layer_spec=spec,
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,

@@ -7,11 +7,13 @@ This module is the flag boundary: it is the only place that reads Megatron-LM's 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from megatron_burst.algorithms import CP_ALGOS
 from megatron_burst.layout import LAYOUTS, check_layout, check_seq_len
+from megatron_burst.topology import RING_SHAPES
 
 DEFAULT_CP_ALGO = "burst"
 DEFAULT_CP_LAYOUT = "zigzag"  # what stock Megatron-LM slices batches and RoPE in
@@ -30,6 +32,9 @@ class CPOptions:
     algo: str
     layout: str
     stripe: int = 1
+    ring: Optional[str] = None  # flat | double | None (double when the CP group spans nodes)
+    ranks_per_node: Optional[int] = None  # CP ranks per node; None: from the launcher
+    selective_ckpt_ratio: Optional[float] = None  # fraction of (out, lse) stored under recompute
 
 
 def resolve_cp_algo(cp_algo: Optional[str], cp_comm_type: Union[str, Sequence[str], None]) -> str:
@@ -69,8 +74,17 @@ def resolve_cp_algo(cp_algo: Optional[str], cp_comm_type: Union[str, Sequence[st
 
 def make_cp_options(cp_algo: Optional[str] = None, cp_layout: Optional[str] = None,
                     cp_stripe: Optional[int] = None,
-                    cp_comm_type: Union[str, Sequence[str], None] = None) -> CPOptions:
+                    cp_comm_type: Union[str, Sequence[str], None] = None, cp_ring: Optional[str] = None,
+                    cp_ranks_per_node: Optional[int] = None,
+                    seq_selective_ckpt_ratio: Optional[float] = None) -> CPOptions:
     """Validate and resolve CP options; ``None`` means "the default"."""
+    if cp_ring is not None and cp_ring not in RING_SHAPES:
+        raise ValueError(f"cp_ring={cp_ring!r}: choose one of {', '.join(RING_SHAPES)} (--cp-ring)")
+    if cp_ranks_per_node is not None and (not isinstance(cp_ranks_per_node, int) or cp_ranks_per_node < 1):
+        raise ValueError(f"cp_ranks_per_node={cp_ranks_per_node!r} must be a positive int (--cp-ranks-per-node)")
+    if seq_selective_ckpt_ratio is not None and not 0.0 < seq_selective_ckpt_ratio <= 1.0:
+        raise ValueError(f"seq_selective_ckpt_ratio={seq_selective_ckpt_ratio}: the stored fraction must be in "
+                         "(0, 1] (--seq-selective-ckpt-ratio; 0.5 stores the later half of each sequence)")
     algo = resolve_cp_algo(cp_algo, cp_comm_type)
     layout = cp_layout if cp_layout is not None else DEFAULT_CP_LAYOUT
     stripe = 1 if cp_stripe is None else cp_stripe
@@ -81,7 +95,8 @@ def make_cp_options(cp_algo: Optional[str] = None, cp_layout: Optional[str] = No
         check_layout(layout, stripe)
     except ValueError as exc:
         raise ValueError(f"{exc} (--cp-stripe applies to --cp-layout striped only)") from None
-    return CPOptions(algo=algo, layout=layout, stripe=stripe)
+    return CPOptions(algo=algo, layout=layout, stripe=stripe, ring=cp_ring, ranks_per_node=cp_ranks_per_node,
+                     selective_ckpt_ratio=seq_selective_ckpt_ratio)
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -100,6 +115,18 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             f"(default {DEFAULT_CP_LAYOUT}, Megatron's own)")
     group.add_argument("--cp-stripe", type=int, default=1,
                        help="tokens per stripe for --cp-layout striped (default 1)")
+    group.add_argument("--cp-ring", type=str, default=None, choices=list(RING_SHAPES),
+                       help="ring shape: 'double' runs intra-node rings inside an inter-node ring "
+                            "(default when the CP group spans nodes), 'flat' one ring")
+    group.add_argument("--cp-ranks-per-node", type=int, default=None,
+                       help="CP ranks per node for the double ring (default: the launcher's "
+                            "LOCAL_WORLD_SIZE / tensor-parallel size, or Megatron's "
+                            "--hierarchical-context-parallel-sizes first entry)")
+    group.add_argument("--seq-selective-ckpt-ratio", type=float, default=None,
+                       help="with activation recompute (--recompute-granularity), store attention "
+                            "(out, lse) for this later fraction of each sequence and recompute only "
+                            "the earlier part (0.5: half the stored bytes of storing everything, "
+                            "1/4 of the attention recompute FLOPs)")
     return parser
 
 
@@ -107,7 +134,13 @@ def cp_options_from_args(args: argparse.Namespace) -> CPOptions:
     """Resolve parsed flags (ours, plus Megatron's ``cp_comm_type`` when present) and validate
     them against ``--seq-length`` and ``--context-parallel-size`` when those are present."""
     opts = make_cp_options(getattr(args, "cp_algo", None), getattr(args, "cp_layout", None),
-                           getattr(args, "cp_stripe", None), getattr(args, "cp_comm_type", None))
+                           getattr(args, "cp_stripe", None), getattr(args, "cp_comm_type", None),
+                           getattr(args, "cp_ring", None), cp_ranks_per_node_from_args(args),
+                           getattr(args, "seq_selective_ckpt_ratio", None))
+    ratio = opts.selective_ckpt_ratio
+    if ratio is not None and getattr(args, "recompute_granularity", "unset") is None:
+        raise ValueError(f"--seq-selective-ckpt-ratio {ratio} needs activation recompute: add "
+                         "--recompute-granularity selective (core attention) or full")
     seq_length = getattr(args, "seq_length", None)
     cp = getattr(args, "context_parallel_size", None) or 1
     if seq_length is not None:
@@ -117,6 +150,30 @@ def cp_options_from_args(args: argparse.Namespace) -> CPOptions:
             raise ValueError(f"--seq-length {seq_length} with --context-parallel-size {cp} and "
                              f"--cp-layout {opts.layout}: {exc}") from None
     return opts
+
+
+def cp_ranks_per_node_from_args(args: argparse.Namespace) -> Optional[int]:
+    """``--cp-ranks-per-node``, else Megatron's ``--hierarchical-context-parallel-sizes`` (inner size)."""
+    explicit = getattr(args, "cp_ranks_per_node", None)
+    if explicit is not None:
+        return explicit
+    sizes = getattr(args, "hierarchical_context_parallel_sizes", None)
+    return int(sizes[0]) if sizes else None
+
+
+def default_cp_ranks_per_node(cp_size: int, tp_size: int) -> int:
+    """CP ranks per node from the launcher (torchrun's LOCAL_WORLD_SIZE): Megatron orders ranks
+    tensor-parallel fastest, then context-parallel, so a node holds LOCAL_WORLD_SIZE / TP CP ranks."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if local <= 0:
+        return cp_size  # unknown: one node
+    per_node = max(1, local // max(1, tp_size))
+    if per_node >= cp_size:
+        return cp_size
+    if cp_size % per_node:
+        raise ValueError(f"LOCAL_WORLD_SIZE={local} with TP={tp_size} gives {per_node} CP ranks per node, "
+                         f"which does not divide CP={cp_size}: set --cp-ranks-per-node")
+    return per_node
 
 
 def megatron_lm_cp_flags() -> Optional[argparse.Namespace]:

@@ -25,7 +25,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 import megatron_burst
-from megatron_burst.megatron.args import CPOptions, make_cp_options, megatron_lm_cp_flags
+from megatron_burst.checkpoint import SelectiveAttentionCache, selective_cp_attention
+from megatron_burst.megatron.args import (CPOptions, cp_ranks_per_node_from_args, default_cp_ranks_per_node,
+                                          make_cp_options, megatron_lm_cp_flags)
+from megatron_burst.topology import CPTopology, build_cp_topology
 
 _SUPPORTED_MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
 
@@ -38,6 +41,29 @@ def _cp_group_from(pg_collection: Optional[ProcessGroupCollection]) -> Optional[
     if parallel_state.model_parallel_is_initialized():
         return parallel_state.get_context_parallel_group()
     return None  # plain single-process use: cp_attention treats None as the (size-1) world
+
+
+_TOPOLOGIES: dict[tuple, CPTopology] = {}
+
+
+def cp_topology_for(cp_group: Optional[dist.ProcessGroup], ranks_per_node: int) -> CPTopology:
+    """One CPTopology per (CP group, ranks per node) per process.
+
+    Building one is a world-wide collective; every rank constructs the same layers in the same
+    order, so all ranks reach the first build together and later layers reuse it.
+    """
+    key = (dist.get_process_group_ranks(cp_group) if cp_group is not None else None, ranks_per_node)
+    key = (tuple(key[0]) if key[0] is not None else None, ranks_per_node)
+    if key not in _TOPOLOGIES:
+        _TOPOLOGIES[key] = build_cp_topology(cp_group, ranks_per_node)
+    return _TOPOLOGIES[key]
+
+
+def _checkpointing() -> bool:
+    """True inside Megatron's activation-checkpoint forward/recompute (tensor_parallel.checkpoint)."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    return tp_random.is_checkpointing()
 
 
 def _mask_is_causal(mask_type: AttnMaskType) -> bool:
@@ -54,8 +80,10 @@ class BurstCoreAttention(MegatronModule):
 
     Extra keyword arguments (set through the layer spec's params, see
     :func:`megatron_burst.specs.get_gpt_layer_spec`): ``cp_algo`` (ring/burst/auto, or None to
-    resolve from ``cp_comm_type``), ``cp_layout`` (None: zigzag) and ``cp_stripe``. None values
-    are taken from Megatron-LM's ``--cp-algo/--cp-layout/--cp-stripe`` when it runs with
+    resolve from ``cp_comm_type``), ``cp_layout`` (None: zigzag), ``cp_stripe``, ``cp_ring``
+    (flat/double; None: double when the CP group spans nodes), ``cp_ranks_per_node`` (None: from
+    the launcher) and ``seq_selective_ckpt_ratio`` (sequence-level selective checkpointing under
+    activation recompute). None values are taken from Megatron-LM's flags when it runs with
     :func:`megatron_burst.add_args`.
     """
 
@@ -73,6 +101,9 @@ class BurstCoreAttention(MegatronModule):
         cp_algo: Optional[str] = None,
         cp_layout: Optional[str] = None,
         cp_stripe: Optional[int] = None,
+        cp_ring: Optional[str] = None,
+        cp_ranks_per_node: Optional[int] = None,
+        seq_selective_ckpt_ratio: Optional[float] = None,
     ) -> None:
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
@@ -86,7 +117,12 @@ class BurstCoreAttention(MegatronModule):
             cp_algo = cp_algo if cp_algo is not None else flags.cp_algo
             cp_layout = cp_layout if cp_layout is not None else flags.cp_layout
             cp_stripe = cp_stripe if cp_stripe is not None else flags.cp_stripe
-        self.options: CPOptions = make_cp_options(cp_algo, cp_layout, cp_stripe, cp_comm_type)
+            cp_ring = cp_ring if cp_ring is not None else getattr(flags, "cp_ring", None)
+            cp_ranks_per_node = cp_ranks_per_node or cp_ranks_per_node_from_args(flags)
+            if seq_selective_ckpt_ratio is None:
+                seq_selective_ckpt_ratio = getattr(flags, "seq_selective_ckpt_ratio", None)
+        self.options: CPOptions = make_cp_options(cp_algo, cp_layout, cp_stripe, cp_comm_type, cp_ring,
+                                                  cp_ranks_per_node, seq_selective_ckpt_ratio)
 
         if attention_type != "self":
             raise ValueError(f"attention_type={attention_type!r}: megatron-burst implements "
@@ -115,6 +151,22 @@ class BurstCoreAttention(MegatronModule):
         if getattr(config, "qk_clip", False):
             raise ValueError("qk_clip needs per-head max logits, which megatron-burst attention "
                              "does not report: set qk_clip=False")
+
+        # Ring shape: a topology (a collective, once per process) when the CP group spans nodes.
+        self.cp_target = self.cp_group
+        if cp_size > 1:
+            per_node = self.options.ranks_per_node or default_cp_ranks_per_node(
+                cp_size, config.tensor_model_parallel_size)
+            if per_node < cp_size or self.options.ring == "double":
+                self.cp_target = cp_topology_for(self.cp_group, per_node)
+
+        self.selective_cache: Optional[SelectiveAttentionCache] = None
+        if self.options.selective_ckpt_ratio is not None:
+            if config.recompute_granularity is None:
+                raise ValueError(f"seq_selective_ckpt_ratio={self.options.selective_ckpt_ratio} needs "
+                                 "activation recompute: set recompute_granularity='selective' (with "
+                                 "'core_attn' in recompute_modules) or 'full' (--recompute-granularity)")
+            self.selective_cache = SelectiveAttentionCache()
 
         head_dim = config.kv_channels
         # Megatron's apply_query_key_layer_scaling divides the scale by layer_number and multiplies
@@ -148,10 +200,13 @@ class BurstCoreAttention(MegatronModule):
             out = self._local_attention_with_dropout(query, key, value, causal)
         else:
             opts = self.options
-            out = megatron_burst.cp_attention(query, key, value, group=self.cp_group, algo=opts.algo,
-                                              layout=opts.layout, causal=causal,
-                                              softmax_scale=self.softmax_scale, qkv_format="sbhd",
-                                              stripe=opts.stripe)
+            kw = dict(group=self.cp_target, algo=opts.algo, layout=opts.layout, causal=causal, ring=opts.ring,
+                      softmax_scale=self.softmax_scale, qkv_format="sbhd", stripe=opts.stripe)
+            if self.selective_cache is not None and self.training and _checkpointing():
+                out = selective_cp_attention(query, key, value, cache=self.selective_cache,
+                                             stored_fraction=opts.selective_ckpt_ratio, **kw)
+            else:
+                out = megatron_burst.cp_attention(query, key, value, **kw)
         return out.reshape(s, b, -1)
 
     def _local_attention_with_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

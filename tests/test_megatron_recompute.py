@@ -1,0 +1,88 @@
+"""Megatron GPT with megatron-burst under activation recompute (sequence-level selective
+checkpointing) and on a double ring: same loss and gradients as CP = 1 without recompute."""
+from typing import List, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+from test_megatron_model import _assert_matches, _full_grad, fixed_batch, small_args, VOCAB
+
+
+def gpt_step(tp: int, cp: int, extra: Optional[List[str]] = None, seq: int = 24) -> dict:
+    """One forward/backward of the tiny GPT; also reports what the attention modules did."""
+    from megatron_burst import train
+    from megatron_burst.topology import CPTopology
+
+    args = small_args(["--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp),
+                       "--seq-length", str(seq)] + list(extra or []))
+    opts, topo = train.validate_args(args, dist.get_world_size())
+    args.padded_vocab_size = VOCAB
+    groups = train.init_parallel(topo)
+    device = torch.device("cpu")
+    train.seed_everything(args.seed, device)
+    model = train.build_model(args, opts, topo, groups, device)
+    loss = train.loss_and_grads(model, [fixed_batch(seq)], opts, groups, device)
+    train.allreduce_grads(model, groups)
+    attns = [layer.self_attention.core_attention for layer in model.decoder.layers]
+    caches = [a.selective_cache for a in attns if a.selective_cache is not None]
+    target = attns[0].cp_target
+    return {"loss": loss.item(), "grads": {n: _full_grad(p, groups.tp) for n, p in model.named_parameters()},
+            "hits": [c.hits for c in caches], "left": [len(c) for c in caches],
+            "nodes": target.num_nodes if isinstance(target, CPTopology) else 1}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_ranks(1, gpt_step, 1, 1)[0]
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped", "contiguous"])
+@pytest.mark.parametrize("granularity", ["selective", "full"])
+def test_selective_checkpointing_equals_no_recompute(reference, layout, granularity):
+    results = run_ranks(2, gpt_step, 1, 2, ["--cp-layout", layout, "--recompute-granularity", granularity,
+                                            "--seq-selective-ckpt-ratio", "0.5"])
+    for rank, res in enumerate(results):
+        _assert_matches(res, reference, f"CP=2 {layout} {granularity} recompute rank {rank}")
+        assert res["hits"] == [1, 1], res["hits"]  # each layer's recompute used its stored half
+        assert res["left"] == [0, 0]  # and nothing stays behind
+
+
+def test_plain_recompute_still_exact(reference):
+    for res in run_ranks(2, gpt_step, 1, 2, ["--recompute-granularity", "full"]):
+        _assert_matches(res, reference, "CP=2 full recompute without selective checkpointing")
+        assert res["hits"] == []
+
+
+@pytest.mark.parametrize("algo", ["ring", "burst"])
+def test_double_ring_through_megatron_flags(reference, algo):
+    results = run_ranks(4, gpt_step, 1, 4, ["--cp-algo", algo, "--cp-ring", "double", "--cp-ranks-per-node", "2"])
+    for rank, res in enumerate(results):
+        assert res["nodes"] == 2
+        _assert_matches(res, reference, f"CP=4 as 2 nodes x 2, {algo}, rank {rank}")
+
+
+def test_ranks_per_node_from_the_launcher(monkeypatch):
+    from megatron_burst.megatron.args import default_cp_ranks_per_node
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert default_cp_ranks_per_node(cp_size=16, tp_size=2) == 4  # TP fastest: 4 CP ranks per node
+    assert default_cp_ranks_per_node(cp_size=2, tp_size=2) == 2  # the CP group fits in a node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
+    with pytest.raises(ValueError, match="--cp-ranks-per-node"):
+        default_cp_ranks_per_node(cp_size=8, tp_size=1)  # 6 ranks per node cannot split 8
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert default_cp_ranks_per_node(cp_size=4, tp_size=1) == 4
+
+
+def test_flag_errors():
+    from megatron_burst.megatron.args import cp_options_from_args
+
+    with pytest.raises(ValueError, match="needs activation recompute"):
+        cp_options_from_args(small_args(["--seq-selective-ckpt-ratio", "0.5"]))
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        cp_options_from_args(small_args(["--seq-selective-ckpt-ratio", "1.5", "--recompute-granularity", "full"]))
+    opts = cp_options_from_args(small_args(["--cp-ring", "double", "--cp-ranks-per-node", "2",
+                                            "--context-parallel-size", "4"]))
+    assert (opts.ring, opts.ranks_per_node) == ("double", 2)
