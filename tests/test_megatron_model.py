@@ -51,9 +51,9 @@ def _full_grad(param: torch.Tensor, tp_group: dist.ProcessGroup) -> torch.Tensor
     return torch.cat(parts, dim=param.partition_dim)
 
 
-def loss_and_full_grads(tp: int, cp: int, extra: Optional[List[str]] = None, seq: int = 24) -> dict:
+def build_and_step(tp: int, cp: int, extra: Optional[List[str]] = None, seq: int = 24):
     """The tiny GPT at TP x CP: one forward/backward of fixed_batch through the trainer's own
-    functions; returns the global loss and every parameter's full gradient."""
+    functions, gradients all-reduced. Returns (global loss, model, process groups)."""
     from megatron_burst import train
 
     args = small_args(["--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp),
@@ -66,9 +66,18 @@ def loss_and_full_grads(tp: int, cp: int, extra: Optional[List[str]] = None, seq
     model = train.build_model(args, opts, topo, groups, device)
     loss = train.loss_and_grads(model, [fixed_batch(seq)], opts, groups, device)
     train.allreduce_grads(model, groups)
-    grads = {name: _full_grad(p, groups.tp) for name, p in model.named_parameters()}
+    return loss.item(), model, groups
+
+
+def full_grads(model, groups) -> Dict[str, torch.Tensor]:
+    return {name: _full_grad(p, groups.tp) for name, p in model.named_parameters()}
+
+
+def loss_and_full_grads(tp: int, cp: int, extra: Optional[List[str]] = None, seq: int = 24) -> dict:
+    """The global loss and every parameter's full gradient of one step (see build_and_step)."""
+    loss, model, groups = build_and_step(tp, cp, extra, seq)
     attn = model.decoder.layers[0].self_attention.core_attention
-    return {"loss": loss.item(), "grads": grads, "algo": attn.options.algo,
+    return {"loss": loss, "grads": full_grads(model, groups), "algo": attn.options.algo,
             "layout": attn.options.layout, "rope": type(getattr(model, "rotary_pos_emb", None)).__name__}
 
 

@@ -3,32 +3,20 @@ checkpointing) and on a double ring: same loss and gradients as CP = 1 without r
 from typing import List, Optional
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from harness import run_ranks
-from test_megatron_model import _assert_matches, _full_grad, fixed_batch, small_args, VOCAB
+from test_megatron_model import _assert_matches, build_and_step, full_grads, small_args
 
 
 def gpt_step(tp: int, cp: int, extra: Optional[List[str]] = None, seq: int = 24) -> dict:
     """One forward/backward of the tiny GPT; also reports what the attention modules did."""
-    from megatron_burst import train
     from megatron_burst.topology import CPTopology
 
-    args = small_args(["--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp),
-                       "--seq-length", str(seq)] + list(extra or []))
-    opts, topo = train.validate_args(args, dist.get_world_size())
-    args.padded_vocab_size = VOCAB
-    groups = train.init_parallel(topo)
-    device = torch.device("cpu")
-    train.seed_everything(args.seed, device)
-    model = train.build_model(args, opts, topo, groups, device)
-    loss = train.loss_and_grads(model, [fixed_batch(seq)], opts, groups, device)
-    train.allreduce_grads(model, groups)
+    loss, model, groups = build_and_step(tp, cp, extra, seq)
     attns = [layer.self_attention.core_attention for layer in model.decoder.layers]
     caches = [a.selective_cache for a in attns if a.selective_cache is not None]
     target = attns[0].cp_target
-    return {"loss": loss.item(), "grads": {n: _full_grad(p, groups.tp) for n, p in model.named_parameters()},
+    return {"loss": loss, "grads": full_grads(model, groups),
             "hits": [c.hits for c in caches], "left": [len(c) for c in caches],
             "nodes": target.num_nodes if isinstance(target, CPTopology) else 1}
 
