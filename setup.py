@@ -10,7 +10,7 @@ setup(
     # installs torch==2.13.0 when it is absent.
     install_requires=["torch>=2.6", "megatron-core>=0.15,<0.17", "numpy"],
     extras_require={
-        "test": ["pytest>=7"],
+        "test": ["pytest>=7", "triton"],  # triton: its CPU interpreter tests the GPU kernels
         "bench": ["matplotlib"],
         "triton": ["triton"],
         "gpu": ["flash-attn", "transformer-engine"],

@@ -5,6 +5,7 @@ Public API (functional, usable without Megatron):
   cp_attention                            -- context-parallel attention (ring, burst, auto)
   build_cp_topology                       -- intra/inter-node rings for the topology-aware double ring
   comm_counter                            -- byte accounting of every CP transfer
+  fused_linear_cross_entropy               -- LM head + vocab-parallel CE without N x V logits
 Megatron integration: megatron_burst.specs, megatron_burst.add_args, get_batch_on_this_cp_rank.
 """
 from megatron_burst.layout import LAYOUTS, layout_indices, shard, unshard
@@ -20,6 +21,9 @@ def __getattr__(name):
     if name == "add_args":
         from megatron_burst.megatron.args import add_args
         return add_args
+    if name == "fused_linear_cross_entropy":
+        from megatron_burst.loss import fused_linear_cross_entropy
+        return fused_linear_cross_entropy
     if name == "get_batch_on_this_cp_rank":
         from megatron_burst.megatron.batch import get_batch_on_this_cp_rank
         return get_batch_on_this_cp_rank
@@ -27,4 +31,4 @@ def __getattr__(name):
 
 
 __all__ = ["LAYOUTS", "CP_ALGOS", "layout_indices", "shard", "unshard", "cp_attention", "build_cp_topology", "comm_counter",
-           "add_args", "get_batch_on_this_cp_rank"]
+           "add_args", "get_batch_on_this_cp_rank", "fused_linear_cross_entropy"]

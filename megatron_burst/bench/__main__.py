@@ -1,4 +1,4 @@
-"""``python -m megatron_burst.bench <name> [options]``: attention | kernels | multinode."""
+"""``python -m megatron_burst.bench <name> [options]``: attention | kernels | multinode | loss."""
 import importlib
 import sys
 
@@ -6,6 +6,7 @@ BENCHES = {
     "attention": "megatron_burst.bench.attention",
     "kernels": "megatron_burst.bench.kernels",
     "multinode": "megatron_burst.bench.multinode",
+    "loss": "megatron_burst.bench.loss",
 }
 
 

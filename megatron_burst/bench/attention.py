@@ -2,8 +2,8 @@
 
     python -m megatron_burst.bench attention --world-size 4 --seq 8192 --heads 8 --head-dim 64
 
-Times are medians over ``--repeats`` after a warm-up, taken on rank 0 between barriers; ratios are
-to ring (same layout) in the same run. On a 2-core machine the ranks share cores, so absolute
+Times are medians over ``--repeats`` after a warm-up, taken between barriers; the algorithms are
+interleaved within each repeat and ratios are to ring (same layout) in the same run. On a 2-core machine the ranks share cores, so absolute
 times are compute-bound; the byte columns are exact.
 """
 from __future__ import annotations
@@ -19,34 +19,47 @@ import megatron_burst as mb
 from megatron_burst.bench.launch import run_local
 
 
-def _measure(algo, layout, args):
+def _inputs(args):
     W, r = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(1234 + r)
     n = args.seq // W
     dtype = getattr(torch, args.dtype)
     mk = lambda h: torch.randn(n, args.batch, h, args.head_dim, dtype=dtype)  # noqa: E731
-    q, k, v, dout = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
-    fwd, bwd = [], []
-    for i in range(args.warmup + args.repeats):
-        ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
-        with mb.comm_counter() as c:
-            dist.barrier()
-            t0 = time.perf_counter()
-            out = mb.cp_attention(ql, kl, vl, algo=algo, layout=layout, causal=not args.full)
-            dist.barrier()
-            t1 = time.perf_counter()
-            out.backward(dout)
-            dist.barrier()
-            t2 = time.perf_counter()
-        if i >= args.warmup:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-    return dict(fwd=statistics.median(fwd), bwd=statistics.median(bwd),
-                fwd_bytes=c.bytes("sent", "forward"), bwd_bytes=c.bytes("sent", "backward"))
+    return mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
+
+
+def _once(algo, layout, tensors, args):
+    """One timed forward + backward (between barriers, so the slowest rank sets the time)."""
+    q, k, v, dout = tensors
+    ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+    with mb.comm_counter() as c:
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = mb.cp_attention(ql, kl, vl, algo=algo, layout=layout, causal=not args.full)
+        dist.barrier()
+        t1 = time.perf_counter()
+        out.backward(dout)
+        dist.barrier()
+        t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, c.bytes("sent", "forward"), c.bytes("sent", "backward")
 
 
 def _all(args):
-    return {(a, l): _measure(a, l, args) for l in args.layouts for a in args.algos}
+    """Algorithms interleaved within every repeat, so machine noise falls on all of them alike."""
+    tensors = _inputs(args)
+    samples = {(a, l): [] for l in args.layouts for a in args.algos}
+    for i in range(args.warmup + args.repeats):
+        for layout in args.layouts:
+            for algo in args.algos:
+                res = _once(algo, layout, tensors, args)
+                if i >= args.warmup:
+                    samples[(algo, layout)].append(res)
+    out = {}
+    for key, runs in samples.items():
+        out[key] = dict(fwd=statistics.median(r[0] for r in runs), bwd=statistics.median(r[1] for r in runs),
+                        total=statistics.median(r[0] + r[1] for r in runs),
+                        fwd_bytes=runs[-1][2], bwd_bytes=runs[-1][3])
+    return out
 
 
 def main(argv=None) -> None:
@@ -76,7 +89,7 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for (algo, layout), m in res.items():
         base = res.get(("ring", layout), m)
-        tot, base_tot = m["fwd"] + m["bwd"], base["fwd"] + base["bwd"]
+        tot, base_tot = m["total"], base["total"]
         print(f"| {layout} | {algo} | {m['fwd']:.3f} | {m['bwd']:.3f} | {tot:.3f} | {tot / base_tot:.2f} | "
               f"{m['fwd_bytes'] / 1e6:.2f} | {m['bwd_bytes'] / 1e6:.2f} | {m['bwd_bytes'] / base['bwd_bytes']:.3f} |")
 

@@ -1,0 +1,14 @@
+"""Fused vocab-parallel LM head + cross-entropy (BurstEngine §3.3) and its baselines.
+
+  fused_linear_cross_entropy      -- the fused op: no N x V tensor, no vocabulary matmul in backward
+  recompute_linear_cross_entropy  -- chunked, recomputes logits in backward (CCE-style baseline)
+  reference_linear_cross_entropy  -- plain full-logits fp32 autograd version (tests)
+  backward_paths, FusedLossRecomputeWarning -- which backward path the fused op took
+"""
+from megatron_burst.loss.fused import (DEFAULT_TILE_ELEMS, FusedLossRecomputeWarning, backward_paths,
+                                       fused_linear_cross_entropy)
+from megatron_burst.loss.recompute import recompute_linear_cross_entropy
+from megatron_burst.loss.reference import reference_linear_cross_entropy
+
+__all__ = ["fused_linear_cross_entropy", "recompute_linear_cross_entropy", "reference_linear_cross_entropy",
+           "backward_paths", "FusedLossRecomputeWarning", "DEFAULT_TILE_ELEMS"]
