@@ -285,7 +285,7 @@ def build_model(args: argparse.Namespace, opts: CPOptions, topo: Topology, group
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base, pg_collection=groups.pg_collection,
-        cp_layout=opts.layout, cp_stripe=opts.stripe,
+        cp_layout=opts.layout, cp_stripe=opts.stripe, fused_lm_loss=args.fused_lm_loss,
     )
     return model.to(device)
 
@@ -369,7 +369,8 @@ def loss_and_grads(model: torch.nn.Module, batches: Sequence[Dict[str, torch.Ten
         raise ValueError("the global batch has no loss tokens (loss_mask is all zero)")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for b in local:
-        losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"])  # [b, s_local]
+        losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"],
+                       loss_mask=b["loss_mask"])  # [b, s_local]
         loss = (losses.float() * b["loss_mask"].float()).sum() / num_tokens.float()
         loss.backward()
         total += loss.detach().to(torch.float64)

@@ -127,6 +127,10 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "(out, lse) for this later fraction of each sequence and recompute only "
                             "the earlier part (0.5: half the stored bytes of storing everything, "
                             "1/4 of the attention recompute FLOPs)")
+    group.add_argument("--fused-lm-loss", action="store_true",
+                       help="while training, compute the LM head and vocab-parallel cross-entropy in "
+                            "one fused op that never builds the [s, b, V/tp] logits "
+                            "(megatron_burst.fused_linear_cross_entropy)")
     return parser
 
 

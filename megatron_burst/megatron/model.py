@@ -1,4 +1,5 @@
-"""``BurstGPTModel``: Megatron-Core's GPTModel with RoPE that follows the CP sequence layout."""
+"""``BurstGPTModel``: Megatron-Core's GPTModel with RoPE that follows the CP sequence layout and,
+optionally, the fused LM head + cross-entropy loss."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,13 +13,46 @@ class BurstGPTModel(GPTModel):
     """GPTModel whose rotary embedding slices positions with the CP layout's ``layout_indices``.
 
     Takes GPTModel's arguments plus ``cp_layout`` and ``cp_stripe``, which must match the layer
-    spec's and the batch slicing's. The CP group is ``pg_collection.cp`` (GPTModel resolves
-    ``pg_collection=None`` from megatron.core.parallel_state). Parameters and state dict are
-    GPTModel's: checkpoints are interchangeable with a plain GPTModel.
+    spec's and the batch slicing's, and ``fused_lm_loss``: while training with labels, the
+    per-token loss [b, s] comes from :func:`megatron_burst.fused_linear_cross_entropy` over the
+    decoder's hidden states, never building the [s, b, V/tp] logits (evaluation, inference and
+    calls without labels still return logits). Pass ``loss_mask`` to ``forward`` (as Megatron-LM's
+    pretrain_gpt does) so the fused backward can reuse the gradients formed in the forward.
+    The CP group is ``pg_collection.cp`` (GPTModel resolves ``pg_collection=None`` from
+    megatron.core.parallel_state). Parameters and state dict are GPTModel's: checkpoints are
+    interchangeable with a plain GPTModel.
     """
 
-    def __init__(self, *args: Any, cp_layout: str = "zigzag", cp_stripe: int = 1, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, cp_layout: str = "zigzag", cp_stripe: int = 1, fused_lm_loss: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cp_layout = cp_layout
         self.cp_stripe = cp_stripe
+        self.fused_lm_loss = fused_lm_loss
+        if fused_lm_loss:
+            if not self.post_process:
+                raise ValueError("fused_lm_loss needs the output layer: it applies to the last pipeline stage only; "
+                                 "construct with post_process=True there")
+            if getattr(self.output_layer, "bias", None) is not None:
+                raise ValueError("fused_lm_loss does not support an output-layer bias: build the model without it "
+                                 "(add_bias_linear only affects hidden layers; the GPT output layer has none)")
+            if getattr(self, "mtp_process", False):
+                raise ValueError("fused_lm_loss with multi-token prediction is not supported: unset --mtp-num-layers "
+                                 "or --fused-lm-loss")
         use_layout_rope(self, cp_layout, self.pg_collection.cp, cp_stripe)
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args: Any, **kwargs: Any):
+        use_fused = (self.fused_lm_loss and self.training and labels is not None
+                     and kwargs.get("inference_context") is None and not kwargs.get("mtp_in_postprocess"))
+        if not use_fused:
+            return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
+        from megatron_burst.loss import fused_linear_cross_entropy
+
+        weight = (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
+                  else self.output_layer.weight)
+        loss_mask = kwargs.get("loss_mask")
+        loss = fused_linear_cross_entropy(
+            hidden_states, weight, labels.transpose(0, 1),  # [b, s] -> [s, b] like hidden_states
+            tp_group=self.pg_collection.tp, sequence_parallel=self.config.sequence_parallel,
+            loss_mask=None if loss_mask is None else loss_mask.transpose(0, 1))
+        return loss.transpose(0, 1).contiguous()  # [b, s], as GPTModel's compute_language_model_loss
