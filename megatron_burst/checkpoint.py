@@ -7,8 +7,12 @@ stores (out, lse) of the *later* ``stored_fraction`` of the global sequence duri
 store. Storing the later half (0.5) keeps half of what storing every attention output would
 ("selective++") and skips 3/4 of the recomputed attention FLOPs.
 
-"Earlier/later" is by global token position. Every layout keeps a rank's tokens in increasing
-global order, so the earlier tokens are a prefix of the local rows, on every rank, in every layout.
+"Earlier/later" is by global token position, per rank: each rank stores its ``stored_fraction``
+latest queries. Every layout keeps a rank's tokens in increasing global order, so those are the
+last local rows and the recomputed ones a prefix, on every rank, in every layout; every rank
+stores the same number of bytes. With zigzag and striped at 0.5 this is exactly the later half of
+the global sequence; striped also gives every rank the same recompute work, while under zigzag the
+rank holding the later early chunk recomputes more (rank r's earlier chunk costs ~ 2r + 1).
 
 The store is one :class:`SelectiveAttentionCache` per layer: a FIFO of entries, one per
 micro-batch in flight, matched on recompute by a fingerprint of (q, k, v). Recompute runs in the
@@ -26,7 +30,6 @@ import torch
 
 from megatron_burst.algorithms import _CPAttention, prepare
 from megatron_burst.algorithms.ring import kv_ring_forward
-from megatron_burst.layout import rows_before
 
 
 @dataclass
@@ -50,6 +53,7 @@ class SelectiveAttentionCache:
         self.hits = 0
         self.misses = 0
         self.dropped = 0
+        self.peak_nbytes = 0  # the most this cache held at once (the stored-activation cost)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -64,6 +68,7 @@ class SelectiveAttentionCache:
             self._entries.popleft()
             self.dropped += 1
         self._entries.append(entry)
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
 
     def take(self, key: tuple) -> Optional[_Entry]:
         """The entry for ``key``, dropping older ones (they can no longer be recomputed), or None."""
@@ -87,12 +92,11 @@ def fingerprint(*tensors: torch.Tensor) -> tuple:
     return tuple((tuple(t.shape), t.dtype) for t in tensors) + tuple(sums)
 
 
-def stored_rows(seq_len: int, stored_fraction: float, rank: int, world_size: int, layout: str, stripe: int) -> int:
-    """Local rows recomputed (those before the stored later part): a prefix of the local tokens."""
+def stored_rows(local_len: int, stored_fraction: float) -> int:
+    """Local rows recomputed: all but this rank's ``stored_fraction`` latest queries (a prefix)."""
     if not 0.0 <= stored_fraction <= 1.0:
         raise ValueError(f"stored fraction {stored_fraction} must be within [0, 1] (--seq-selective-ckpt-ratio)")
-    boundary = seq_len - int(round(stored_fraction * seq_len))
-    return rows_before(boundary, seq_len, rank, world_size, layout, stripe)
+    return local_len - int(round(stored_fraction * local_len))
 
 
 def selective_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cache: SelectiveAttentionCache,
@@ -105,9 +109,8 @@ def selective_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     cp_attention.
     """
     p = prepare(q, k, v, **cp_kwargs)
-    topo, plan = p.plan.topology, p.plan
-    n = p.q.shape[2]
-    rows = stored_rows(n * topo.world_size, stored_fraction, topo.rank, topo.world_size, plan.layout, plan.stripe)
+    plan = p.plan
+    rows = stored_rows(p.q.shape[2], stored_fraction)
     key = fingerprint(q, k, v)
     if not torch.is_grad_enabled():
         out, lse = kv_ring_forward(p.q.contiguous(), p.k.contiguous(), p.v.contiguous(), plan)

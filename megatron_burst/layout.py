@@ -182,15 +182,6 @@ def block_mask(layout: str, q_rank: int, kv_rank: int, world_size: int, local_le
     return BlockMask("causal" if stripe == 1 else "block_causal", stripe, n, 0, n - stripe, stripe)
 
 
-def rows_before(position: int, seq_len: int, rank: int, world_size: int, layout: str, stripe: int = 1) -> int:
-    """How many of ``rank``'s local tokens have global position < ``position``.
-
-    Local order is increasing global order in every layout, so these tokens are a prefix of the
-    local rows.
-    """
-    return int((layout_indices(seq_len, rank, world_size, layout, stripe) < position).sum())
-
-
 def global_causal_mask(layout: str, q_rank: int, kv_rank: int, world_size: int, local_len: int,
                        stripe: int = 1) -> torch.Tensor:
     """Boolean [n, n] causal visibility computed from global positions (the definition tests check against)."""

@@ -44,8 +44,10 @@ def selective_vs_plain(layout, algo, stored_fraction, local_len=8, heads=(4, 2),
         first = selective_cp_attention(sh(q), sh(k), sh(v), cache=cache, stored_fraction=stored_fraction, **kw)
     stored = cache.nbytes
     leaves = [sh(t).requires_grad_() for t in (q, k, v)]
-    out, recompute_area = _attention_area(
-        lambda: selective_cp_attention(*leaves, cache=cache, stored_fraction=stored_fraction, **kw))
+    with mb.comm_counter() as counter:
+        out, recompute_area = _attention_area(
+            lambda: selective_cp_attention(*leaves, cache=cache, stored_fraction=stored_fraction, **kw))
+    recompute_fwd_bytes = counter.bytes("sent", phase="forward")
     out.backward(sh(dout))
     errs = {
         "first": (first - ref_out).abs().max().item(),
@@ -53,8 +55,10 @@ def selective_vs_plain(layout, algo, stored_fraction, local_len=8, heads=(4, 2),
         **{f"d{n}": (l.grad - g).abs().max().item() for n, l, g in zip("qkv", leaves, ref_grads)},
     }
     all_bytes = ref_out.numel() * 4 + ref_out.shape[0] * ref_out.shape[1] * ref_out.shape[2] * 4  # out + lse
+    full_fwd_bytes = (W - 1) * 2 * ref_out.shape[1] * local_len * heads[1] * d * 4  # K,V of the whole block
     return dict(errs=errs, left=len(cache), hits=cache.hits, stored=stored, all_bytes=all_bytes,
-                recompute_area=recompute_area, full_area=full_area)
+                recompute_area=recompute_area, full_area=full_area, recompute_fwd_bytes=recompute_fwd_bytes,
+                full_fwd_bytes=full_fwd_bytes)
 
 
 def stale_entry_is_never_served():

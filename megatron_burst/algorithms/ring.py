@@ -38,8 +38,25 @@ def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Rin
             o, l = block_forward(q, kv[0], kv[1], mask, plan.scale, plan.kernel)
             merge_into(out[:, :, mask.q_slice], lse[:, :, mask.q_slice], o, l)
 
-    cp_ring_pass(plan, [torch.stack([k, v])], lambda owner, t: visit(owner, t[0]), "forward")
+    if q_rows == 0:  # every row comes from the selective-checkpoint store: nothing to compute or send
+        return out.to(q.dtype), lse
+    kv_len = n if q_rows is None else needed_kv_rows(plan, n, q_rows)
+    cp_ring_pass(plan, [torch.stack([k[:, :, :kv_len], v[:, :, :kv_len]])], lambda owner, t: visit(owner, t[0]),
+                 "forward")
     return out.to(q.dtype), lse
+
+
+def needed_kv_rows(plan: RingPlan, n: int, q_rows: int) -> int:
+    """How many leading K,V rows of any block some rank's query rows [0, q_rows) can see.
+
+    Under causal masking early queries see only early keys, so a recompute of the earlier rows
+    circulates only that prefix of every K,V block (the same length on every rank: q_rows is).
+    """
+    if not plan.causal:
+        return n
+    W = plan.world_size
+    return max(block_mask(plan.layout, i, j, W, n, True, plan.stripe).clip_rows(q_rows).kv_stop
+               for i in range(W) for j in range(W))
 
 
 def ring_backward(dout, q, k, v, D, lse, plan: RingPlan):

@@ -1,4 +1,4 @@
-"""``python -m megatron_burst.bench <name> [options]``: attention | kernels | multinode | loss."""
+"""``python -m megatron_burst.bench <name> [options]``: attention | kernels | multinode | loss | ckpt."""
 import importlib
 import sys
 
@@ -7,6 +7,7 @@ BENCHES = {
     "kernels": "megatron_burst.bench.kernels",
     "multinode": "megatron_burst.bench.multinode",
     "loss": "megatron_burst.bench.loss",
+    "ckpt": "megatron_burst.bench.ckpt",
 }
 
 
