@@ -85,10 +85,14 @@ def test_spec_wiring():
     from megatron_burst.specs import get_gpt_layer_spec
 
     spec = get_gpt_layer_spec(cp_algo="ring", cp_layout="striped", cp_stripe=2, use_te=False,
+                              cp_ring="double", cp_ranks_per_node=4, seq_selective_ckpt_ratio=0.5,
                               normalization="RMSNorm", qk_layernorm=True)
     core = spec.submodules.self_attention.submodules.core_attention
     assert core.module is BurstCoreAttention
-    assert core.params == {"cp_algo": "ring", "cp_layout": "striped", "cp_stripe": 2}
+    assert core.params == {"cp_algo": "ring", "cp_layout": "striped", "cp_stripe": 2, "cp_ring": "double",
+                           "cp_ranks_per_node": 4, "seq_selective_ckpt_ratio": 0.5}
+    with pytest.raises(ValueError, match="--cp-ring"):
+        get_gpt_layer_spec(cp_ring="triple", use_te=False)
     # more_options reach Megatron's spec builder (qk_layernorm turns IdentityOp into a norm)
     assert spec.submodules.self_attention.submodules.q_layernorm is not IdentityOp
     plain = get_gpt_layer_spec(use_te=False)

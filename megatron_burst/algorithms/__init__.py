@@ -21,7 +21,6 @@ import torch.distributed as dist
 from megatron_burst.algorithms import burst, ring
 from megatron_burst.algorithms.schedule import RingPlan
 from megatron_burst.layout import check_layout, check_local_len
-from megatron_burst.plan import AttnShape, Cluster, choose_backward
 from megatron_burst.topology import RING_SHAPES, CPTopology, single_node_topology
 
 CP_ALGOS = ("ring", "burst", "auto")
@@ -39,6 +38,9 @@ def resolve_algo(algo: str, b: int, hq: int, hkv: int, n: int, d: int, elem: int
         return algo
     if world_size == 1:
         return "burst"
+    # imported here so that `python -m megatron_burst.plan` does not find itself pre-imported
+    from megatron_burst.plan import AttnShape, Cluster, choose_backward
+
     cluster = Cluster(nodes=nodes, gpus_per_node=world_size // nodes)
     shape = AttnShape(seq=n * world_size, heads=hq, kv_heads=hkv, head_dim=d, batch=b, elem=elem, causal=causal)
     return choose_backward(cluster, shape, ring if nodes > 1 else "flat")

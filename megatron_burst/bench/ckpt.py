@@ -73,6 +73,32 @@ def _rank(args) -> dict:
     return {"times": {k: statistics.median(v) for k, v in times.items()}, "stored": stored, "losses": losses}
 
 
+def _plot(times: dict, stored: dict, path: str) -> None:
+    """Stored attention bytes against step time, one point per mode."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot skipped: matplotlib is not installed (pip install matplotlib)")
+        return
+    import os
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    for name in times:
+        if name == "no recompute":
+            continue
+        ax.scatter(stored[name] / 1e6, times[name], s=40)
+        ax.annotate(name, (stored[name] / 1e6, times[name]), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    ax.set_xlabel("stored attention (out, lse) per rank, MB")
+    ax.set_ylabel("training step, s (median)")
+    ax.set_title("sequence-level selective checkpointing vs alternatives", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m megatron_burst.bench ckpt", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -87,6 +113,7 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--plot", default="docs/ckpt.png", help="'' to skip")
     args = p.parse_args(argv)
     res = run_local(args.cp, _rank, args, threads=args.threads)
     times = {k: max(r["times"][k] for r in res) for k in res[0]["times"]}
@@ -103,6 +130,8 @@ def main(argv=None) -> None:
             kept, rel = f"{stored[name] / 1e6:.2f}", f"{stored[name] / stored['selective++']:.2f}"
         print(f"| {name} | {kept} | {rel} | {times[name]:.3f} | "
               f"{times[name] / times['selective++']:.3f} | {times['full recompute'] / times[name]:.2f}x |")
+    if args.plot:
+        _plot(times, stored, args.plot)
     losses = res[0]["losses"]
     spread = max(losses.values()) - min(losses.values())
     print(f"losses agree across modes: max difference {spread:.2e} (loss {losses[seq_name]:.6f})")

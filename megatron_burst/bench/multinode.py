@@ -10,7 +10,8 @@ and reports how much of the inter-node transfer time was hidden behind other wor
     hidden = 1 - (time blocked waiting on inter-node transfers) / (inter-node transfer time)
 
 where the transfer time is the inter-node bytes divided by the link rate measured in the same run
-(an isolated exchange over the inter-node ring). Writes a markdown table and a plot.
+(an isolated exchange over the inter-node ring). Variants are interleaved within each repeat.
+Writes a markdown table and a plot.
 """
 from __future__ import annotations
 
@@ -55,10 +56,10 @@ def _worker(args) -> None:
             dist.barrier()
         rate = block.numel() * block.element_size() / statistics.median(times)
 
-    results = {}
-    for algo, ring in VARIANTS:
-        runs = []
-        for i in range(args.warmup + args.repeats):
+    # variants interleaved within every repeat, so machine noise falls on all of them alike
+    results = {f"{algo}/{ring}": [] for algo, ring in VARIANTS}
+    for i in range(args.warmup + args.repeats):
+        for algo, ring in VARIANTS:
             ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
             dist.barrier()
             with mb.comm_counter() as c:
@@ -70,10 +71,9 @@ def _worker(args) -> None:
             dist.barrier()
             if i >= args.warmup:
                 inter_bytes = c.bytes("sent", link="inter")
-                runs.append(dict(fwd=t1 - t0, bwd=t2 - t1, inter_bytes=inter_bytes, intra_bytes=c.bytes("sent", link="intra"),
-                                 inter_wait=c.wait_seconds(link="inter"),
-                                 inter_transfer=inter_bytes / rate if rate else 0.0))
-        results[f"{algo}/{ring}"] = runs
+                results[f"{algo}/{ring}"].append(dict(
+                    fwd=t1 - t0, bwd=t2 - t1, inter_bytes=inter_bytes, intra_bytes=c.bytes("sent", link="intra"),
+                    inter_wait=c.wait_seconds(link="inter"), inter_transfer=inter_bytes / rate if rate else 0.0))
     with open(os.path.join(args.out, f"rank{r}.json"), "w") as f:
         json.dump({"rank": r, "rate": rate, "results": results}, f)
     dist.destroy_process_group()
