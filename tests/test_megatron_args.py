@@ -102,7 +102,8 @@ def test_spec_wiring():
     module_level = import_module(("megatron_burst.specs", "gpt_layer_spec"))
     assert isinstance(module_level, ModuleSpec)
     params = module_level.submodules.self_attention.submodules.core_attention.params
-    assert params == {"cp_algo": None, "cp_layout": None, "cp_stripe": None}
+    assert params == {"cp_algo": None, "cp_layout": None, "cp_stripe": None, "cp_ring": None,
+                      "cp_ranks_per_node": None, "seq_selective_ckpt_ratio": None}
 
 
 @pytest.mark.parametrize("kwargs,needle", [
