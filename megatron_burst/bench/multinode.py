@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 
 VARIANTS = [("ring", "flat"), ("burst", "flat"), ("ring", "double"), ("burst", "double")]
@@ -114,7 +115,8 @@ def _plot(summary, path, title) -> bool:
     for i, n in enumerate(names):
         ax.text(i, summary[n]["total"], f"{summary[names[0]]['total'] / summary[n]['total']:.2f}x", ha="center", va="bottom")
     ax.set_ylabel("seconds per fwd+bwd (median)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=8)
+    ax.set_ylim(0, max(summary[n]["total"] for n in names) * 1.15)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
