@@ -101,3 +101,35 @@ def test_selection_and_override(monkeypatch):
     assert kernels.select(q32, "causal", "forward") is reference
     with pytest.raises(ValueError, match="unknown attention kernel"):
         kernels.select(q32, "causal", "forward", "fast")
+
+
+def test_self_check_accepts_a_correct_kernel_and_rejects_a_broken_one():
+    assert kernels.verify(cpu_flash, torch.device("cpu"), torch.float32)
+    assert kernels.verify(tiled, torch.device("cpu"), torch.bfloat16)
+
+    class WrongBackward:  # e.g. a fused op whose backward ignores the D it is given
+        __name__ = "wrong_backward"
+        forward = staticmethod(cpu_flash.forward)
+
+        @staticmethod
+        def backward(dout, q, k, v, D, lse, kind, block, scale):
+            return cpu_flash.backward(dout, q, k, v, torch.zeros_like(D), lse, kind, block, scale)
+
+    class Raises:  # e.g. an op this torch build lacks
+        __name__ = "raises"
+
+        @staticmethod
+        def forward(*args):
+            raise RuntimeError("no such op")
+
+    assert not kernels.verify(WrongBackward, torch.device("cpu"), torch.float32)
+    assert not kernels.verify(Raises, torch.device("cpu"), torch.float32)
+
+
+def test_a_kernel_that_fails_its_self_check_is_not_used(monkeypatch):
+    monkeypatch.setattr(kernels, "_VERIFIED", {})
+    monkeypatch.setattr(kernels, "verify", lambda impl, device, dtype: False)
+    q = torch.zeros(1, 1, 4, 8)
+    with pytest.warns(UserWarning, match="failed its self-check"):
+        assert not kernels._fused_gpu_ok(cpu_flash, q)
+    assert not kernels._fused_gpu_ok(cpu_flash, q)  # remembered, warned once

@@ -7,10 +7,16 @@ Default choice, measured on this project's CPU machine (``python -m megatron_bur
 the CPU flash op is ~2x faster than the tiled kernel in fp32, forward and backward; in bf16 its
 forward is still faster but its backward is ~4x slower (and rounds in bf16), so bf16 backward uses
 the tiled kernel. Override with MEGATRON_BURST_KERNEL=<name> (both directions) for experiments.
+
+A fused GPU backend is used only after it has checked itself on the device: the first time it would
+be chosen for a (device, dtype), a small causal and full block runs through it and through the
+reference, forward and backward; on any mismatch or error it is dropped for that (device, dtype)
+with a warning and the tiled kernel is used instead.
 """
 from __future__ import annotations
 
 import os
+import warnings
 from types import ModuleType
 from typing import Optional
 
@@ -24,6 +30,44 @@ BACKENDS: dict[str, ModuleType] = {
 }
 
 
+_VERIFIED: dict[tuple, bool] = {}
+
+
+def verify(impl: ModuleType, device: torch.device, dtype: torch.dtype, tol: float = 3e-2) -> bool:
+    """Check ``impl`` against the reference on a small GQA block (causal and full, fwd and bwd).
+
+    Errors are measured relative to the reference's largest magnitude; ``tol`` allows for bf16.
+    """
+    g = torch.Generator().manual_seed(0)
+    mk = lambda h: torch.randn(1, h, 64, 64, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    q, k, v, do = mk(4), mk(2), mk(2), mk(4)
+    try:
+        for kind in ("causal", "full"):
+            ref_out, ref_lse = reference.forward(q, k, v, kind, 1, 0.125)
+            D = (do.float() * ref_out.float()).sum(-1)
+            ref = (ref_out, ref_lse) + reference.backward(do, q, k, v, D, ref_lse, kind, 1, 0.125)
+            out, lse = impl.forward(q, k, v, kind, 1, 0.125)
+            got = (out, lse) + tuple(impl.backward(do, q, k, v, D, ref_lse, kind, 1, 0.125))
+            for a, b in zip(got, ref):
+                if a.shape != b.shape:
+                    return False
+                if (a.float() - b.float()).abs().max() > tol * b.float().abs().max().clamp_min(1.0):
+                    return False
+    except Exception:  # an op missing or with another signature in this torch build
+        return False
+    return True
+
+
+def _fused_gpu_ok(impl: ModuleType, q: torch.Tensor) -> bool:
+    key = (impl.__name__, q.device, q.dtype)
+    if key not in _VERIFIED:
+        _VERIFIED[key] = verify(impl, q.device, q.dtype)
+        if not _VERIFIED[key]:
+            warnings.warn(f"megatron-burst: the {impl.__name__.rsplit('.', 1)[-1]} attention kernel failed its "
+                          f"self-check on {q.device} / {q.dtype}; using the tiled kernel there instead")
+    return _VERIFIED[key]
+
+
 def select(q: torch.Tensor, kind: str, direction: str, name: Optional[str] = None,
            k: Optional[torch.Tensor] = None) -> ModuleType:
     """The backend for a block: ``name`` (or $MEGATRON_BURST_KERNEL) if given, else the measured default."""
@@ -33,7 +77,8 @@ def select(q: torch.Tensor, kind: str, direction: str, name: Optional[str] = Non
             raise ValueError(f"unknown attention kernel {name!r}: choose one of {', '.join(BACKENDS)}")
         return BACKENDS[name]
     if q.is_cuda:
-        return cuda_flash if cuda_flash.supports(q, q if k is None else k, kind) else tiled
+        usable = cuda_flash.supports(q, q if k is None else k, kind) and _fused_gpu_ok(cuda_flash, q)
+        return cuda_flash if usable else tiled
     if q.device.type == "cpu":
         if direction == "forward" or q.dtype == torch.float32:
             return cpu_flash
