@@ -26,8 +26,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_burst.bench.loss import LargestTensor
 from megatron_burst.loss import (FusedLossRecomputeWarning, backward_paths, fused_linear_cross_entropy,
                                  recompute_linear_cross_entropy, reference_linear_cross_entropy)
 
@@ -206,21 +206,6 @@ def run_tied(s=8, b=2, d=16, V=40, seed=5, dtype=torch.float32):
             (grads["output_only"] + grads["embedding_only"] - grads["fused"]).abs().max().item())
 
 
-class MaxAlloc(TorchDispatchMode):
-    """Records the largest tensor (in elements) any op produces while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.max_numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor):
-                self.max_numel = max(self.max_numel, t.numel())
-        return out
-
-
 def largest_tensor(fn_name, s=16, b=4, d=8, V=96, token_chunk=16, vocab_chunk=32, kind="binary"):
     """Largest tensor produced during forward + backward of one path ("fused", "recompute", "megatron")."""
     hidden, weight, labels, mask = make_inputs(s, b, d, V, 11, torch.float32)
@@ -228,7 +213,7 @@ def largest_tensor(fn_name, s=16, b=4, d=8, V=96, token_chunk=16, vocab_chunk=32
     h, w = leaf(hidden), leaf(weight)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FusedLossRecomputeWarning)
-        with MaxAlloc() as probe:
+        with LargestTensor() as probe:
             if fn_name == "fused":
                 loss = fused_linear_cross_entropy(h, w, labels, loss_mask=hint, token_chunk=token_chunk,
                                                   vocab_chunk=vocab_chunk)
@@ -237,7 +222,7 @@ def largest_tensor(fn_name, s=16, b=4, d=8, V=96, token_chunk=16, vocab_chunk=32
             else:
                 loss = reference_linear_cross_entropy(h, w, labels)
             ((loss * r).sum() * scale).backward()
-    return probe.max_numel
+    return probe.numel
 
 
 def bad_input_errors_tp():

@@ -45,7 +45,9 @@ def test_link_bytes_flat_ring(algo, bwd):
 
 
 def test_bad_ranks_per_node_raises_before_any_collective():
-    for msg in run_ranks(4, construction_error, 3):
+    for msg, group_ok in run_ranks(4, construction_error, 3):
         assert msg is not None and "not divisible by ranks_per_node=3" in msg
-    for msg in run_ranks(2, construction_error, 0):
+        assert group_ok
+    for msg, group_ok in run_ranks(2, construction_error, 0):
         assert msg is not None and "positive" in msg
+        assert group_ok

@@ -1,10 +1,11 @@
 """Rank-side bodies of the topology tests: double vs flat rings on an emulated node split."""
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 import megatron_burst as mb
-from attention_cases import HEADS, run_case
+from attention_cases import run_case
 
 _TOPOLOGIES: dict[int, "mb.topology.CPTopology"] = {}
 
@@ -34,9 +35,12 @@ def link_bytes(ranks_per_node: int, ring: str, algo: str):
 
 
 def construction_error(ranks_per_node):
+    """The ValueError message (or None), and whether the world group still works afterwards."""
     try:
         mb.build_cp_topology(None, ranks_per_node)
+        msg = None
     except ValueError as e:
-        t = dist.get_world_size()  # still usable afterwards
-        return str(e)
-    return None
+        msg = str(e)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # would hang or fail if a rank had entered a collective the others skipped
+    return msg, t.item() == dist.get_world_size()

@@ -40,7 +40,7 @@ def _rank(args) -> dict:
             str(args.heads), "--seq-length", str(args.seq), "--micro-batch-size", "1", "--lr", "1e-4",
             "--train-iters", "1", "--context-parallel-size", str(args.cp), "--cp-layout", args.layout,
             "--cp-algo", args.algo]
-    groups = opts = None
+    groups = None
     for name, extra in MODES:
         name = name.format(r=args.ratio)
         targs = train.build_parser().parse_args(base + [e.format(r=args.ratio) for e in extra])

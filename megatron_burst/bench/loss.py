@@ -46,7 +46,7 @@ FULL_GRID = dict(tokens=[4096, 16384], vocab=[32768, 131072], hidden=[1024, 4096
 UNFUSED_BYTES_PER_LOGIT = {"float32": 6, "bfloat16": 8}
 
 
-class _LargestTensor(TorchDispatchMode):
+class LargestTensor(TorchDispatchMode):
     """Records the largest tensor (in elements) any op produces while active."""
 
     def __init__(self):
@@ -134,7 +134,7 @@ def _worker(spec: dict) -> dict:
         peak = torch.cuda.max_memory_allocated() - base
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    with _LargestTensor() as probe:  # after the memory reading: the probe keeps nothing alive
+    with LargestTensor() as probe:  # after the memory reading: the probe keeps nothing alive
         step()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
