@@ -1,13 +1,13 @@
 """LM head + cross-entropy benchmark: fused vs Megatron's unfused path vs a recompute (CCE-style) variant.
 
-    python -m megatron_burst.bench loss                  # small CPU grid (a few minutes on 2 cores)
+    python -m megatron_burst.bench loss --threads 2      # 3 points of the issue's grid (~16 min, 2 cores)
     python -m megatron_burst.bench loss --full           # the issue's grid: N 4K/16K, V 32K/128K, d 1K/4K
     python -m megatron_burst.bench loss --tokens 2048 --vocab 16384 --hidden 512 --dtype bfloat16
 
-The chunked variants process ``--tile-elems / V`` tokens per chunk (a chunk's fp32 logits tile holds
-at most --tile-elems values). The op's default is 2^26; the small default grid shrinks N and V by 4
-each against the issue's grid, so it shrinks the tile by 16 (2^22) -- otherwise a whole small
-problem would fit in one tile and nothing would be chunked.
+The default runs the points of the issue's grid at d = 1024 whose GEMMs a 2-core CPU finishes in
+minutes: (N, V) = (4K, 32K), (4K, 128K), (16K, 32K). ``--full`` adds d = 4096 and (16K, 128K),
+which take hours there (meant for a GPU). The chunked variants process ``--tile-elems / V`` tokens
+per chunk (a chunk's fp32 logits tile holds at most --tile-elems values; the op's default, 2^26).
 
 Variants, each on hidden [N, 1, d], weight [V, d], objective sum(loss * mask) / sum(mask):
   unfused    Megatron: ColumnParallelLinear output layer -> logits [N, V] -> vocab_parallel_cross_entropy
@@ -25,6 +25,7 @@ hours; each run is cut at --timeout seconds and reported as an error line.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -37,8 +38,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 VARIANTS = ("unfused", "fused", "recompute")
-DEFAULT_GRID = dict(tokens=[1024, 4096], vocab=[8192, 32768], hidden=[256], tile_elems=1 << 22)
-FULL_GRID = dict(tokens=[4096, 16384], vocab=[32768, 131072], hidden=[1024, 4096], tile_elems=1 << 26)
+DEFAULT_CONFIGS = [(4096, 32768, 1024), (4096, 131072, 1024), (16384, 32768, 1024)]  # (N, V, d)
+FULL_GRID = dict(tokens=[4096, 16384], vocab=[32768, 131072], hidden=[1024, 4096])
+DEFAULT_TILE_ELEMS = 1 << 26
 # Megatron's unfused path holds about this many bytes per logit at its peak -- fp32: the logits,
 # turned into softmax and gradient in place (4, measured 4.4 with temporaries); bf16: the bf16
 # logits plus their fp32 copy, later the fp32 gradient plus its bf16 cast (6) -- with headroom.
@@ -171,51 +173,58 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m megatron_burst.bench loss", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full", action="store_true", help="the issue's grid (needs a large machine or a GPU)")
-    p.add_argument("--tokens", type=int, nargs="+", help="N values (default: small CPU grid)")
+    p.add_argument("--tokens", type=int, nargs="+", help="N values (with --vocab and --hidden: their product)")
     p.add_argument("--vocab", type=int, nargs="+", help="V values")
     p.add_argument("--hidden", type=int, nargs="+", help="d values")
-    p.add_argument("--tile-elems", type=int, help="fp32 logits per chunk (default: 2^22, 2^26 with --full)")
+    p.add_argument("--tile-elems", type=int, default=DEFAULT_TILE_ELEMS,
+                   help="fp32 logits per chunk (default 2^26, the op's)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per (configuration, variant)")
+    p.add_argument("--plot", default="docs/loss.png", help="peak memory and time per configuration; '' to skip")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(_worker(json.loads(args.worker))))
         return
-    grid = FULL_GRID if args.full else DEFAULT_GRID
-    tokens, vocab, hidden = args.tokens or grid["tokens"], args.vocab or grid["vocab"], args.hidden or grid["hidden"]
-    tile = args.tile_elems or grid["tile_elems"]
+    if args.tokens or args.vocab or args.hidden or args.full:
+        grid = FULL_GRID
+        configs = list(itertools.product(args.tokens or grid["tokens"], args.vocab or grid["vocab"],
+                                         args.hidden or grid["hidden"]))
+    else:
+        configs = DEFAULT_CONFIGS
+    tile = args.tile_elems
     avail = _available_bytes() if args.device == "cpu" else None
     print(f"# LM head + cross-entropy, TP=1, {args.dtype}, {args.device}, {args.threads} thread(s), "
           f"median of {args.repeats} fwd+bwd; peak = memory above the inputs; tile {tile} fp32 logits")
     print("| N | V | d | chunk | N x V fp32 GiB | unfused s | fused s | recompute s | fused/unfused | fused/recompute "
           "| unfused peak GiB | fused peak GiB | recompute peak GiB | largest / NxV: unfused, fused, recompute |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    skipped, errors = [], []
-    for N in tokens:
-        for V in vocab:
-            for d in hidden:
-                need = N * V * UNFUSED_BYTES_PER_LOGIT[args.dtype] + 2 * (N + V) * d * 4
-                if avail is not None and need > 0.8 * avail:
-                    skipped.append(f"N={N} V={V} d={d}: the unfused path needs ~{_gib(need)} GiB, "
-                                   f"{_gib(avail)} GiB available")
-                    continue
-                res = {}
-                for variant in args.variants:
-                    spec = dict(variant=variant, tokens=N, vocab=V, hidden=d, dtype=args.dtype, device=args.device,
-                                repeats=args.repeats, threads=args.threads, tile_elems=tile)
-                    res[variant] = _run(spec, args.timeout)
-                    if "error" in res[variant]:
-                        errors.append(f"N={N} V={V} d={d} {variant}: {res[variant]['error']}")
-                print(_row(N, V, d, max(1, tile // V), res), flush=True)
+    skipped, errors, rows = [], [], []
+    for N, V, d in configs:
+        need = N * V * UNFUSED_BYTES_PER_LOGIT[args.dtype] + 2 * (N + V) * d * 4
+        if avail is not None and need > 0.8 * avail:
+            skipped.append(f"N={N} V={V} d={d}: the unfused path needs ~{_gib(need)} GiB, "
+                           f"{_gib(avail)} GiB available")
+            continue
+        res = {}
+        for variant in args.variants:
+            spec = dict(variant=variant, tokens=N, vocab=V, hidden=d, dtype=args.dtype, device=args.device,
+                        repeats=args.repeats, threads=args.threads, tile_elems=tile)
+            res[variant] = _run(spec, args.timeout)
+            if "error" in res[variant]:
+                errors.append(f"N={N} V={V} d={d} {variant}: {res[variant]['error']}")
+        print(_row(N, V, d, max(1, tile // V), res), flush=True)
+        rows.append(((N, V, d), res))
     for line in skipped:
         print(f"- skipped {line}")
     for e in errors:
         print(f"- error {e}")
+    if args.plot and rows:
+        _plot(rows, args.plot, f"{args.dtype}, {args.device}")
 
 
 def _row(N: int, V: int, d: int, chunk: int, res: dict) -> str:
@@ -238,6 +247,33 @@ def _row(N: int, V: int, d: int, chunk: int, res: dict) -> str:
     return (f"| {N} | {V} | {d} | {min(chunk, N)} | {_gib(nv)} | {t('unfused')} | {t('fused')} | {t('recompute')} | "
             f"{ratio('fused', 'unfused')} | {ratio('fused', 'recompute')} | {m('unfused')} | {m('fused')} | "
             f"{m('recompute')} | {below} |")
+
+
+def _plot(rows: list, path: str, where: str) -> None:
+    """Two panels, one group of bars per configuration: peak memory above the inputs, and time."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot skipped: matplotlib is not installed (pip install matplotlib)")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    width = 0.8 / len(VARIANTS)
+    labels = [f"N={N // 1024}K\nV={V // 1024}K\nd={d}" for (N, V, d), _ in rows]
+    for ax, key, scale, ylabel in ((axes[0], "peak_bytes", 2 ** -30, "peak memory above inputs, GiB"),
+                                   (axes[1], "time_s", 1.0, "fwd + bwd, s (median)")):
+        for i, variant in enumerate(VARIANTS):
+            vals = [res.get(variant, {}).get(key, float("nan")) * scale for _, res in rows]
+            ax.bar([x + (i - 1) * width for x in range(len(rows))], vals, width, label=variant)
+        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set_ylabel(ylabel)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"LM head + cross-entropy: fused vs unfused vs recompute ({where})", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
 
 
 def _cuda_available() -> bool:
