@@ -29,6 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_burst.bench import plotting
 from megatron_burst.bench.launch import run_local
 
 MODES = [("full recompute", ["--recompute-granularity", "full"]),
@@ -81,15 +82,9 @@ def _rank(args) -> dict:
 
 def _plot(times: dict, stored: dict, path: str) -> None:
     """Stored attention bytes against step time, one point per mode."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot skipped: matplotlib is not installed (pip install matplotlib)")
+    plt = plotting.pyplot()
+    if plt is None:
         return
-    import os
-
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
     for name in times:
         if name == "no recompute":
@@ -99,10 +94,7 @@ def _plot(times: dict, stored: dict, path: str) -> None:
     ax.set_xlabel("stored attention (out, lse) per rank, MB")
     ax.set_ylabel("training step, s (median)")
     ax.set_title("sequence-level selective checkpointing vs alternatives", fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    plotting.save(fig, path)
 
 
 def main(argv=None) -> None:
@@ -131,7 +123,6 @@ def main(argv=None) -> None:
         return statistics.median(x / y for x, y in zip(per_repeat[a], per_repeat[b]))
 
     stored = {k: max(r["stored"][k] for r in res) for k in res[0]["stored"]}
-    seq_name = f"seq-selective {args.ratio}"
     print(f"# GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, CP={args.cp} "
           f"({args.layout}, {args.algo}), fp32, full activation recompute; median of {args.repeats}")
     print("| mode | stored attention MB (per rank) | vs selective++ | step s | vs selective++ | speedup vs full recompute |")
@@ -143,6 +134,10 @@ def main(argv=None) -> None:
             kept, rel = f"{stored[name] / 1e6:.2f}", f"{stored[name] / stored['selective++']:.2f}"
         print(f"| {name} | {kept} | {rel} | {times[name]:.3f} | "
               f"{paired(name, 'selective++'):.3f} | {paired('full recompute', name):.3f}x |")
+    seq_name = f"seq-selective {args.ratio}"
+    for a, b in ((seq_name, "selective++"), ("full recompute", seq_name)):
+        r = sorted(x / y for x, y in zip(per_repeat[a], per_repeat[b]))
+        print(f"per-repeat {a} / {b}: min {r[0]:.3f}, median {statistics.median(r):.3f}, max {r[-1]:.3f}")
     if args.plot:
         _plot(times, stored, args.plot)
     losses = res[0]["losses"]

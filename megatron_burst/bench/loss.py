@@ -37,6 +37,8 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_burst.bench import plotting
+
 VARIANTS = ("unfused", "fused", "recompute")
 DEFAULT_CONFIGS = [(4096, 32768, 1024), (4096, 131072, 1024), (16384, 32768, 1024)]  # (N, V, d)
 FULL_GRID = dict(tokens=[4096, 16384], vocab=[32768, 131072], hidden=[1024, 4096])
@@ -251,12 +253,8 @@ def _row(N: int, V: int, d: int, chunk: int, res: dict) -> str:
 
 def _plot(rows: list, path: str, where: str) -> None:
     """Two panels, one group of bars per configuration: peak memory above the inputs, and time."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot skipped: matplotlib is not installed (pip install matplotlib)")
+    plt = plotting.pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     width = 0.8 / len(VARIANTS)
@@ -270,10 +268,7 @@ def _plot(rows: list, path: str, where: str) -> None:
         ax.set_ylabel(ylabel)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"LM head + cross-entropy: fused vs unfused vs recompute ({where})", fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    plotting.save(fig, path)
 
 
 def _cuda_available() -> bool:

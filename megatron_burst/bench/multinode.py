@@ -25,6 +25,8 @@ import tempfile
 import textwrap
 import time
 
+from megatron_burst.bench import plotting
+
 VARIANTS = [("ring", "flat"), ("burst", "flat"), ("ring", "double"), ("burst", "double")]
 
 
@@ -99,13 +101,10 @@ def _summarize(per_rank: list[dict], repeats: int) -> dict[str, dict[str, float]
     return summary
 
 
-def _plot(summary, path, title) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+def _plot(summary, path, title) -> None:
+    plt = plotting.pyplot()
+    if plt is None:
+        return
     names = list(summary)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     fwd = [summary[n]["fwd"] for n in names]
@@ -118,9 +117,7 @@ def _plot(summary, path, title) -> bool:
     ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=8)
     ax.set_ylim(0, max(summary[n]["total"] for n in names) * 1.15)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
+    plotting.save(fig, path)
 
 
 def main(argv=None) -> None:
@@ -188,11 +185,7 @@ def main(argv=None) -> None:
         print(f"| {name} | {s['fwd']:.2f} | {s['total']:.2f} | {base / s['total']:.2f}x | {s['inter_mb']:.1f} | "
               f"{s['intra_mb']:.1f} | {s['hidden'] * 100:.0f}% |")
     if args.plot:
-        os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
-        if _plot(summary, args.plot, title):
-            print(f"plot: {args.plot}")
-        else:
-            print("plot skipped: matplotlib is not installed (pip install matplotlib)")
+        _plot(summary, args.plot, title)
 
 
 def _forwarded(args) -> list[str]:
