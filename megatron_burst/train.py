@@ -264,10 +264,9 @@ def model_config(args: argparse.Namespace, topo: Topology, device: torch.device)
     )
 
 
-def build_model(args: argparse.Namespace, opts: CPOptions, topo: Topology, groups: Groups,
-                device: torch.device):
-    """BurstGPTModel with megatron-burst's layer spec, on ``device``."""
-    from megatron_burst.megatron.model import BurstGPTModel
+def gpt_model_kwargs(args: argparse.Namespace, opts: CPOptions, topo: Topology, groups: Groups,
+                     device: torch.device, pre_process: bool = True, post_process: bool = True) -> dict:
+    """GPTModel's constructor arguments for these flags, with megatron-burst's layer spec."""
     from megatron_burst.specs import get_gpt_layer_spec
 
     spec = get_gpt_layer_spec(cp_algo=args.cp_algo, cp_layout=opts.layout, cp_stripe=opts.stripe,
@@ -278,15 +277,23 @@ def build_model(args: argparse.Namespace, opts: CPOptions, topo: Topology, group
         from megatron_burst.megatron.cpu_compat import allow_checkpointing_without_cuda
 
         allow_checkpointing_without_cuda()
-    model = BurstGPTModel(
+    return dict(
         config=model_config(args, topo, device), transformer_layer_spec=spec,
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-        pre_process=True, post_process=True, parallel_output=True,
+        pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base, pg_collection=groups.pg_collection,
-        cp_layout=opts.layout, cp_stripe=opts.stripe, fused_lm_loss=args.fused_lm_loss,
     )
+
+
+def build_model(args: argparse.Namespace, opts: CPOptions, topo: Topology, groups: Groups,
+                device: torch.device):
+    """BurstGPTModel with megatron-burst's layer spec, on ``device``."""
+    from megatron_burst.megatron.model import BurstGPTModel
+
+    model = BurstGPTModel(**gpt_model_kwargs(args, opts, topo, groups, device),
+                          cp_layout=opts.layout, cp_stripe=opts.stripe, fused_lm_loss=args.fused_lm_loss)
     return model.to(device)
 
 

@@ -52,3 +52,58 @@ def test_fused_with_untied_output_weight_tp2():
     ref = run_ranks(1, fused_step, 1, 1, ["--untie-embeddings-and-output-weights"])[0]
     for res in run_ranks(2, fused_step, 2, 1, ["--fused-lm-loss", "--untie-embeddings-and-output-weights"]):
         _assert_matches(res, ref, "fused loss, untied output weight, TP=2")
+
+
+def megatron_lm_builder_step(cp: int, extra=None) -> dict:
+    """build_and_step, but the model comes the way Megatron-LM's patched pretrain_gpt.py gets it:
+    a plain megatron.core GPTModel from a gpt_builder, wrapped by ``wrap_gpt_builder``."""
+    import torch.distributed as dist
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_burst import train
+    from megatron_burst.loss import backward_paths
+    from megatron_burst.megatron import megatron_lm
+    from test_megatron_model import VOCAB, small_args
+
+    cpu = torch.device("cpu")
+    args = small_args(["--context-parallel-size", str(cp)] + list(extra or []))
+    opts, topo = train.validate_args(args, dist.get_world_size())
+    args.padded_vocab_size = VOCAB
+    groups = train.init_parallel(topo)
+
+    def gpt_builder(a, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
+        return GPTModel(**train.gpt_model_kwargs(a, opts, topo, groups, cpu, pre_process, post_process))
+
+    builder = megatron_lm.wrap_gpt_builder(gpt_builder)
+    first_stage = builder(args, True, False)  # a pipeline stage without the output layer stays a GPTModel
+    train.seed_everything(args.seed, cpu)
+    model = builder(args, True, True, vp_stage=None)
+    before = dict(backward_paths)
+    loss = train.loss_and_grads(model, [fixed_batch(24)], opts, groups, cpu)
+    train.allreduce_grads(model, groups)
+    return {"loss": loss.item(), "grads": full_grads(model, groups), "cls": type(model).__name__,
+            "first_stage_cls": type(first_stage).__name__, "fused": model.fused_lm_loss,
+            "paths": {k: backward_paths[k] - before.get(k, 0) for k in backward_paths}}
+
+
+@pytest.mark.parametrize("cp,layout", [(1, "zigzag"), (2, "striped")])
+def test_megatron_lm_builder_gets_the_fused_loss(unfused_reference, cp, layout):
+    """--fused-lm-loss reaches a model built by Megatron-LM's gpt_builder (through the patch's
+    wrap_gpt_builder) and its step equals the unfused one."""
+    for res in run_ranks(cp, megatron_lm_builder_step, cp, ["--fused-lm-loss", "--cp-layout", layout]):
+        assert res["cls"] == "BurstGPTModel" and res["fused"] and res["first_stage_cls"] == "GPTModel"
+        _assert_matches(res, unfused_reference, f"fused loss via Megatron-LM's builder, CP={cp} {layout}")
+        assert res["paths"].get("scaled", 0) == 1 and res["paths"].get("recompute", 0) == 0
+
+
+def test_as_burst_gpt_model_refuses_other_subclasses():
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_burst.megatron.model import as_burst_gpt_model
+
+    class OtherGPT(GPTModel):
+        def __init__(self):  # never built: the check comes first
+            pass
+
+    with pytest.raises(TypeError, match="OtherGPT.*drop --fused-lm-loss"):
+        as_burst_gpt_model(OtherGPT(), cp_layout="zigzag", fused_lm_loss=True)

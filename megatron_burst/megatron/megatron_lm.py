@@ -29,13 +29,20 @@ def wrap_gpt_builder(gpt_builder: Callable[..., Any]) -> Callable[..., Any]:
 
     Before building: validates our flags against ``--seq-length/--context-parallel-size`` and,
     when no ``--spec`` was given, selects ``megatron_burst.specs gpt_layer_spec`` (which reads
-    ``--cp-algo/--cp-layout``). After: RoPE follows ``--cp-layout``.
+    ``--cp-algo/--cp-layout``). After: RoPE follows ``--cp-layout``, and with ``--fused-lm-loss``
+    the GPTModel becomes a :class:`~megatron_burst.megatron.model.BurstGPTModel` (in place, same
+    parameters) whose training forward returns the fused op's per-token loss -- what
+    pretrain_gpt's ``loss_func`` expects, given the ``loss_mask`` pretrain_gpt already passes.
     """
     def builder(args: argparse.Namespace, pre_process: bool, post_process: bool, *rest: Any, **kwargs: Any):
         opts = cp_options_from_args(args)
         if getattr(args, "spec", None) is None:
             args.spec = list(BURST_SPEC)
         model = gpt_builder(args, pre_process, post_process, *rest, **kwargs)
+        if getattr(args, "fused_lm_loss", False) and post_process:  # the loss lives on the last stage
+            from megatron_burst.megatron.model import as_burst_gpt_model
+
+            return as_burst_gpt_model(model, cp_layout=opts.layout, cp_stripe=opts.stripe, fused_lm_loss=True)
         cp_group = model.pg_collection.cp if hasattr(model, "pg_collection") else None
         return use_layout_rope(model, opts.layout, cp_group, opts.stripe)
 

@@ -26,9 +26,10 @@ class BurstGPTModel(GPTModel):
     def __init__(self, *args: Any, cp_layout: str = "zigzag", cp_stripe: int = 1, fused_lm_loss: bool = False,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.cp_layout = cp_layout
-        self.cp_stripe = cp_stripe
-        self.fused_lm_loss = fused_lm_loss
+        self._setup_burst(cp_layout, cp_stripe, fused_lm_loss)
+
+    def _setup_burst(self, cp_layout: str, cp_stripe: int, fused_lm_loss: bool) -> None:
+        """Everything BurstGPTModel adds to a built GPTModel: attributes and the RoPE swap, no parameters."""
         if fused_lm_loss:
             if not self.post_process:
                 raise ValueError("fused_lm_loss needs the output layer: it applies to the last pipeline stage only; "
@@ -39,6 +40,9 @@ class BurstGPTModel(GPTModel):
             if getattr(self, "mtp_process", False):
                 raise ValueError("fused_lm_loss with multi-token prediction is not supported: unset --mtp-num-layers "
                                  "or --fused-lm-loss")
+        self.cp_layout = cp_layout
+        self.cp_stripe = cp_stripe
+        self.fused_lm_loss = fused_lm_loss
         use_layout_rope(self, cp_layout, self.pg_collection.cp, cp_stripe)
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args: Any, **kwargs: Any):
@@ -56,3 +60,19 @@ class BurstGPTModel(GPTModel):
             tp_group=self.pg_collection.tp, sequence_parallel=self.config.sequence_parallel,
             loss_mask=None if loss_mask is None else loss_mask.transpose(0, 1))
         return loss.transpose(0, 1).contiguous()  # [b, s], as GPTModel's compute_language_model_loss
+
+
+def as_burst_gpt_model(model: GPTModel, *, cp_layout: str, cp_stripe: int = 1,
+                       fused_lm_loss: bool = False) -> BurstGPTModel:
+    """Turn a GPTModel built elsewhere (Megatron-LM's ``gpt_builder``) into a BurstGPTModel, in place.
+
+    BurstGPTModel adds behaviour only (no parameters or buffers), so the object keeps its weights,
+    state dict and identity; only its class and the RoPE module change. Subclasses of GPTModel
+    other than BurstGPTModel are refused: their own overrides would be lost.
+    """
+    if type(model) not in (GPTModel, BurstGPTModel):
+        raise TypeError(f"megatron-burst can only extend megatron.core's GPTModel, got {type(model).__name__}: "
+                        "drop --fused-lm-loss for this model (or build it as a BurstGPTModel)")
+    model.__class__ = BurstGPTModel
+    model._setup_burst(cp_layout, cp_stripe, fused_lm_loss)
+    return model
