@@ -29,6 +29,8 @@ CASES = [  # (CP size, extra flags)
     (1, ["--fused-lm-loss"]),
     (2, ["--cp-layout", "striped", "--cp-algo", "burst", "--fused-lm-loss"]),
     (2, ["--cp-layout", "zigzag", "--cp-comm-type", "p2p"]),
+    (2, ["--cp-layout", "striped", "--recompute-granularity", "full", "--recompute-method", "uniform",
+         "--recompute-num-layers", "1", "--seq-selective-ckpt-ratio", "0.5"]),
 ]
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 
@@ -55,7 +57,9 @@ def _rank(rank: int, world: int, port: int, extra: list[str], queue) -> None:
     from megatron.training.global_vars import set_args
 
     from megatron_burst.megatron import megatron_lm as burst_lm
+    from megatron_burst.megatron.cpu_compat import allow_checkpointing_without_cuda
 
+    allow_checkpointing_without_cuda()  # Megatron's activation checkpoint saves the CUDA RNG state
     arguments.get_device_arch_version = lambda: 10  # validate_args asks CUDA for the GPU generation
     sys.argv = _megatron_argv(world, world, extra)
     with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
@@ -84,12 +88,14 @@ def _rank(rank: int, world: int, port: int, extra: list[str], queue) -> None:
         grad = p.grad.detach().clone()
         dist.all_reduce(grad)  # CP ranks hold partial gradients of the same weights
         grads[name] = grad.numpy()
-    queue.put((rank, type(model).__name__, (totals[0] / totals[1]).item(), grads))
+    caches = [layer.self_attention.core_attention.selective_cache for layer in model.decoder.layers]
+    hits = sum(c.hits for c in caches if getattr(c, "hits", None) is not None)
+    queue.put((rank, type(model).__name__, (totals[0] / totals[1]).item(), grads, hits))
     dist.destroy_process_group()
 
 
-def run_case(cp: int, extra: list[str]) -> tuple[str, float, dict]:
-    """(model class, global loss, full gradients) of one step at CP size ``cp``."""
+def run_case(cp: int, extra: list[str]) -> tuple[str, float, dict, int]:
+    """(model class, global loss, full gradients, rank 0's selective-checkpoint hits) of one step."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with socket.socket() as s:
@@ -111,18 +117,19 @@ def main() -> int:
         print(f"cannot import Megatron-LM's pretrain_gpt ({exc}): put a patched Megatron-LM checkout on "
               "PYTHONPATH and install its imports (see this file's docstring)")
         return 2
-    ref_cls, ref_loss, ref_grads = run_case(1, [])
+    ref_cls, ref_loss, ref_grads, _ = run_case(1, [])
     print(f"reference: CP=1, no megatron-burst flags ({ref_cls}): loss {ref_loss:.6f}")
     failed = False
     for cp, extra in CASES:
-        cls, loss, grads = run_case(cp, extra)
+        cls, loss, grads, hits = run_case(cp, extra)
         grad_err = max(float(abs(grads[k] - ref_grads[k]).max() / max(abs(ref_grads[k]).max(), 1e-12))
                        for k in ref_grads)
         ok = abs(loss - ref_loss) <= LOSS_RTOL * abs(ref_loss) and grad_err <= GRAD_RTOL
         ok = ok and (cls == "BurstGPTModel") == ("--fused-lm-loss" in extra)
+        ok = ok and (hits > 0) == ("--seq-selective-ckpt-ratio" in extra)  # the store served the recompute
         failed |= not ok
         print(f"{'ok  ' if ok else 'FAIL'} CP={cp} {' '.join(extra)}: {cls}, loss {loss:.6f}, "
-              f"max relative gradient difference {grad_err:.2e}")
+              f"max relative gradient difference {grad_err:.2e}" + (f", {hits} selective-checkpoint hits" if hits else ""))
     return 1 if failed else 0
 
 
