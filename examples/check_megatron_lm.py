@@ -16,13 +16,13 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import socket
 import sys
 from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from megatron_burst.bench.launch import run_local
 
 SEQ, VOCAB, BATCH = 32, 128, 2
 CASES = [  # (CP size, extra flags)
@@ -47,10 +47,10 @@ def _megatron_argv(cp: int, world: int, extra: list[str]) -> list[str]:
             "--no-persist-layer-norm", "--context-parallel-size", str(cp)] + extra
 
 
-def _rank(rank: int, world: int, port: int, extra: list[str], queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank(extra: list[str]) -> tuple:
+    """One rank's step (run_local has initialized gloo): (model class, loss, full grads, cache hits)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     import pretrain_gpt
     from megatron.core import parallel_state
     from megatron.training import arguments
@@ -90,24 +90,12 @@ def _rank(rank: int, world: int, port: int, extra: list[str], queue) -> None:
         grads[name] = grad.numpy()
     caches = [layer.self_attention.core_attention.selective_cache for layer in model.decoder.layers]
     hits = sum(c.hits for c in caches if getattr(c, "hits", None) is not None)
-    queue.put((rank, type(model).__name__, (totals[0] / totals[1]).item(), grads, hits))
-    dist.destroy_process_group()
+    return type(model).__name__, (totals[0] / totals[1]).item(), grads, hits
 
 
 def run_case(cp: int, extra: list[str]) -> tuple[str, float, dict, int]:
     """(model class, global loss, full gradients, rank 0's selective-checkpoint hits) of one step."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, cp, port, extra, queue)) for r in range(cp)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join()
-    return results[0][1:]
+    return run_local(cp, _rank, extra)[0]
 
 
 def main() -> int:

@@ -273,10 +273,6 @@ def gpt_model_kwargs(args: argparse.Namespace, opts: CPOptions, topo: Topology, 
                               cp_ring=opts.ring, cp_ranks_per_node=opts.ranks_per_node,
                               seq_selective_ckpt_ratio=opts.selective_ckpt_ratio,
                               use_te=False, normalization=args.normalization)
-    if device.type == "cpu" and args.recompute_granularity is not None:
-        from megatron_burst.megatron.cpu_compat import allow_checkpointing_without_cuda
-
-        allow_checkpointing_without_cuda()
     return dict(
         config=model_config(args, topo, device), transformer_layer_spec=spec,
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
@@ -292,6 +288,10 @@ def build_model(args: argparse.Namespace, opts: CPOptions, topo: Topology, group
     """BurstGPTModel with megatron-burst's layer spec, on ``device``."""
     from megatron_burst.megatron.model import BurstGPTModel
 
+    if device.type == "cpu" and args.recompute_granularity is not None:
+        from megatron_burst.megatron.cpu_compat import allow_checkpointing_without_cuda
+
+        allow_checkpointing_without_cuda()
     model = BurstGPTModel(**gpt_model_kwargs(args, opts, topo, groups, device),
                           cp_layout=opts.layout, cp_stripe=opts.stripe, fused_lm_loss=args.fused_lm_loss)
     return model.to(device)

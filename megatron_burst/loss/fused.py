@@ -230,6 +230,17 @@ class _Buffers:
         return buf, None if self.gflat is None else self.gflat[:n].view(plan.v_local, t)
 
 
+def _chunks(h: torch.Tensor, labels: torch.Tensor, plan: _Plan):
+    """Walk the tokens in chunks: yields (rows slice, buf, gbuf, local target, hit) per chunk, the
+    buffers shared by every chunk (see :class:`_Buffers`) and the targets from :func:`_local_targets`."""
+    N = h.shape[0]
+    bufs = _Buffers(plan, N, h.dtype, h.device)
+    for a in range(0, N, plan.token_chunk):
+        rows = slice(a, min(a + plan.token_chunk, N))
+        buf, gbuf = bufs.views(plan, rows.stop - a)
+        yield (rows, buf, gbuf) + _local_targets(labels[rows], plan)
+
+
 # ------------------------------------------------------------------------------ whole sequences
 
 
@@ -245,17 +256,13 @@ def _forward(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, wts: t
     m_all, s_all = torch.empty_like(loss), torch.empty_like(loss)
     D = torch.empty_like(h) if need_dh else None
     A = torch.zeros(plan.v_local, d, dtype=torch.float32, device=h.device) if need_dw else None
-    bufs = _Buffers(plan, N, h.dtype, h.device)
-    for a in range(0, N, plan.token_chunk):
-        b = min(a + plan.token_chunk, N)
-        buf, gbuf = bufs.views(plan, b - a)
-        tgt, hit = _local_targets(labels[a:b], plan)
-        m, s, z_tgt = _chunk_forward(h[a:b], weight, tgt, hit, buf, plan)
-        loss[a:b] = torch.where(labels[a:b] != plan.ignore_index, torch.log(s) - z_tgt, 0.0)
-        m_all[a:b], s_all[a:b] = m, s
+    for r, buf, gbuf, tgt, hit in _chunks(h, labels, plan):
+        m, s, z_tgt = _chunk_forward(h[r], weight, tgt, hit, buf, plan)
+        loss[r] = torch.where(labels[r] != plan.ignore_index, torch.log(s) - z_tgt, 0.0)
+        m_all[r], s_all[r] = m, s
         if need_dh or need_dw:
-            G = _chunk_grad(buf, m, s, tgt, hit, wts[a:b], gbuf, plan)
-            _chunk_matmuls(G, h[a:b], weight, D[a:b] if need_dh else None, A, plan)
+            G = _chunk_grad(buf, m, s, tgt, hit, wts[r], gbuf, plan)
+            _chunk_matmuls(G, h[r], weight, D[r] if need_dh else None, A, plan)
     return loss, m_all, s_all, D, A
 
 
@@ -269,14 +276,10 @@ def recompute_grads(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     N, d = h.shape
     dh = torch.empty_like(h) if need_dh else None
     dw = torch.zeros(plan.v_local, d, dtype=torch.float32, device=h.device) if need_dw else None
-    bufs = _Buffers(plan, N, h.dtype, h.device)
-    for a in range(0, N, plan.token_chunk):
-        b = min(a + plan.token_chunk, N)
-        buf, gbuf = bufs.views(plan, b - a)
-        tgt, hit = _local_targets(labels[a:b], plan)
-        _chunk_recompute(h[a:b], weight, m_all[a:b], buf, plan)
-        G = _chunk_grad(buf, m_all[a:b], s_all[a:b], tgt, hit, g[a:b], gbuf, plan)
-        _chunk_matmuls(G, h[a:b], weight, dh[a:b] if need_dh else None, dw, plan)
+    for r, buf, gbuf, tgt, hit in _chunks(h, labels, plan):
+        _chunk_recompute(h[r], weight, m_all[r], buf, plan)
+        G = _chunk_grad(buf, m_all[r], s_all[r], tgt, hit, g[r], gbuf, plan)
+        _chunk_matmuls(G, h[r], weight, dh[r] if need_dh else None, dw, plan)
     return dh, None if dw is None else dw.to(weight.dtype)
 
 
