@@ -28,8 +28,7 @@ from typing import Optional
 
 import torch
 
-from megatron_burst.algorithms import _CPAttention, prepare
-from megatron_burst.algorithms.ring import kv_ring_forward
+from megatron_burst.algorithms import prepare, to_bhsd
 
 
 @dataclass
@@ -109,15 +108,13 @@ def selective_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     cp_attention.
     """
     p = prepare(q, k, v, **cp_kwargs)
-    plan = p.plan
-    rows = stored_rows(p.q.shape[2], stored_fraction)
+    rows = stored_rows(to_bhsd(p.q, p.qkv_format).shape[2], stored_fraction)
     key = fingerprint(q, k, v)
     if not torch.is_grad_enabled():
-        out, lse = kv_ring_forward(p.q.contiguous(), p.k.contiguous(), p.v.contiguous(), plan)
-        cache.put(_Entry(key, rows, out[:, :, rows:].clone(), lse[:, :, rows:].clone()))
-        return p.restore(out)
+        out, out_h, lse = p.forward_no_grad()
+        cache.put(_Entry(key, rows, out_h[:, :, rows:].clone(), lse[:, :, rows:].clone()))
+        return out
     entry = cache.take(key)
     if entry is None:
-        return p.restore(_CPAttention.apply(p.q, p.k, p.v, plan, p.backward_algo))
-    return p.restore(_CPAttention.apply(p.q, p.k, p.v, plan, p.backward_algo, entry.rows, entry.out_tail,
-                                        entry.lse_tail))
+        return p.apply()
+    return p.apply(entry.rows, entry.out_tail, entry.lse_tail)

@@ -1,4 +1,4 @@
-"""Communication primitives for context parallelism, with byte accounting.
+"""Communication primitives for context parallelism, with byte accounting and schedule tracing.
 
 Every byte an algorithm moves goes through this module, so :func:`comm_counter` sees it all:
 
@@ -10,6 +10,14 @@ Every byte an algorithm moves goes through this module, so :func:`comm_counter` 
 Bytes are recorded by direction (sent/received), phase (forward/backward) and link class
 (intra/inter node). The link class of a peer comes from a ``link_of`` callable given by the caller
 (a topology); without one every link is "intra".
+
+Counters (and schedule traces, :func:`record_schedule`) are process-wide, not per thread: autograd
+runs the backward of GPU tensors on a per-device worker thread, and a counter opened around
+``loss.backward()`` must still see those bytes. Nested counters all receive every record.
+
+Waits are timed where the wait happens: on the host for CPU tensors (gloo blocks there), and with
+CUDA events on the current stream for GPU tensors (an NCCL ``wait()`` only makes the stream wait,
+so host time would measure nothing); :meth:`CommCounter.wait_seconds` resolves the events lazily.
 """
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ import contextlib
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -28,21 +37,45 @@ DIRECTIONS = ("sent", "received")
 
 
 class CommCounter:
-    """Bytes moved by this rank, keyed by (direction, phase, link), and seconds spent waiting on them."""
+    """Bytes moved by this rank, keyed by (direction, phase, link), and time spent waiting on them."""
 
     def __init__(self) -> None:
         self._bytes: dict[tuple[str, str, str], int] = defaultdict(int)
         self._wait: dict[tuple[str, str], float] = defaultdict(float)
+        # (phase, link, start event, end event) of GPU waits, read when wait_seconds() asks
+        self._pending_events: list[tuple[str, str, object, object]] = []
+        self._lock = threading.Lock()
 
     def record(self, direction: str, phase: str, link: str, nbytes: int) -> None:
-        self._bytes[(direction, phase, link)] += int(nbytes)
+        with self._lock:
+            self._bytes[(direction, phase, link)] += int(nbytes)
 
     def record_wait(self, phase: str, link: str, seconds: float) -> None:
-        self._wait[(phase, link)] += seconds
+        with self._lock:
+            self._wait[(phase, link)] += seconds
+
+    def record_wait_events(self, phase: str, link: str, start, end) -> None:
+        """A GPU wait: ``start``/``end`` are CUDA events around the stream's wait (timed later)."""
+        with self._lock:
+            self._pending_events.append((phase, link, start, end))
+
+    def _resolve_events(self) -> None:
+        with self._lock:
+            pending, self._pending_events = self._pending_events, []
+        for phase, link, start, end in pending:
+            end.synchronize()
+            self.record_wait(phase, link, start.elapsed_time(end) / 1e3)  # elapsed_time is in ms
 
     def wait_seconds(self, phase: Optional[str] = None, link: Optional[str] = None) -> float:
-        """Seconds this rank was blocked waiting for transfers (the part compute did not hide)."""
-        return sum(v for (p, l), v in self._wait.items() if (phase is None or p == phase) and (link is None or l == link))
+        """Seconds this rank was blocked waiting for transfers (the part compute did not hide).
+
+        On GPU this is the time the compute stream stood still at the waits (CUDA events); reading
+        it synchronizes with those events once.
+        """
+        self._resolve_events()
+        with self._lock:
+            return sum(v for (p, l), v in self._wait.items()
+                       if (phase is None or p == phase) and (link is None or l == link))
 
     def bytes(self, direction: str = "sent", phase: Optional[str] = None, link: Optional[str] = None) -> int:
         """Total bytes for ``direction`` in {"sent", "received"}; ``phase``/``link`` None = all."""
@@ -52,58 +85,198 @@ class CommCounter:
             raise ValueError(f"phase={phase!r}: choose one of {PHASES} or None")
         if link is not None and link not in LINKS:
             raise ValueError(f"link={link!r}: choose one of {LINKS} or None")
-        return sum(v for (d, p, l), v in self._bytes.items()
-                   if d == direction and (phase is None or p == phase) and (link is None or l == link))
+        with self._lock:
+            return sum(v for (d, p, l), v in self._bytes.items()
+                       if d == direction and (phase is None or p == phase) and (link is None or l == link))
 
     def reset(self) -> None:
-        self._bytes.clear()
-        self._wait.clear()
+        with self._lock:
+            self._bytes.clear()
+            self._wait.clear()
+            self._pending_events.clear()
 
     def as_dict(self) -> dict[str, int]:
-        return {f"{d}/{p}/{l}": v for (d, p, l), v in sorted(self._bytes.items())}
+        with self._lock:
+            return {f"{d}/{p}/{l}": v for (d, p, l), v in sorted(self._bytes.items())}
 
 
-_active = threading.local()
+# ------------------------------------------------------------------------- schedule traces
 
 
-def _counters() -> list[CommCounter]:
-    if not hasattr(_active, "stack"):
-        _active.stack = []
-    return _active.stack
+@dataclass(frozen=True)
+class TracedOp:
+    """One operation of a posted batch, as the NCCL replay checker sees it.
+
+    kind: "send" / "recv" (``peer`` is the peer's global rank) or a collective name ("all_gather",
+    "all_to_all", ...; ``peer`` is -1). ``nbytes`` is the buffer size on this rank.
+    """
+
+    kind: str
+    peer: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TracedBatch:
+    """One ``batch_isend_irecv`` group (or one collective) posted on communicator ``comm``."""
+
+    id: int
+    comm: str  # the process group's name: equal on every member
+    members: tuple[int, ...]  # global ranks of the communicator
+    ops: tuple[TracedOp, ...]
+    label: str = ""
+
+
+@dataclass
+class ScheduleTrace:
+    """This process's posted batches and waits, in program order (see :func:`record_schedule`).
+
+    ``events`` holds ("post", TracedBatch) and ("wait", batch id) tuples.
+    """
+
+    rank: int
+    events: list = field(default_factory=list)
+
+
+class _Registry:
+    """Process-wide active counters and traces (see module docstring for why not thread-local)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counters: list[CommCounter] = []
+        self.traces: list[ScheduleTrace] = []
+        self.next_batch_id = 0
+
+    def snapshot(self) -> tuple[list[CommCounter], list[ScheduleTrace]]:
+        with self.lock:
+            return list(self.counters), list(self.traces)
+
+
+_registry = _Registry()
 
 
 @contextlib.contextmanager
 def comm_counter() -> Iterator[CommCounter]:
-    """Count the bytes this rank sends and receives in CP attention while the block runs (nestable)."""
+    """Count the bytes this rank sends and receives in CP attention while the block runs (nestable).
+
+    Process-wide: work on other threads (autograd's device threads) is counted too.
+    """
     counter = CommCounter()
-    _counters().append(counter)
+    with _registry.lock:
+        _registry.counters.append(counter)
     try:
         yield counter
     finally:
-        _counters().remove(counter)
+        with _registry.lock:
+            _registry.counters.remove(counter)
+
+
+@contextlib.contextmanager
+def record_schedule() -> Iterator[ScheduleTrace]:
+    """Record every batch this process posts through this module, and every wait on one.
+
+    The traces of all ranks, replayed by :func:`megatron_burst.nccl_check.replay`, tell whether
+    the schedule completes under NCCL's rules (no buffering, FIFO per communicator).
+    """
+    trace = ScheduleTrace(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
+    with _registry.lock:
+        _registry.traces.append(trace)
+    try:
+        yield trace
+    finally:
+        with _registry.lock:
+            _registry.traces.remove(trace)
 
 
 def record(direction: str, phase: str, link: str, nbytes: int) -> None:
-    for c in _counters():
+    for c in _registry.snapshot()[0]:
         c.record(direction, phase, link, nbytes)
 
 
 def record_wait(phase: str, link: str, seconds: float) -> None:
-    for c in _counters():
+    for c in _registry.snapshot()[0]:
         c.record_wait(phase, link, seconds)
+
+
+def _group_identity(group: Optional[dist.ProcessGroup]) -> tuple[str, tuple[int, ...]]:
+    g = group if group is not None else dist.group.WORLD
+    return g.group_name, tuple(dist.get_process_group_ranks(g))
+
+
+def _trace_post(group: Optional[dist.ProcessGroup], ops: Sequence[TracedOp], label: str) -> Optional[int]:
+    traces = _registry.snapshot()[1]
+    if not traces:
+        return None
+    name, members = _group_identity(group)
+    with _registry.lock:
+        batch_id = _registry.next_batch_id
+        _registry.next_batch_id += 1
+    batch = TracedBatch(batch_id, name, members, tuple(ops), label)
+    for t in traces:
+        t.events.append(("post", batch))
+    return batch_id
+
+
+def _trace_wait(batch_id: Optional[int]) -> None:
+    if batch_id is None:
+        return
+    for t in _registry.snapshot()[1]:
+        t.events.append(("wait", batch_id))
 
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# ------------------------------------------------------------------------- waiting
+
+
+def _wait_all(reqs: Sequence, device: torch.device, phase: str, link: str) -> None:
+    """Wait for ``reqs`` and charge the time to (phase, link): host time on CPU, stream time on GPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for r in reqs:
+            r.wait()  # NCCL: the current stream waits; the host does not
+        end.record()
+        for c in _registry.snapshot()[0]:
+            c.record_wait_events(phase, link, start, end)
+        return
+    t0 = time.perf_counter()
+    for r in reqs:
+        r.wait()
+    record_wait(phase, link, time.perf_counter() - t0)
+
+
+class PendingExchange:
+    """Handle of a posted batch; ``wait()`` returns the receive buffers once filled."""
+
+    def __init__(self, reqs: list, recv: list[torch.Tensor], phase: str = "forward", link: str = "intra",
+                 device: Optional[torch.device] = None, trace_id: Optional[int] = None) -> None:
+        self._reqs = reqs
+        self._recv = recv
+        self._phase, self._link = phase, link
+        self._device = device or torch.device("cpu")
+        self._trace_id = trace_id
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._reqs:
+            _wait_all(self._reqs, self._device, self._phase, self._link)
+            _trace_wait(self._trace_id)
+        self._reqs = []
+        return self._recv
+
+
+# ------------------------------------------------------------------------- ring exchange
+
+
 class RingComm:
     """Point-to-point neighbour exchange over a process group, as used by ring algorithms.
 
-    ``send_to_next(tensors)`` posts async sends of ``tensors`` to the next rank and async receives of
-    same-shaped buffers from the previous rank; the returned handle's ``wait()`` gives the received
-    tensors. Posting the next block's exchange before computing on the current one is what overlaps
-    transfers with compute (double buffering).
+    :meth:`exchange` posts one batch of sends and receives; every rank of a ring posts its batches
+    in the same order with the same shapes, which is what NCCL needs (it matches the k-th send
+    from a to b with the k-th receive on b from a, runs one batch at a time per communicator, and
+    completes a large send only together with its receive).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], link_of: Optional[Callable[[int], str]] = None,
@@ -125,57 +298,76 @@ class RingComm:
 
     def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], phase: str,
                  send_to: Optional[int] = None, recv_from: Optional[int] = None,
-                 stream: int = 0) -> "PendingExchange":
-        """Post async sends of ``send`` to ``send_to`` (default next) and receives into ``recv``.
+                 stream: int = 0, label: str = "") -> PendingExchange:
+        """Post one batch: sends of ``send`` to ``send_to`` (default next), receives into ``recv``
+        from ``recv_from`` (default previous).
 
-        ``stream`` tags the messages: an activation ring (stream 0) and a gradient ring (stream 1)
-        between the same two ranks can then be in flight together without being matched to each
-        other's buffers. Algorithms also post both streams in the same order on every rank, which is
-        what backends without tag matching (NCCL) rely on.
+        ``stream`` tags the messages for gloo, which matches by tag; NCCL ignores tags, so callers
+        keep the order of messages between two ranks the same on both ends.
         """
         send_to = self.next if send_to is None else send_to
         recv_from = self.prev if recv_from is None else recv_from
-        ops = []
-        links = set()
+        ops, traced, links = [], [], set()
         for t in send:
-            ops.append(dist.P2POp(dist.isend, t, self._global(send_to), self.group, tag=stream))
+            peer = self._global(send_to)
+            ops.append(dist.P2POp(dist.isend, t, peer, self.group, tag=stream))
+            traced.append(TracedOp("send", peer, nbytes(t)))
             record("sent", phase, self._link_of(send_to), nbytes(t))
             links.add(self._link_of(send_to))
         for t in recv:
-            ops.append(dist.P2POp(dist.irecv, t, self._global(recv_from), self.group, tag=stream))
+            peer = self._global(recv_from)
+            ops.append(dist.P2POp(dist.irecv, t, peer, self.group, tag=stream))
+            traced.append(TracedOp("recv", peer, nbytes(t)))
             record("received", phase, self._link_of(recv_from), nbytes(t))
             links.add(self._link_of(recv_from))
-        reqs = dist.batch_isend_irecv(ops) if ops else []
+        if not ops:
+            return PendingExchange([], [], phase)
+        trace_id = _trace_post(self.group, traced, label or phase)
+        reqs = dist.batch_isend_irecv(ops)
+        device = (list(send) + list(recv))[0].device
         # a wait is charged to the slower link class involved
-        return PendingExchange(reqs, list(recv), phase, "inter" if "inter" in links else "intra")
-
-    def send_to_next(self, tensors: Sequence[torch.Tensor], phase: str, stream: int = 0) -> "PendingExchange":
-        """Send ``tensors`` to the next rank and receive same-shaped buffers from the previous one."""
-        recv = [torch.empty_like(t) for t in tensors]
-        return self.exchange(tensors, recv, phase, stream=stream)
-
-    def send(self, tensors: Sequence[torch.Tensor], phase: str, to: Optional[int] = None,
-             stream: int = 0) -> "PendingExchange":
-        return self.exchange(tensors, [], phase, send_to=to, stream=stream)
-
-    def recv(self, like: Sequence[torch.Tensor], phase: str, frm: Optional[int] = None,
-             stream: int = 0) -> "PendingExchange":
-        return self.exchange([], [torch.empty_like(t) for t in like], phase, recv_from=frm, stream=stream)
+        return PendingExchange(reqs, list(recv), phase, "inter" if "inter" in links else "intra", device, trace_id)
 
 
-class PendingExchange:
-    """Handle of posted P2P operations; ``wait()`` returns the receive buffers once filled."""
+# ------------------------------------------------------------------------- collectives
 
-    def __init__(self, reqs: list, recv: list[torch.Tensor], phase: str = "forward", link: str = "intra") -> None:
-        self._reqs = reqs
-        self._recv = recv
-        self._phase, self._link = phase, link
 
-    def wait(self) -> list[torch.Tensor]:
-        if self._reqs:
-            start = time.perf_counter()
-            for r in self._reqs:
-                r.wait()
-            record_wait(self._phase, self._link, time.perf_counter() - start)
-        self._reqs = []
-        return self._recv
+def _collective(kind: str, group: Optional[dist.ProcessGroup], phase: str, link: str, sent: int, received: int,
+                in_bytes: int, post: Callable[[], object], device: torch.device, label: str) -> PendingExchange:
+    record("sent", phase, link, sent)
+    record("received", phase, link, received)
+    trace_id = _trace_post(group, [TracedOp(kind, -1, in_bytes)], label or f"{phase} {kind}")
+    work = post()
+    return PendingExchange([work], [], phase, link, device, trace_id)
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup], phase: str,
+               link: str = "intra", label: str = "") -> PendingExchange:
+    """Post ``all_gather_into_tensor(out, inp)``: out [W * n, ...] rank-major from every inp [n, ...].
+
+    Counted as a ring all-gather: each rank sends (and receives) (W - 1) x inp's bytes.
+    """
+    W = dist.get_world_size(group)
+    if out.numel() != W * inp.numel() or out.dtype != inp.dtype:
+        raise ValueError(f"all_gather: out {tuple(out.shape)} {out.dtype} must hold {W} x inp "
+                         f"{tuple(inp.shape)} {inp.dtype}")
+    moved = (W - 1) * nbytes(inp)
+    return _collective("all_gather", group, phase, link, moved, moved, nbytes(inp),
+                       lambda: dist.all_gather_into_tensor(out, inp.contiguous(), group=group, async_op=True),
+                       inp.device, label)
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup], phase: str,
+               link: str = "intra", label: str = "") -> PendingExchange:
+    """Post ``all_to_all_single(out, inp)`` with equal splits along dim 0 (W chunks each).
+
+    Counted as what leaves the rank: (W - 1) / W of inp's bytes (the own chunk stays).
+    """
+    W = dist.get_world_size(group)
+    if inp.shape[0] % W or out.shape != inp.shape or out.dtype != inp.dtype:
+        raise ValueError(f"all_to_all: inp {tuple(inp.shape)} must split into {W} equal chunks along dim 0 "
+                         f"and out {tuple(out.shape)} {out.dtype} must match it")
+    moved = nbytes(inp) // W * (W - 1)
+    return _collective("all_to_all", group, phase, link, moved, moved, nbytes(inp),
+                       lambda: dist.all_to_all_single(out, inp.contiguous(), group=group, async_op=True),
+                       inp.device, label)

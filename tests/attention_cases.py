@@ -52,11 +52,36 @@ def run_case(algo, layout, causal, heads, local_len=6, b=2, d=8, dtype=torch.flo
         out.backward(sh(dout))
     got = (out, ql.grad, kl.grad, vl.grad)
     errs = {name: (g.float() - sh(e)).abs().max().item() for name, g, e in zip(("out", "dq", "dk", "dv"), got, ref)}
+    # squared-error sums (RMS over all ranks = sqrt(sum / numel)): rounding noise averages out, a
+    # systematic extra rounding (e.g. accumulating in bf16) does not
+    errs["sq"] = {name: (((g.double() - sh(e).double()) ** 2).sum().item(), g.numel()) for name, g, e in
+                  zip(("out", "dq", "dk", "dv"), got, ref)}
     errs["scale"] = max(sh(e).abs().max().item() for e in ref)
     errs["bytes"] = {p: counter.bytes("sent", phase=p) for p in ("forward", "backward")}
     errs["received"] = counter.bytes("received")
     errs["links"] = {(p, l): counter.bytes("sent", phase=p, link=l) for p in ("forward", "backward")
                      for l in ("intra", "inter")}
+    return errs
+
+
+def single_device_errors(seq, b, hq, hkv, d, dtype, seed, causal=True):
+    """Max abs errors of torch's own single-device SDPA in ``dtype`` (with autograd) against the fp32
+    reference on the same rounded inputs: the error a user gets without CP, the bar CP must meet."""
+    import torch.nn.functional as F
+
+    q, k, v, dout = full_inputs(seq, b, hq, hkv, d, dtype, seed)
+    scale = d ** -0.5
+    ref = reference_attention(q, k, v, dout, causal, scale)
+    bhsd = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    g = hq // hkv
+    out = F.scaled_dot_product_attention(bhsd(leaves[0]), bhsd(leaves[1]).repeat_interleave(g, 1),
+                                         bhsd(leaves[2]).repeat_interleave(g, 1), is_causal=causal, scale=scale)
+    out.permute(2, 0, 1, 3).backward(dout)
+    got = (out.permute(2, 0, 1, 3), leaves[0].grad, leaves[1].grad, leaves[2].grad)
+    errs = {name: (a.float() - e).abs().max().item() for name, a, e in zip(("out", "dq", "dk", "dv"), got, ref)}
+    errs["rms"] = {name: (a.double() - e.double()).pow(2).mean().sqrt().item()
+                   for name, a, e in zip(("out", "dq", "dk", "dv"), got, ref)}
     return errs
 
 

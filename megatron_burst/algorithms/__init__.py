@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_burst.algorithms import burst, ring
-from megatron_burst.algorithms.schedule import RingPlan
+from megatron_burst.algorithms.schedule import CPConfig
+from megatron_burst.kernels import row_dot
 from megatron_burst.layout import check_layout, check_local_len
 from megatron_burst.topology import RING_SHAPES, CPTopology, single_node_topology
 
@@ -55,30 +56,65 @@ def backward_bytes(algo: str, b: int, hq: int, hkv: int, n: int, d: int, elem: i
 class _CPAttention(torch.autograd.Function):
     """Ring forward (K,V circulate), backward by ``backward_algo``.
 
-    With ``q_rows`` and a cached tail (sequence-level selective checkpointing's recompute), the
-    forward computes only local query rows [0, q_rows) and takes (out, lse) of the other rows from
-    the cache; the backward is the same exact backward over all rows.
+    Takes q, k, v in the caller's format and returns the output in that format, contiguous: a
+    [s, b, h, d] output reshapes to Megatron's [s, b, h*d] as a view, and the same storage is what
+    the backward keeps (the output is stored once). With ``q_rows`` and a cached tail (sequence-level
+    selective checkpointing's recompute), the forward computes only local query rows [0, q_rows)
+    and takes (out, lse) of the other rows from the cache; the backward is the same exact backward.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: RingPlan, backward_algo: str, q_rows: Optional[int] = None,
+    def forward(ctx, q, k, v, cfg: CPConfig, backward_algo: str, qkv_format: str, q_rows: Optional[int] = None,
                 out_tail: Optional[torch.Tensor] = None, lse_tail: Optional[torch.Tensor] = None):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = ring.kv_ring_forward(q, k, v, plan, q_rows=q_rows)
-        if q_rows is not None:
-            out[:, :, q_rows:] = out_tail
-            lse[:, :, q_rows:] = lse_tail
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.backward_algo = plan, backward_algo
+        qh, kh, vh = (to_bhsd(t, qkv_format).contiguous() for t in (q, k, v))
+        out, _, lse = attention_forward(qh, kh, vh, cfg, qkv_format, q_rows, out_tail, lse_tail)
+        ctx.save_for_backward(qh, kh, vh, out, lse)
+        ctx.cfg, ctx.backward_algo, ctx.qkv_format = cfg, backward_algo, qkv_format
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dout = dout.contiguous()
-        D = (dout.float() * out.float()).sum(-1)
-        dq, dk, dv = _BACKWARD[ctx.backward_algo](dout, q, k, v, D, lse, ctx.plan)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        qh, kh, vh, out, lse = ctx.saved_tensors
+        fmt = ctx.qkv_format
+        dout_h = to_bhsd(dout, fmt).contiguous()
+        D = row_dot(dout_h, to_bhsd(out, fmt))
+        dq, dk, dv = _BACKWARD[ctx.backward_algo](dout_h, qh, kh, vh, D, lse, ctx.cfg)
+        grads = (from_bhsd(g.to(qh.dtype), fmt) for g in (dq, dk, dv))
+        return (*grads, None, None, None, None, None, None)
+
+
+def to_bhsd(t: torch.Tensor, qkv_format: str) -> torch.Tensor:
+    """[s, b, h, d] ("sbhd") or [b, s, h, d] ("bshd") -> a [b, h, s, d] view."""
+    return t.permute(1, 2, 0, 3) if qkv_format == "sbhd" else t.permute(0, 2, 1, 3)
+
+
+def from_bhsd(t: torch.Tensor, qkv_format: str) -> torch.Tensor:
+    """Inverse of :func:`to_bhsd` (a view)."""
+    return t.permute(2, 0, 1, 3) if qkv_format == "sbhd" else t.permute(0, 2, 1, 3)
+
+
+def attention_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, cfg: CPConfig, qkv_format: str,
+                      q_rows: Optional[int] = None, out_tail: Optional[torch.Tensor] = None,
+                      lse_tail: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CP forward on contiguous [b, h, s, d] q/k/v.
+
+    Returns (out in the caller's format, contiguous; the same storage viewed [b, h, s, d];
+    lse [b, h, s] fp32). Blocks merge in fp32; the output is rounded to q's dtype once, at the end.
+    ``q_rows``/``out_tail``/``lse_tail``: rows [q_rows, s) come from a selective-checkpoint store.
+    """
+    b, h, s, d = qh.shape
+    shape = (s, b, h, vh.shape[-1]) if qkv_format == "sbhd" else (b, s, h, vh.shape[-1])
+    out = torch.empty(shape, dtype=qh.dtype, device=qh.device)
+    out_h = to_bhsd(out, qkv_format)
+    # fp32 inputs accumulate straight into the output; others through one fp32 buffer
+    acc = out_h if qh.dtype == torch.float32 else None
+    acc, lse = ring.kv_ring_forward(qh, kh, vh, cfg, q_rows=q_rows, out=acc)
+    if q_rows is not None:
+        acc[:, :, q_rows:] = out_tail
+        lse[:, :, q_rows:] = lse_tail
+    if acc is not out_h:
+        out_h.copy_(acc)
+    return out, out_h, lse
 
 
 def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: int, algo: str, layout: str,
@@ -118,18 +154,25 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: i
 
 @dataclass
 class Prepared:
-    """A validated call: [b, h, s, d] views of q, k, v, the ring plan and the backward scheme."""
+    """A validated call: q, k, v in the caller's format, its CP configuration and backward scheme."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    plan: RingPlan
+    cfg: CPConfig
     backward_algo: str
     qkv_format: str
 
-    def restore(self, out: torch.Tensor) -> torch.Tensor:
-        """[b, h, s, d] -> the caller's format."""
-        return out.permute(2, 0, 1, 3) if self.qkv_format == "sbhd" else out.permute(0, 2, 1, 3)
+    def apply(self, q_rows: Optional[int] = None, out_tail: Optional[torch.Tensor] = None,
+              lse_tail: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The differentiable CP attention of this call (output in the caller's format)."""
+        return _CPAttention.apply(self.q, self.k, self.v, self.cfg, self.backward_algo, self.qkv_format,
+                                  q_rows, out_tail, lse_tail)
+
+    def forward_no_grad(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The forward alone: (out in the caller's format, its [b, h, s, d] view, lse fp32)."""
+        qh, kh, vh = (to_bhsd(t, self.qkv_format).contiguous() for t in (self.q, self.k, self.v))
+        return attention_forward(qh, kh, vh, self.cfg, self.qkv_format)
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, algo: str = "burst",
@@ -137,7 +180,7 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
             softmax_scale: Optional[float] = None, qkv_format: str = "sbhd", stripe: int = 1,
             dropout_p: float = 0.0, attn_bias: Optional[torch.Tensor] = None,
             kernel: Optional[str] = None) -> Prepared:
-    """Validate a cp_attention call (before any collective) and resolve its plan; see cp_attention."""
+    """Validate a cp_attention call (before any collective) and resolve its configuration."""
     topo = group if isinstance(group, CPTopology) else single_node_topology(group)
     ring = ring or topo.default_ring
     if ring not in RING_SHAPES:
@@ -147,14 +190,12 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
     world_size = topo.world_size
     validate(q, k, v, world_size=world_size, algo=algo, layout=layout, qkv_format=qkv_format, stripe=stripe,
              dropout_p=dropout_p, attn_bias=attn_bias)
-    perm = (1, 2, 0, 3) if qkv_format == "sbhd" else (0, 2, 1, 3)  # to [b, h, s, d]
-    qh, kh, vh = (t.permute(*perm) for t in (q, k, v))
-    b, hq, n, d = qh.shape
+    b, hq, n, d = to_bhsd(q, qkv_format).shape
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    backward_algo = resolve_algo(algo, b, hq, kh.shape[1], n, d, q.element_size(), world_size,
+    backward_algo = resolve_algo(algo, b, hq, to_bhsd(k, qkv_format).shape[1], n, d, q.element_size(), world_size,
                                  nodes=topo.num_nodes, ring=ring, causal=causal)
-    plan = RingPlan(topo, ring, layout, stripe, causal, scale, kernel)
-    return Prepared(qh, kh, vh, plan, backward_algo, qkv_format)
+    cfg = CPConfig(topo, ring, layout, stripe, causal, scale, kernel)
+    return Prepared(q, k, v, cfg, backward_algo, qkv_format)
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -167,14 +208,14 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     q [s, b, hq, d], k/v [s, b, hkv, d] (``qkv_format="sbhd"``, Megatron's; or [b, s, h, d] for
     "bshd") hold this rank's s local tokens in ``layout``'s order (see megatron_burst.layout).
-    Returns this rank's output, same shape and dtype as q. Differentiable; gradients are exact.
+    Returns this rank's output, same shape and dtype as q, contiguous (so Megatron's reshape to
+    [s, b, hq*d] is a view). Differentiable; gradients are exact.
     ``group`` None means the default process group (or a single process if none is initialized);
     a :class:`CPTopology` from ``build_cp_topology`` makes the ring topology-aware: ``ring="double"``
     (the default when it spans several nodes) runs intra-node rings inside an inter-node ring, and
     ``ring="flat"`` one ring whose bytes are still classed intra/inter.
     ``kernel`` forces a local attention backend (megatron_burst.kernels.BACKENDS).
     """
-    p = prepare(q, k, v, group=group, algo=algo, layout=layout, causal=causal, ring=ring,
-                softmax_scale=softmax_scale, qkv_format=qkv_format, stripe=stripe, dropout_p=dropout_p,
-                attn_bias=attn_bias, kernel=kernel)
-    return p.restore(_CPAttention.apply(p.q, p.k, p.v, p.plan, p.backward_algo))
+    return prepare(q, k, v, group=group, algo=algo, layout=layout, causal=causal, ring=ring,
+                   softmax_scale=softmax_scale, qkv_format=qkv_format, stripe=stripe, dropout_p=dropout_p,
+                   attn_bias=attn_bias, kernel=kernel).apply()

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from megatron_burst.algorithms.schedule import RingPlan, cp_ring_pass
+from megatron_burst.algorithms.schedule import CPConfig, cp_ring_pass
 from megatron_burst.kernels import block_backward
 from megatron_burst.layout import block_mask
 
 
-def burst_backward(dout, q, k, v, D, lse, plan: RingPlan):
+def burst_backward(dout, q, k, v, D, lse, cfg: CPConfig):
     """Q,dO,D,lse,dQ circulate. q/dout [b, hq, n, d], k/v [b, hkv, n, d], D/lse [b, hq, n] fp32."""
     n = q.shape[2]
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
@@ -30,16 +30,16 @@ def burst_backward(dout, q, k, v, D, lse, plan: RingPlan):
         qdo, dl = travel
         dq = torch.zeros_like(dq_like)
         # the visiting queries are rank ``owner``'s, the keys are ours
-        mask = block_mask(plan.layout, owner, plan.rank, plan.world_size, n, plan.causal, plan.stripe)
+        mask = block_mask(cfg.layout, owner, cfg.rank, cfg.world_size, n, cfg.causal, cfg.stripe)
         if mask.kind != "empty":
-            dqb, dkb, dvb = block_backward(qdo[1], qdo[0], k, v, dl[0], dl[1], mask, plan.scale, plan.kernel)
+            dqb, dkb, dvb = block_backward(qdo[1], qdo[0], k, v, dl[0], dl[1], mask, cfg.scale, cfg.kernel)
             dq[:, :, mask.q_slice] += dqb
             dk[:, :, mask.kv_slice] += dkb
             dv[:, :, mask.kv_slice] += dvb
         return dq
 
     travel = [torch.stack([q, dout.to(q.dtype)]), torch.stack([D, lse])]
-    dq = cp_ring_pass(plan, travel, visit, "backward", grad_like=dq_like)
+    dq = cp_ring_pass(cfg, travel, visit, "backward", grad_like=dq_like)
     return dq, dk, dv
 
 

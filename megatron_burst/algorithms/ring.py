@@ -14,52 +14,59 @@ from typing import Optional
 
 import torch
 
-from megatron_burst.algorithms.schedule import RingPlan, cp_ring_pass
+from megatron_burst.algorithms.schedule import CPConfig, cp_ring_pass
 from megatron_burst.kernels import block_backward, block_forward, merge_into
 from megatron_burst.layout import block_mask
 
 
-def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
-                    q_rows: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward of ring and burst. q [b, hq, n, d], k/v [b, hkv, n, d] -> (out like q, lse [b, hq, n] fp32).
+def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: CPConfig,
+                    q_rows: Optional[int] = None, out: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of ring and burst. q [b, hq, n, d], k/v [b, hkv, n, d] -> (out, lse [b, hq, n]), both fp32.
 
-    ``q_rows`` limits the work to local query rows [0, q_rows) (the others come back as 0 / -inf):
-    sequence-level selective checkpointing recomputes only those. K,V still travel whole.
+    Block outputs arrive from the kernels in fp32 and merge in fp32: nothing is rounded to q's
+    dtype here. ``out`` optionally gives the fp32 [b, hq, n, d] accumulator (any strides; e.g. a
+    view of the caller's output buffer). ``q_rows`` limits the work to local query rows
+    [0, q_rows) (the others come back as 0 / -inf): sequence-level selective checkpointing
+    recomputes only those. K,V still travel whole.
     """
     b, hq, n, _ = q.shape
-    out = torch.zeros(b, hq, n, v.shape[-1], dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.zeros(b, hq, n, v.shape[-1], dtype=torch.float32, device=q.device)
+    else:
+        out.zero_()
     lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
 
     def visit(owner, kv):
-        mask = block_mask(plan.layout, plan.rank, owner, plan.world_size, n, plan.causal, plan.stripe)
+        mask = block_mask(cfg.layout, cfg.rank, owner, cfg.world_size, n, cfg.causal, cfg.stripe)
         if q_rows is not None:
             mask = mask.clip_rows(q_rows)
         if mask.kind != "empty":
-            o, l = block_forward(q, kv[0], kv[1], mask, plan.scale, plan.kernel)
+            o, l = block_forward(q, kv[0], kv[1], mask, cfg.scale, cfg.kernel)
             merge_into(out[:, :, mask.q_slice], lse[:, :, mask.q_slice], o, l)
 
     if q_rows == 0:  # every row comes from the selective-checkpoint store: nothing to compute or send
-        return out.to(q.dtype), lse
-    kv_len = n if q_rows is None else needed_kv_rows(plan, n, q_rows)
-    cp_ring_pass(plan, [torch.stack([k[:, :, :kv_len], v[:, :, :kv_len]])], lambda owner, t: visit(owner, t[0]),
+        return out, lse
+    kv_len = n if q_rows is None else needed_kv_rows(cfg, n, q_rows)
+    cp_ring_pass(cfg, [torch.stack([k[:, :, :kv_len], v[:, :, :kv_len]])], lambda owner, t: visit(owner, t[0]),
                  "forward")
-    return out.to(q.dtype), lse
+    return out, lse
 
 
-def needed_kv_rows(plan: RingPlan, n: int, q_rows: int) -> int:
+def needed_kv_rows(cfg: CPConfig, n: int, q_rows: int) -> int:
     """How many leading K,V rows of any block some rank's query rows [0, q_rows) can see.
 
     Under causal masking early queries see only early keys, so a recompute of the earlier rows
     circulates only that prefix of every K,V block (the same length on every rank: q_rows is).
     """
-    if not plan.causal:
+    if not cfg.causal:
         return n
-    W = plan.world_size
-    return max(block_mask(plan.layout, i, j, W, n, True, plan.stripe).clip_rows(q_rows).kv_stop
+    W = cfg.world_size
+    return max(block_mask(cfg.layout, i, j, W, n, True, cfg.stripe).clip_rows(q_rows).kv_stop
                for i in range(W) for j in range(W))
 
 
-def ring_backward(dout, q, k, v, D, lse, plan: RingPlan):
+def ring_backward(dout, q, k, v, D, lse, cfg: CPConfig):
     """K,V,dK,dV circulate. Shapes as in the forward; D, lse [b, hq, n] fp32. Returns fp32 (dq, dk, dv)."""
     n = q.shape[2]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -68,15 +75,15 @@ def ring_backward(dout, q, k, v, D, lse, plan: RingPlan):
     def visit(owner, travel):
         kv = travel[0]
         dkv = torch.zeros_like(dkv_like)
-        mask = block_mask(plan.layout, plan.rank, owner, plan.world_size, n, plan.causal, plan.stripe)
+        mask = block_mask(cfg.layout, cfg.rank, owner, cfg.world_size, n, cfg.causal, cfg.stripe)
         if mask.kind != "empty":
-            dqb, dkb, dvb = block_backward(dout, q, kv[0], kv[1], D, lse, mask, plan.scale, plan.kernel)
+            dqb, dkb, dvb = block_backward(dout, q, kv[0], kv[1], D, lse, mask, cfg.scale, cfg.kernel)
             dq[:, :, mask.q_slice] += dqb
             dkv[0][:, :, mask.kv_slice] += dkb
             dkv[1][:, :, mask.kv_slice] += dvb
         return dkv
 
-    dkv = cp_ring_pass(plan, [torch.stack([k, v])], visit, "backward", grad_like=dkv_like)
+    dkv = cp_ring_pass(cfg, [torch.stack([k, v])], visit, "backward", grad_like=dkv_like)
     return dq, dkv[0], dkv[1]
 
 

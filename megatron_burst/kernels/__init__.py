@@ -89,7 +89,9 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Block
                   kernel: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the visible rectangle of a block. q [b, hq, n, d], k/v [b, hkv, m, d].
 
-    Returns (out [b, hq, q_rows, d], lse [b, hq, q_rows] fp32) for rows ``mask.q_slice``.
+    Returns (out [b, hq, q_rows, d], lse [b, hq, q_rows]) for rows ``mask.q_slice``, both fp32 (fp64
+    for fp64 inputs): block outputs reach the merge unrounded, except from ``cuda_flash``, whose
+    kernel only writes its input dtype.
     """
     qs, ks, vs = q[:, :, mask.q_slice], k[:, :, mask.kv_slice], v[:, :, mask.kv_slice]
     impl = select(qs, mask.kind, "forward", kernel, ks)
@@ -108,6 +110,23 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     impl = select(qs, mask.kind, "backward", kernel, ks)
     return impl.backward(dout[:, :, qsl], qs, ks, v[:, :, ksl], D[:, :, qsl], lse[:, :, qsl], mask.kind,
                          mask.block, scale)
+
+
+def row_dot(a: torch.Tensor, b: torch.Tensor, chunk_elems: int = 1 << 24) -> torch.Tensor:
+    """rowsum(a * b) over the last dim, accumulated in fp32 (fp64 for fp64): [..., n, d] x2 -> [..., n].
+
+    D = rowsum(dO * O) of the attention backward. Computed over chunks of rows, so at most one
+    chunk of the fp32 copies exists at a time (not two full fp32 copies of dO and O); any strides.
+    """
+    acc_dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    out = torch.empty(a.shape[:-1], dtype=acc_dtype, device=a.device)
+    n, d = a.shape[-2], a.shape[-1]
+    per_row = max(1, a.numel() // max(n, 1))
+    rows = max(1, chunk_elems // per_row)
+    for i in range(0, n, rows):
+        sl = slice(i, min(i + rows, n))
+        out[..., sl] = (a[..., sl, :].to(acc_dtype) * b[..., sl, :].to(acc_dtype)).sum(-1)
+    return out
 
 
 def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:

@@ -27,6 +27,10 @@ def _mask_args(kind, block, sq, sk, dtype, device):
 
 
 def forward(q, k, v, kind="full", block=1, scale=1.0):
+    """fp32 (out, lse). Lower-precision inputs run through the op in fp32 (exact upcasts): the op
+    writes its output in its input dtype, and a bf16 block output would be rounded before the merge."""
+    if q.dtype in (torch.float16, torch.bfloat16):
+        q, k, v = q.float(), k.float(), v.float()
     is_causal, mask = _mask_args(kind, block, q.shape[2], k.shape[2], q.dtype, q.device)
     hq = q.shape[1]
     out, lse = _fwd(q, expand_kv(k, hq), expand_kv(v, hq), 0.0, is_causal, attn_mask=mask, scale=scale)

@@ -3,7 +3,8 @@
 All kernels share one interface on tensors laid out [b, h, s, d] (q has hq heads, k/v hkv heads,
 hq % hkv == 0):
 
-  forward(q, k, v, kind, block, scale) -> (out [b, hq, sq, d] in q.dtype, lse [b, hq, sq] fp32)
+  forward(q, k, v, kind, block, scale) -> (out [b, hq, sq, d], lse [b, hq, sq]), fp32 (fp64 for fp64
+                                          inputs): unrounded, so CP merges do not add roundings
   backward(dout, q, k, v, D, lse, kind, block, scale) -> (dq, dk, dv)   (fp32 or input dtype)
 
 ``kind`` is "full", "causal" (row i sees column j iff i >= j) or "block_causal" (iff
@@ -59,7 +60,7 @@ def forward(q, k, v, kind="full", block=1, scale=1.0):
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None])
     out = torch.einsum("bhqk,bhkd->bhqd", p, _acc(expand_kv(v, q.shape[1])))
-    return out.to(q.dtype), lse
+    return out, lse
 
 
 def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0):

@@ -38,7 +38,7 @@ def forward(q, k, v, kind="full", block=1, scale=1.0):
     b, hq, sq, d = q.shape
     sk = k.shape[2]
     ke, ve = expand_kv(k, hq), expand_kv(v, hq)
-    out = torch.empty(b, hq, sq, v.shape[-1], dtype=q.dtype, device=q.device)
+    out = torch.empty(b, hq, sq, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     for q0 in range(0, sq, TILE_Q):
         q1 = min(q0 + TILE_Q, sq)
@@ -62,7 +62,7 @@ def forward(q, k, v, kind="full", block=1, scale=1.0):
             l = l * corr + p.sum(-1)
             acc = acc * corr[..., None] + p @ ve[:, :, k0:k1].float()
             m = m_new
-        out[:, :, q0:q1] = (acc / l[..., None]).to(q.dtype)
+        out[:, :, q0:q1] = acc / l[..., None]
         lse[:, :, q0:q1] = m + torch.log(l)
     return out, lse
 

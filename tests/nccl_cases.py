@@ -1,0 +1,62 @@
+"""Rank-side bodies of the NCCL-semantics tests: record real schedules on gloo, replay them."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import megatron_burst as mb
+from megatron_burst.comm import RingComm, record_schedule
+from megatron_burst.nccl_check import check_on_all_ranks
+from attention_cases import run_case
+from topology_cases import topology
+
+
+def _replays(trace) -> dict:
+    """Both NCCL models over every rank's trace: per-communicator FIFO, and one FIFO per rank."""
+    out = {}
+    for serialize in (False, True):
+        report = check_on_all_ranks(trace, serialize_communicators=serialize)
+        out["serialized" if serialize else "per_comm"] = (report.ok, str(report), report.total)
+    return out
+
+
+def attention_schedule(algo: str, ring: str, ranks_per_node: int, layout: str = "zigzag", heads="gqa4"):
+    """One cp_attention forward + backward (errors checked too), recorded and replayed."""
+    group = topology(ranks_per_node) if ring == "double" else None
+    with record_schedule() as trace:
+        errs = run_case(algo, layout, True, heads, group=group, ring=ring)
+    result = _replays(trace)
+    result["max_err"] = max(errs[n] for n in ("out", "dq", "dk", "dv"))
+    result["posted"] = sum(1 for kind, _ in trace.events if kind == "post")
+    return result
+
+
+def lone_send_ring(nbytes: int = 1 << 12):
+    """The schedule the review found in the old ring_pass: every rank posts its send to the next
+    rank as a batch of its own and the matching receive in a later batch. gloo buffers the send,
+    so this completes here; under NCCL every send waits for a receive queued behind a send."""
+    comm = RingComm(None)
+    block = torch.full((nbytes // 4,), float(dist.get_rank()))
+    with record_schedule() as trace:
+        sent = comm.exchange([block], [], "backward", label="lone send")
+        got = comm.exchange([], [torch.empty_like(block)], "backward", label="its receive").wait()[0]
+        sent.wait()
+    ok_here = bool((got == float((dist.get_rank() - 1) % dist.get_world_size())).all())
+    return ok_here, _replays(trace)
+
+
+def collectives_schedule():
+    """all_gather and all_to_all through megatron_burst.comm: counted, traced, replayable."""
+    W = dist.get_world_size()
+    x = torch.arange(6, dtype=torch.float32) + 10 * dist.get_rank()
+    gathered = torch.empty(6 * W)
+    a2a_in = torch.arange(2 * W, dtype=torch.float32) + 100 * dist.get_rank()
+    a2a_out = torch.empty_like(a2a_in)
+    with mb.comm_counter() as counter, record_schedule() as trace:
+        mb.comm.all_gather(gathered, x, None, "forward").wait()
+        mb.comm.all_to_all(a2a_out, a2a_in, None, "backward").wait()
+    expect_gather = torch.cat([torch.arange(6, dtype=torch.float32) + 10 * r for r in range(W)])
+    expect_a2a = torch.tensor([100.0 * r + 2 * dist.get_rank() + i for r in range(W) for i in range(2)])
+    return {"values_ok": bool(torch.equal(gathered, expect_gather) and torch.equal(a2a_out, expect_a2a)),
+            "bytes": {p: counter.bytes("sent", phase=p) for p in ("forward", "backward")},
+            **_replays(trace)}
