@@ -14,6 +14,7 @@ In every layout a rank's local tokens are in increasing global order. That makes
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -74,6 +75,17 @@ def layout_indices(seq_len: int, rank: int, world_size: int, layout: str, stripe
                           torch.arange((2 * world_size - 1 - rank) * c, (2 * world_size - rank) * c)])
     stripes = torch.arange(rank, seq_len // stripe, world_size)
     return (stripes[:, None] * stripe + torch.arange(stripe)[None, :]).reshape(-1)
+
+
+@functools.lru_cache(maxsize=64)
+def layout_indices_on(seq_len: int, rank: int, world_size: int, layout: str, stripe: int,
+                      device: torch.device) -> torch.Tensor:
+    """:func:`layout_indices` on ``device``, built once per arguments and reused (read-only!).
+
+    Batch slicing and RoPE ask for the same positions every step; building them on the host and
+    copying them to the GPU each time would cost a host-to-device copy per call.
+    """
+    return layout_indices(seq_len, rank, world_size, layout, stripe).to(device)
 
 
 def shard(x: torch.Tensor, dim: int, rank: int, world_size: int, layout: str, stripe: int = 1) -> torch.Tensor:

@@ -141,3 +141,21 @@ def test_bad_inputs_raise_on_every_rank_before_any_collective():
         assert "p2p" in messages["unknown_algo"] and "ring" in messages["unknown_algo"]
         assert "dropout" in messages["dropout"]
         assert "attn_bias" in messages["bias"]
+
+
+@pytest.mark.parametrize("qkv_format", ["sbhd", "bshd"])
+def test_output_is_stored_once(qkv_format):
+    """The output comes back contiguous in the caller's format, so Megatron's reshape to
+    [s, b, h*d] is a view, and the backward keeps that same storage (no second copy of out)."""
+    import megatron_burst as mb
+
+    g = torch.Generator().manual_seed(0)
+    shape = (12, 2) if qkv_format == "sbhd" else (2, 12)
+    q, k, v = (torch.randn(*shape, h, 8, generator=g).requires_grad_() for h in (4, 2, 2))
+    out = mb.cp_attention(q, k, v, qkv_format=qkv_format)
+    assert out.shape == q.shape and out.is_contiguous()
+    flat = out.view(*shape, -1)  # raises if a copy were needed
+    assert flat.data_ptr() == out.data_ptr()
+    saved = out.grad_fn.saved_tensors
+    assert sum(t.data_ptr() == out.data_ptr() for t in saved) == 1
+    assert sum(t.numel() == out.numel() for t in saved) == 2  # q and out; k, v are smaller (GQA)

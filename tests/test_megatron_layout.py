@@ -61,6 +61,22 @@ def rope_on_rank(layout: str, seq: int, stripe: int = 1, interleaved: bool = Fal
     return {"local": LayoutRotaryEmbedding(src, layout, dist.group.WORLD, stripe)(seq), "freqs": freqs}
 
 
+def rope_rows_cached() -> bool:
+    """The same rows object on a second call; rebuilt (equal) after the module moves."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_burst.megatron.rope import LayoutRotaryEmbedding
+
+    src = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, rotary_base=10000, use_cpu_initialization=True,
+                          cp_group=dist.group.WORLD)
+    rope = LayoutRotaryEmbedding(src, "zigzag", dist.group.WORLD)
+    first = rope(16)
+    same = rope(16) is first
+    rope.to("cpu")  # a device move drops the cache
+    again = rope(16)
+    return same and again is not first and torch.equal(again, first) and rope(8) is not first
+
+
 @pytest.mark.parametrize("layout,stripe", [("contiguous", 1), ("zigzag", 1), ("striped", 1), ("striped", 3)])
 @pytest.mark.parametrize("world", [2, 4])
 def test_batch_slicing(layout, stripe, world):
@@ -151,3 +167,31 @@ def _rope_after_bfloat16():
     before = rope(4096)
     wrapper = torch.nn.Sequential(rope).bfloat16().to("cpu")
     return {"dtype": wrapper[0].inv_freq.dtype, "before": before, "after": wrapper[0](4096)}
+
+
+def test_mask_check_covers_every_row_chunk(monkeypatch):
+    """The causal check walks rows in chunks (no second s x s tensor): a wrong entry in any chunk,
+    above or below the diagonal, is found; the plain causal mask passes."""
+    from megatron_burst.megatron import batch as batch_mod
+
+    monkeypatch.setattr(batch_mod, "_MASK_ROWS_PER_CHUNK", 4)
+    s = 10
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1).expand(2, 1, s, s).clone()
+    batch_mod.check_causal_attention_mask(causal, s)
+    for i, j in [(0, 1), (9, 3), (5, 5), (7, 8)]:  # hide a visible entry or show a hidden one
+        bad = causal.clone()
+        bad[1, 0, i, j] = ~bad[1, 0, i, j]
+        with pytest.raises(ValueError, match="not the plain causal mask"):
+            batch_mod.check_causal_attention_mask(bad, s)
+
+
+def test_positions_and_rope_rows_are_built_once():
+    """Slicing indices and RoPE rows are cached per (sequence, rank, layout, device): the same
+    tensor comes back, so no host-to-device index copy happens per call."""
+    from megatron_burst.layout import layout_indices_on
+
+    a = layout_indices_on(24, 1, 2, "striped", 1, torch.device("cpu"))
+    assert a is layout_indices_on(24, 1, 2, "striped", 1, torch.device("cpu"))
+    assert a.tolist() == list(range(1, 24, 2))
+    for res in run_ranks(2, rope_rows_cached):
+        assert res

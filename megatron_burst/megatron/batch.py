@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_burst.layout import check_layout, check_seq_len, layout_indices
+from megatron_burst.layout import check_layout, check_seq_len, layout_indices_on
 
 
 def _cp_rank_size(cp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
@@ -25,22 +25,36 @@ def _cp_rank_size(cp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     return parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_world_size()
 
 
+_MASK_ERROR = ("attention_mask is not the plain causal mask (document masks from --reset-attention-mask or "
+               "padding masks are not supported under megatron-burst attention): build batches without "
+               "reset_attention_mask, or without an attention mask at all (create_attention_mask=False / "
+               "--no-create-attention-mask-in-dataloader)")
+_MASK_ROWS_PER_CHUNK = 1024
+
+
 def check_causal_attention_mask(mask: torch.Tensor, seq_len: int) -> None:
-    """Raise ValueError unless ``mask`` is Megatron's plain causal mask ([b|1, 1, s, s], True = hidden).
+    """Raise unless ``mask`` is Megatron's plain causal mask ([b|1, 1, s, s], True = hidden).
 
     CP attention derives causality from positions and cannot honour any other mask (document
     masks from --reset-attention-mask, padding masks), so those must not be silently dropped.
+    The comparison runs over chunks of rows (no second s x s tensor). A CPU mask raises ValueError
+    here; on a GPU the verdict stays on the device (``torch._assert_async``, no host sync): a
+    wrong mask stops the job with the same message at the next synchronization.
     """
     if mask.dim() != 4 or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (seq_len, seq_len):
         raise ValueError(f"attention_mask of shape {tuple(mask.shape)} is not a [b, 1, {seq_len}, "
                          f"{seq_len}] causal mask")
-    causal_hidden = torch.ones(seq_len, seq_len, dtype=torch.bool, device=mask.device).triu(1)
-    if not bool((mask.bool() == causal_hidden).all()):
-        raise ValueError("attention_mask is not the plain causal mask (document masks from "
-                         "--reset-attention-mask or padding masks are not supported under "
-                         "megatron-burst attention): build batches without reset_attention_mask, "
-                         "or without an attention mask at all (create_attention_mask=False / "
-                         "--no-create-attention-mask-in-dataloader)")
+    cols = torch.arange(seq_len, device=mask.device)
+    wrong = torch.zeros((), dtype=torch.bool, device=mask.device)
+    for r0 in range(0, seq_len, _MASK_ROWS_PER_CHUNK):
+        rows = torch.arange(r0, min(r0 + _MASK_ROWS_PER_CHUNK, seq_len), device=mask.device)
+        hidden = cols[None, :] > rows[:, None]  # [rows, s]: the causal mask's rows
+        wrong |= (mask[:, 0, r0:r0 + rows.numel()].bool() != hidden).any()
+    if mask.device.type == "cpu":
+        if bool(wrong):
+            raise ValueError(_MASK_ERROR)
+    else:
+        torch._assert_async(~wrong, _MASK_ERROR)
 
 
 def get_batch_on_this_cp_rank(batch: Dict[str, Any], layout: str = "zigzag",
@@ -79,14 +93,11 @@ def get_batch_on_this_cp_rank(batch: Dict[str, Any], layout: str = "zigzag",
     check_seq_len(seq_len, size, layout, stripe)
 
     out: Dict[str, Any] = {}
-    idx = None
     for key, val in batch.items():
         if key == "attention_mask":
             out[key] = None
         elif val is None or size == 1:
             out[key] = val
         else:
-            if idx is None or idx.device != val.device:
-                idx = layout_indices(seq_len, rank, size, layout, stripe).to(val.device)
-            out[key] = val.index_select(1, idx)
+            out[key] = val.index_select(1, layout_indices_on(seq_len, rank, size, layout, stripe, val.device))
     return out

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-from megatron_burst.layout import check_layout, layout_indices
+from megatron_burst.layout import check_layout, layout_indices_on
 
 
 class LayoutRotaryEmbedding(RotaryEmbedding):
@@ -38,6 +38,9 @@ class LayoutRotaryEmbedding(RotaryEmbedding):
         self.cp_group = cp_group
         self.layout = layout
         self.stripe = stripe
+        # Every layer asks for the same rows every step: build them once (Megatron's RotaryEmbedding
+        # caches its forward the same way). Cleared when the module moves.
+        self._rows_cache: dict[tuple, torch.Tensor] = {}
 
     def _apply(self, fn, recurse: bool = True):
         # Follow device moves (model.cuda()), but never dtype casts: Megatron-LM's Float16Module
@@ -46,25 +49,36 @@ class LayoutRotaryEmbedding(RotaryEmbedding):
         inv_freq = self.inv_freq
         super()._apply(fn, recurse)
         self.inv_freq = inv_freq.to(device=self.inv_freq.device)
+        self._rows_cache.clear()
         return self
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
                 cp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-        """Embedding rows for this CP rank's tokens: [max_seq_len / cp_size, 1, 1, dim]."""
+        """Embedding rows for this CP rank's tokens: [max_seq_len / cp_size, 1, 1, dim] (cached)."""
         if packed_seq:
             raise ValueError("packed (THD) sequences are not supported by megatron-burst; "
                              "train with unpacked [b, s] batches")
+        group = cp_group if cp_group is not None else self.cp_group
+        cp = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+        key = (max_seq_len, offset, cp, self.inv_freq.device)
+        if key not in self._rows_cache:
+            if len(self._rows_cache) >= 32:
+                self._rows_cache.clear()
+            self._rows_cache[key] = self._rows(max_seq_len, offset, group)
+        return self._rows_cache[key]
+
+    def _rows(self, max_seq_len: int, offset: int, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+        """The frequency table for positions [offset, offset + max_seq_len), this rank's rows."""
         freqs = self.get_freqs_non_repeated(max_seq_len, offset)
         if self.rotary_interleaved:
             emb = torch.stack((freqs, freqs), dim=-1).view(freqs.shape[0], -1)
         else:
             emb = torch.cat((freqs, freqs), dim=-1)
         emb = emb[:, None, None, :]
-        group = cp_group if cp_group is not None else self.cp_group
         if group is not None and dist.get_world_size(group) > 1:
-            idx = layout_indices(max_seq_len, dist.get_rank(group), dist.get_world_size(group),
-                                 self.layout, self.stripe)
-            emb = emb.index_select(0, idx.to(emb.device))
+            idx = layout_indices_on(max_seq_len, dist.get_rank(group), dist.get_world_size(group),
+                                    self.layout, self.stripe, emb.device)
+            emb = emb.index_select(0, idx)
         return emb
 
 
