@@ -67,10 +67,12 @@ class CPTopology:
         return "double" if self.num_nodes > 1 else "flat"
 
 
-def check_ranks_per_node(world_size: int, ranks_per_node: int) -> None:
-    if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int")
-    if world_size % ranks_per_node:
+def check_ranks_per_node(world_size: Optional[int], ranks_per_node: int) -> None:
+    """Raise ValueError unless ``ranks_per_node`` is a positive int dividing the CP size
+    (``world_size`` None: only the first check). The one place this is validated."""
+    if not isinstance(ranks_per_node, int) or isinstance(ranks_per_node, bool) or ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int (--cp-ranks-per-node)")
+    if world_size is not None and world_size % ranks_per_node:
         raise ValueError(f"CP size {world_size} is not divisible by ranks_per_node={ranks_per_node}: set "
                          f"--cp-ranks-per-node to a divisor of the context-parallel size")
 
@@ -131,3 +133,31 @@ def build_cp_topology(cp_group: Optional[dist.ProcessGroup], ranks_per_node: int
     if nodes > 1:
         topo.outer = Ring(*(RingComm(outer_groups[p], link_of=lambda peer: "inter") for p in ("act", "grad")))
     return topo
+
+
+# The node topologies built so far, by the global ranks of their CP group: built once, collectively,
+# where the process groups are made (megatron_burst.megatron.groups.setup_cp_topology), and looked
+# up -- never built -- by the attention layers, so a layer's constructor never runs a collective.
+_REGISTERED: dict[tuple[int, ...], CPTopology] = {}
+
+
+def _group_key(cp_group: Optional[dist.ProcessGroup]) -> tuple[int, ...]:
+    if cp_group is None:
+        return tuple(range(dist.get_world_size())) if dist.is_initialized() else (0,)
+    return tuple(dist.get_process_group_ranks(cp_group))
+
+
+def register_cp_topology(topology: CPTopology) -> CPTopology:
+    """Make ``topology`` the one :func:`registered_cp_topology` returns for its CP group."""
+    _REGISTERED[_group_key(topology.group)] = topology
+    return topology
+
+
+def registered_cp_topology(cp_group: Optional[dist.ProcessGroup]) -> Optional[CPTopology]:
+    """The topology registered for ``cp_group`` (by its ranks), or None. No collective."""
+    return _REGISTERED.get(_group_key(cp_group))
+
+
+def clear_registered_cp_topologies() -> None:
+    """Forget every registered topology (their process groups stay; for tests and re-initialization)."""
+    _REGISTERED.clear()

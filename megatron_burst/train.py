@@ -292,6 +292,10 @@ def build_model(args: argparse.Namespace, opts: CPOptions, topo: Topology, group
         from megatron_burst.megatron.cpu_compat import allow_checkpointing_without_cuda
 
         allow_checkpointing_without_cuda()
+    from megatron_burst.megatron.groups import setup_cp_topology
+
+    # the double ring's node groups: a collective, here where the process groups are made
+    setup_cp_topology(opts, groups.cp, topo.cp, topo.tp)
     model = BurstGPTModel(**gpt_model_kwargs(args, opts, topo, groups, device),
                           cp_layout=opts.layout, cp_stripe=opts.stripe, fused_lm_loss=args.fused_lm_loss)
     return model.to(device)

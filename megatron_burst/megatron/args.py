@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from megatron_burst.algorithms import CP_ALGOS
 from megatron_burst.layout import LAYOUTS, check_layout, check_seq_len
-from megatron_burst.topology import RING_SHAPES
+from megatron_burst.topology import RING_SHAPES, check_ranks_per_node
 
 DEFAULT_CP_ALGO = "burst"
 DEFAULT_CP_LAYOUT = "zigzag"  # what stock Megatron-LM slices batches and RoPE in
@@ -80,8 +81,8 @@ def make_cp_options(cp_algo: Optional[str] = None, cp_layout: Optional[str] = No
     """Validate and resolve CP options; ``None`` means "the default"."""
     if cp_ring is not None and cp_ring not in RING_SHAPES:
         raise ValueError(f"cp_ring={cp_ring!r}: choose one of {', '.join(RING_SHAPES)} (--cp-ring)")
-    if cp_ranks_per_node is not None and (not isinstance(cp_ranks_per_node, int) or cp_ranks_per_node < 1):
-        raise ValueError(f"cp_ranks_per_node={cp_ranks_per_node!r} must be a positive int (--cp-ranks-per-node)")
+    if cp_ranks_per_node is not None:
+        check_ranks_per_node(None, cp_ranks_per_node)
     if seq_selective_ckpt_ratio is not None and not 0.0 < seq_selective_ckpt_ratio <= 1.0:
         raise ValueError(f"seq_selective_ckpt_ratio={seq_selective_ckpt_ratio}: the stored fraction must be in "
                          "(0, 1] (--seq-selective-ckpt-ratio; 0.5 stores the later half of each sequence)")
@@ -170,7 +171,11 @@ def default_cp_ranks_per_node(cp_size: int, tp_size: int) -> int:
     tensor-parallel fastest, then context-parallel, so a node holds LOCAL_WORLD_SIZE / TP CP ranks."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
     if local <= 0:
-        return cp_size  # unknown: one node
+        if cp_size > 1:
+            warnings.warn(f"megatron-burst: the launcher sets no LOCAL_WORLD_SIZE, so the {cp_size} CP ranks "
+                          "are taken to share one node (a flat ring); if they span nodes, pass "
+                          "--cp-ranks-per-node (or --hierarchical-context-parallel-sizes) for the double ring")
+        return cp_size
     per_node = max(1, local // max(1, tp_size))
     if per_node >= cp_size:
         return cp_size
@@ -178,6 +183,14 @@ def default_cp_ranks_per_node(cp_size: int, tp_size: int) -> int:
         raise ValueError(f"LOCAL_WORLD_SIZE={local} with TP={tp_size} gives {per_node} CP ranks per node, "
                          f"which does not divide CP={cp_size}: set --cp-ranks-per-node")
     return per_node
+
+
+def check_cp_dropout(attention_dropout: float, cp_size: int) -> None:
+    """Raise ValueError for attention dropout under CP (the one place this is validated)."""
+    if attention_dropout > 0 and cp_size > 1:
+        raise ValueError(f"attention dropout {attention_dropout} is not supported with context parallelism "
+                         f"(--context-parallel-size {cp_size}): set --attention-dropout 0.0 "
+                         "(TransformerConfig.attention_dropout=0.0)")
 
 
 def megatron_lm_cp_flags() -> Optional[argparse.Namespace]:

@@ -24,11 +24,13 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-import megatron_burst
+
 from megatron_burst.checkpoint import SelectiveAttentionCache, selective_cp_attention
-from megatron_burst.megatron.args import (CPOptions, cp_ranks_per_node_from_args, default_cp_ranks_per_node,
-                                          make_cp_options, megatron_lm_cp_flags)
-from megatron_burst.topology import CPTopology, build_cp_topology
+from megatron_burst.algorithms import prepare
+from megatron_burst.megatron.args import (CPOptions, check_cp_dropout, cp_ranks_per_node_from_args, make_cp_options,
+                                          megatron_lm_cp_flags)
+from megatron_burst.megatron.groups import needs_node_topology, resolve_cp_ranks_per_node
+from megatron_burst.topology import CPTopology, registered_cp_topology
 
 _SUPPORTED_MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
 
@@ -41,22 +43,6 @@ def _cp_group_from(pg_collection: Optional[ProcessGroupCollection]) -> Optional[
     if parallel_state.model_parallel_is_initialized():
         return parallel_state.get_context_parallel_group()
     return None  # plain single-process use: cp_attention treats None as the (size-1) world
-
-
-_TOPOLOGIES: dict[tuple, CPTopology] = {}
-
-
-def cp_topology_for(cp_group: Optional[dist.ProcessGroup], ranks_per_node: int) -> CPTopology:
-    """One CPTopology per (CP group, ranks per node) per process.
-
-    Building one is a world-wide collective; every rank constructs the same layers in the same
-    order, so all ranks reach the first build together and later layers reuse it.
-    """
-    key = (dist.get_process_group_ranks(cp_group) if cp_group is not None else None, ranks_per_node)
-    key = (tuple(key[0]) if key[0] is not None else None, ranks_per_node)
-    if key not in _TOPOLOGIES:
-        _TOPOLOGIES[key] = build_cp_topology(cp_group, ranks_per_node)
-    return _TOPOLOGIES[key]
 
 
 def _checkpointing() -> bool:
@@ -136,10 +122,7 @@ class BurstCoreAttention(MegatronModule):
                              f"{config.context_parallel_size}) or pass pg_collection with that cp")
         self.dropout_p = float(config.attention_dropout if attention_dropout is None
                                else attention_dropout)
-        if self.dropout_p > 0 and cp_size > 1:
-            raise ValueError(f"attention dropout {self.dropout_p} is not supported with context "
-                             f"parallelism (CP={cp_size}): set attention_dropout=0.0 "
-                             "(--attention-dropout 0.0)")
+        check_cp_dropout(self.dropout_p, cp_size)
         if getattr(config, "window_size", None) is not None:
             raise ValueError(f"window_size={config.window_size}: sliding-window attention is not "
                              "supported by megatron-burst; unset window_size (--window-size)")
@@ -152,13 +135,22 @@ class BurstCoreAttention(MegatronModule):
             raise ValueError("qk_clip needs per-head max logits, which megatron-burst attention "
                              "does not report: set qk_clip=False")
 
-        # Ring shape: a topology (a collective, once per process) when the CP group spans nodes.
-        self.cp_target = self.cp_group
+        # Ring shape: the node topology when the CP group spans nodes. It is built once where the
+        # process groups are made (a collective); a constructor only looks it up.
+        self.cp_target: Optional[dist.ProcessGroup | CPTopology] = self.cp_group
         if cp_size > 1:
-            per_node = self.options.ranks_per_node or default_cp_ranks_per_node(
-                cp_size, config.tensor_model_parallel_size)
-            if per_node < cp_size or self.options.ring == "double":
-                self.cp_target = cp_topology_for(self.cp_group, per_node)
+            per_node = resolve_cp_ranks_per_node(self.options, cp_size, config.tensor_model_parallel_size)
+            if needs_node_topology(self.options, cp_size, per_node):
+                topo = registered_cp_topology(self.cp_group)
+                if topo is None or topo.ranks_per_node != per_node:
+                    raise ValueError(
+                        f"the CP group ({cp_size} ranks, {per_node} per node) needs its node topology, which is "
+                        "built once, collectively, where the process groups are made: call "
+                        "megatron_burst.megatron.groups.setup_cp_topology(options, cp_group, cp_size, tp_size) "
+                        "on every rank after initialize_model_parallel and before building the model "
+                        "(megatron_burst.train and the Megatron-LM patch do), or pass --cp-ring flat")
+                self.cp_target = topo
+        self.resolved_algo: Optional[str] = None  # what ``auto`` chose in the last forward
 
         self.selective_cache: Optional[SelectiveAttentionCache] = None
         if self.options.selective_ckpt_ratio is not None:
@@ -206,7 +198,9 @@ class BurstCoreAttention(MegatronModule):
                 out = selective_cp_attention(query, key, value, cache=self.selective_cache,
                                              stored_fraction=opts.selective_ckpt_ratio, **kw)
             else:
-                out = megatron_burst.cp_attention(query, key, value, **kw)
+                call = prepare(query, key, value, **kw)
+                self.resolved_algo = call.backward_algo
+                out = call.apply()
         return out.reshape(s, b, -1)
 
     def _local_attention_with_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -36,6 +36,15 @@ def wrap_gpt_builder(gpt_builder: Callable[..., Any]) -> Callable[..., Any]:
     """
     def builder(args: argparse.Namespace, pre_process: bool, post_process: bool, *rest: Any, **kwargs: Any):
         opts = cp_options_from_args(args)
+        from megatron.core import parallel_state
+
+        from megatron_burst.megatron.groups import setup_cp_topology
+
+        # Every rank (every pipeline stage) builds models, so the topology's collective is safe here.
+        cp = getattr(args, "context_parallel_size", None) or 1
+        tp = getattr(args, "tensor_model_parallel_size", None) or 1
+        cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
+        setup_cp_topology(opts, cp_group, cp, tp)
         if getattr(args, "spec", None) is None:
             args.spec = list(BURST_SPEC)
         model = gpt_builder(args, pre_process, post_process, *rest, **kwargs)
