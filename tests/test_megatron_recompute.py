@@ -5,7 +5,7 @@ from typing import List, Optional
 import pytest
 
 from harness import run_ranks
-from test_megatron_model import _assert_matches, build_and_step, full_grads, small_args
+from test_megatron_model import VOCAB, _assert_matches, build_and_step, fixed_batch, full_grads, small_args
 
 
 def gpt_step(tp: int, cp: int, extra: Optional[List[str]] = None, seq: int = 24) -> dict:
@@ -19,6 +19,51 @@ def gpt_step(tp: int, cp: int, extra: Optional[List[str]] = None, seq: int = 24)
     return {"loss": loss, "grads": full_grads(model, groups),
             "hits": [c.hits for c in caches], "left": [len(c) for c in caches],
             "nodes": target.num_nodes if isinstance(target, CPTopology) else 1}
+
+
+def gpt_step_with_detours(layout: str) -> dict:
+    """Iteration 1: a training forward whose backward never comes, then end_iteration. Iteration 2:
+    forward, an evaluation forward (eval mode, no grad) in between, backward, end_iteration."""
+    import torch
+    import torch.distributed as dist
+
+    import megatron_burst
+    from megatron_burst import train
+    from megatron_burst.checkpoint import end_iteration, stores_of
+
+    args = small_args(["--context-parallel-size", "2", "--cp-layout", layout, "--recompute-granularity", "full",
+                       "--seq-selective-ckpt-ratio", "0.5"])
+    opts, topo = train.validate_args(args, dist.get_world_size())
+    args.padded_vocab_size = VOCAB
+    groups = train.init_parallel(topo)
+    train.seed_everything(args.seed, torch.device("cpu"))
+    model = train.build_model(args, opts, topo, groups, torch.device("cpu"))
+    paths = [path for path, _ in stores_of(model)]
+    stores = [layer.self_attention.core_attention.selective_cache for layer in model.decoder.layers]
+
+    def forward(seed):
+        b = megatron_burst.get_batch_on_this_cp_rank(fixed_batch(24, seed=seed), layout=opts.layout,
+                                                     cp_group=groups.cp, stripe=opts.stripe)
+        return model(b["tokens"], b["position_ids"], None, labels=b["labels"], loss_mask=b["loss_mask"]), b
+
+    forward(11)  # backward skipped
+    left_skipped = [len(s) for s in stores]
+    dropped = end_iteration(model)
+    losses, b = forward(7)  # the reference's batch
+    model.eval()
+    with torch.no_grad():
+        forward(12)
+    model.train()
+    num_tokens = b["loss_mask"].sum().to(torch.float64)
+    dist.all_reduce(num_tokens, group=groups.dp_cp)
+    loss = (losses.float() * b["loss_mask"].float()).sum() / num_tokens.float()
+    loss.backward()
+    total = loss.detach().to(torch.float64)
+    dist.all_reduce(total, group=groups.dp_cp)
+    train.allreduce_grads(model, groups)
+    return {"loss": total.item(), "grads": full_grads(model, groups), "paths": paths, "left_skipped": left_skipped,
+            "dropped": dropped, "hits": [s.hits for s in stores], "misses": [s.misses for s in stores],
+            "released": end_iteration(model), "left": [len(s) for s in stores]}
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +80,16 @@ def test_selective_checkpointing_equals_no_recompute(reference, layout, granular
         _assert_matches(res, reference, f"CP=2 {layout} {granularity} recompute rank {rank}")
         assert res["hits"] == [1, 1], res["hits"]  # each layer's recompute used its stored half
         assert res["left"] == [0, 0]  # and nothing stays behind
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_skipped_backward_and_eval_step_leave_the_recompute_exact(reference, layout):
+    for rank, res in enumerate(run_ranks(2, gpt_step_with_detours, layout)):
+        assert res["paths"] == [f"decoder.layers.{i}.self_attention.core_attention.selective_cache" for i in (0, 1)]
+        assert res["left_skipped"] == [1, 1] and res["dropped"] == 2  # the skipped backward's entries, released
+        _assert_matches(res, reference, f"CP=2 {layout} after a skipped backward and an eval step, rank {rank}")
+        assert res["hits"] == [1, 1] and res["misses"] == [0, 0]  # the recompute was served its own entries
+        assert res["released"] == 0 and res["left"] == [0, 0]
 
 
 def test_plain_recompute_still_exact(reference):

@@ -158,7 +158,8 @@ class BurstCoreAttention(MegatronModule):
                 raise ValueError(f"seq_selective_ckpt_ratio={self.options.selective_ckpt_ratio} needs "
                                  "activation recompute: set recompute_granularity='selective' (with "
                                  "'core_attn' in recompute_modules) or 'full' (--recompute-granularity)")
-            self.selective_cache = SelectiveAttentionCache()
+            self.selective_cache = SelectiveAttentionCache(
+                name=f"layer {self.layer_number}'s selective-checkpoint store")
 
         head_dim = config.kv_channels
         # Megatron's apply_query_key_layer_scaling divides the scale by layer_number and multiplies
