@@ -107,6 +107,14 @@ def _reset_state(base: _Baseline) -> None:
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is not None:
         parallel_state.destroy_model_parallel()
+    # megatron-burst's per-process caches: registered CP topologies (a test must build its own) and
+    # the GPU kernels' self-check verdicts
+    topology = sys.modules.get("megatron_burst.topology")
+    if topology is not None:
+        topology.clear_registered_cp_topologies()
+    kernels = sys.modules.get("megatron_burst.kernels")
+    if kernels is not None:
+        kernels._VERIFIED.clear()
 
 
 def _worker_main(rank: int, world_size: int, port: int, conn: mp_connection.Connection,

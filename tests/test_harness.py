@@ -59,13 +59,22 @@ def _leak_state() -> None:
 
     parallel_state.initialize_model_parallel(context_parallel_size=dist.get_world_size())
     assert parallel_state.get_context_parallel_world_size() == dist.get_world_size()
+    import megatron_burst
+    from megatron_burst import kernels
+
+    megatron_burst.topology.register_cp_topology(megatron_burst.build_cp_topology(None, 1))
+    kernels._VERIFIED[("leaked", "cuda", torch.bfloat16)] = True
 
 
 def _observe_state() -> tuple:
     from megatron.core import parallel_state
 
+    import megatron_burst.topology
+    from megatron_burst import kernels
+
     return (torch.get_default_dtype(), os.environ.get("RUN_RANKS_LEAK"),
-            parallel_state.model_parallel_is_initialized(), torch.rand(1).item())
+            parallel_state.model_parallel_is_initialized(), torch.rand(1).item(),
+            megatron_burst.topology.registered_cp_topology(None), dict(kernels._VERIFIED))
 
 
 # ----------------------------------------------------------------------------------------- tests
@@ -101,6 +110,7 @@ def test_state_is_reset_between_tasks() -> None:
     after = run_ranks(2, _observe_state)
     assert after == fresh  # dtype, env, megatron parallel state and torch RNG all restored
     assert after[0][:3] == (torch.float32, None, False)
+    assert after[0][4:] == (None, {})  # no registered CP topology, no kernel self-check verdicts
 
 
 def test_raising_rank_reports_its_traceback() -> None:

@@ -78,6 +78,7 @@ def loss_and_full_grads(tp: int, cp: int, extra: Optional[List[str]] = None, seq
     loss, model, groups = build_and_step(tp, cp, extra, seq)
     attn = model.decoder.layers[0].self_attention.core_attention
     return {"loss": loss, "grads": full_grads(model, groups), "algo": attn.options.algo,
+            "resolved": [layer.self_attention.core_attention.resolved_algo for layer in model.decoder.layers],
             "layout": attn.options.layout, "rope": type(getattr(model, "rotary_pos_emb", None)).__name__}
 
 
@@ -158,20 +159,27 @@ def test_cp2_equals_cp1(reference, layout, stripe):
         _assert_matches(res, reference["rope"], f"CP=2 {layout}/{stripe} rank {rank}")
 
 
+@pytest.mark.parametrize("algo", ["ring", "burst", "auto"])
 @pytest.mark.parametrize("layout,stripe", LAYOUT_CASES[:3])
-def test_tp2_cp2_equals_cp1(reference, layout, stripe):
-    results = run_ranks(4, loss_and_full_grads, 2, 2, ["--cp-layout", layout, "--cp-algo", "ring"])
+def test_tp2_cp2_equals_cp1(reference, layout, stripe, algo):
+    """TP = 2 splits the 4 query / 2 KV heads to 2 / 1 per rank (GQA 2:1 under CP)."""
+    results = run_ranks(4, loss_and_full_grads, 2, 2, ["--cp-layout", layout, "--cp-algo", algo])
     for rank, res in enumerate(results):
-        _assert_matches(res, reference["rope"], f"TP=2 x CP=2 {layout} rank {rank}")
+        # auto: fp32 GQA 2:1 sends fewer backward bytes with ring (burst would carry 2x the heads)
+        assert res["resolved"] == [algo if algo != "auto" else "ring"] * 2, res["resolved"]
+        _assert_matches(res, reference["rope"], f"TP=2 x CP=2 {layout} {algo} rank {rank}")
 
 
-def test_cp4_auto_and_cp_comm_type_path(reference):
-    """The algorithm chosen through Megatron's --cp-comm-type reaches the attention modules."""
-    results = run_ranks(4, loss_and_full_grads, 1, 4, ["--cp-layout", "striped", "--cp-comm-type", "auto"],
+@pytest.mark.parametrize("query_groups,resolved", [(2, "ring"), (4, "burst")])
+def test_cp4_auto_and_cp_comm_type_path(query_groups, resolved):
+    """The algorithm chosen through Megatron's --cp-comm-type reaches the attention modules, and
+    auto resolves per the cost model: ring for GQA 2:1, burst for multi-head attention."""
+    extra = ["--num-query-groups", str(query_groups)]
+    results = run_ranks(4, loss_and_full_grads, 1, 4, ["--cp-layout", "striped", "--cp-comm-type", "auto"] + extra,
                         seq=32)
-    ref = run_ranks(1, loss_and_full_grads, 1, 1, seq=32)[0]
+    ref = run_ranks(1, loss_and_full_grads, 1, 1, extra, seq=32)[0]
     for rank, res in enumerate(results):
-        assert res["algo"] == "auto"
+        assert res["algo"] == "auto" and res["resolved"] == [resolved, resolved], res["resolved"]
         _assert_matches(res, ref, f"CP=4 striped auto rank {rank}")
 
 
