@@ -60,3 +60,25 @@ def collectives_schedule():
     return {"values_ok": bool(torch.equal(gathered, expect_gather) and torch.equal(a2a_out, expect_a2a)),
             "bytes": {p: counter.bytes("sent", phase=p) for p in ("forward", "backward")},
             **_replays(trace)}
+
+
+def selective_recompute_schedule(ring: str, ranks_per_node: int, algo: str = "burst"):
+    """Sequence-level selective checkpointing's passes: the first (no-grad) forward, the recompute
+    (only the K,V prefix the early rows see travels) and the backward, recorded and replayed."""
+    from megatron_burst.checkpoint import SelectiveAttentionCache, selective_cp_attention
+    from attention_cases import full_inputs
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    group = topology(ranks_per_node) if ring == "double" else None
+    q, k, v, dout = full_inputs(8 * W, 2, 4, 2, 8, torch.float32, seed=5)
+    sh = lambda t: mb.shard(t, 0, r, W, "striped").clone()  # noqa: E731
+    kw = dict(algo=algo, layout="striped", group=group, ring=ring)
+    cache = SelectiveAttentionCache()
+    with record_schedule() as trace:
+        with torch.no_grad():
+            selective_cp_attention(sh(q), sh(k), sh(v), cache=cache, stored_fraction=0.5, **kw)
+        leaves = [sh(t).requires_grad_() for t in (q, k, v)]
+        selective_cp_attention(*leaves, cache=cache, stored_fraction=0.5, **kw).backward(sh(dout))
+    result = _replays(trace)
+    result["hits"] = cache.hits
+    return result

@@ -127,3 +127,11 @@ def test_first_use_of_a_communicator_needs_every_member():
               2: []}
     assert replay(traces, lazy_init=False).ok
     assert not replay(traces).ok
+
+
+@pytest.mark.parametrize("ring,world_size", [("flat", 3), ("flat", 4), ("double", 4)])
+def test_selective_checkpoint_recompute_schedules_complete_under_nccl(ring, world_size):
+    for rank, res in enumerate(run_ranks(world_size, nccl_cases.selective_recompute_schedule, ring,
+                                         DOUBLE[world_size])):
+        assert res["hits"] == 1
+        _assert_replays(res, f"selective recompute {ring} W={world_size} rank {rank}")
