@@ -101,9 +101,12 @@ def make_cp_options(cp_algo: Optional[str] = None, cp_layout: Optional[str] = No
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--cp-algo``, ``--cp-layout`` and ``--cp-stripe``; returns ``parser``.
+    """Add megatron-burst's flags to ``parser`` (one argument group) and return it.
 
-    Usable as Megatron-LM's ``extra_args_provider`` (which must return the parser).
+    ``--cp-algo`` (ring/burst/auto), ``--cp-layout`` (contiguous/zigzag/striped), ``--cp-stripe``,
+    ``--cp-ring`` (flat/double), ``--cp-ranks-per-node``, ``--seq-selective-ckpt-ratio`` and
+    ``--fused-lm-loss``; see each flag's help. Usable as Megatron-LM's ``extra_args_provider``
+    (which must return the parser).
     """
     group = parser.add_argument_group("megatron-burst", "context-parallel attention")
     group.add_argument("--cp-algo", type=str, default=None, choices=list(CP_ALGOS),
