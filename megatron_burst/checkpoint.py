@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from megatron_burst.algorithms import Prepared, prepare, to_bhsd
 
@@ -282,6 +283,30 @@ def end_iteration(model: Union[torch.nn.Module, Iterable[torch.nn.Module]]) -> i
     never recomputed); raises RuntimeError naming the layers if a recompute was served a stale entry.
     Reads one value per store from the device, in one transfer per device."""
     return _release(stores_of(model))
+
+
+_RELEASED_BEFORE_STEP: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_STEP_HOOK = None
+
+
+def release_before_optimizer_steps(model: torch.nn.Module) -> None:
+    """Call :func:`end_iteration` on ``model`` before every optimizer step of this process.
+
+    For training loops that do not call end_iteration themselves (Megatron-LM's): a global
+    ``torch.optim`` step pre-hook (registered once) releases the stores of every model registered
+    here, so a stale entry served this iteration is reported before its gradients are applied.
+    Several optimizer steps per iteration (chained optimizers) release again at no cost.
+    """
+    global _STEP_HOOK
+    if not stores_of(model):
+        return
+    _RELEASED_BEFORE_STEP.add(model)
+    if _STEP_HOOK is None:
+        def release_all(optimizer, args, kwargs) -> None:
+            for registered in list(_RELEASED_BEFORE_STEP):
+                end_iteration(registered)
+
+        _STEP_HOOK = register_optimizer_step_pre_hook(release_all)
 
 
 def fingerprint(*tensors: torch.Tensor) -> torch.Tensor:

@@ -183,10 +183,26 @@ def main(argv=None) -> None:
     p.add_argument("--dtype-bytes", type=int, default=2)
     p.add_argument("--full", action="store_true", help="no causal mask")
     a = p.parse_args(argv)
+    for flag in ("nodes", "gpus_per_node", "seq", "heads", "head_dim", "layers", "batch", "dtype_bytes"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)} must be >= 1")
+    for flag in ("intra_gbps", "inter_gbps", "tflops"):
+        if getattr(a, flag) <= 0:
+            p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)} must be > 0")
+    kv_heads = a.kv_heads or a.heads
+    if kv_heads < 1 or a.heads % kv_heads:
+        p.error(f"--heads {a.heads} is not divisible by --kv-heads {kv_heads} (grouped-query attention needs "
+                "query heads = a multiple of KV heads)")
     cluster = Cluster(a.nodes, a.gpus_per_node, a.intra_gbps, a.inter_gbps, a.intra_lat_us, a.inter_lat_us, a.tflops)
-    shape = AttnShape(a.seq, a.heads, a.kv_heads or a.heads, a.head_dim, a.batch, a.dtype_bytes, not a.full)
+    shape = AttnShape(a.seq, a.heads, kv_heads, a.head_dim, a.batch, a.dtype_bytes, not a.full)
     if shape.seq % cluster.world:
-        raise SystemExit(f"--seq {shape.seq} is not divisible by {cluster.world} GPUs")
+        p.error(f"--seq {shape.seq} is not divisible by {cluster.world} GPUs")
+    if cluster.world == 1:
+        print(f"# 1 GPU: no context parallelism, so nothing to plan. Train with --context-parallel-size 1; "
+              "megatron-burst's attention then runs the whole sequence locally (no ring, no traffic), and "
+              "the memory features (--fused-lm-loss, --seq-selective-ckpt-ratio) still apply.")
+        print("\nrecommendation: --context-parallel-size 1 (any --cp-algo behaves the same on one GPU)")
+        return
     pred = predict(cluster, shape)
     print(f"# {a.nodes} nodes x {a.gpus_per_node} GPUs, intra {a.intra_gbps:g} Gb/s, inter {a.inter_gbps:g} Gb/s; "
           f"seq {shape.seq}, heads {shape.heads}/{shape.kv_heads} kv, head dim {shape.head_dim}, "
@@ -201,8 +217,16 @@ def main(argv=None) -> None:
     print("\nBurstEngine Table 1 (P = one K slice):", ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t1.items()))
     best = recommend(cluster, shape)
     scheme, ring = ALGO_VARIANTS[best]
-    print(f"\nrecommendation: --cp-algo {scheme} --cp-ring {ring}"
-          f" (backward by bytes/time on that ring: {choose_backward(cluster, shape, ring)})")
+    v = pred[best]
+    bound = "compute-bound: attention compute hides its communication" if v["bwd_comm"] <= v["bwd_compute"] \
+        else "communication-bound: the backward's transfers outlast its compute"
+    why = (f"the lowest predicted fwd+bwd time per layer ({v['total'] * 1e3:.1f} ms, {bound}); ties go to less "
+           "communication")
+    if ring == "double":
+        why += (f"; per pass the double ring takes {cluster.nodes - 1} inter-node hops, where the flat ring's "
+                f"node-boundary ranks take {cluster.world - 1}")
+    print(f"\nrecommendation: --cp-algo {scheme} --cp-ring {ring}: {why}"
+          f" (backward scheme by bytes/time on that ring: {choose_backward(cluster, shape, ring)})")
 
 
 if __name__ == "__main__":

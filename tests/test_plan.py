@@ -61,3 +61,29 @@ def test_cli_prints_table_and_recommendation(capsys):
                "--head-dim", "128", "--layers", "80"])
     out = capsys.readouterr().out
     assert "| ring/double |" in out and "recommendation: --cp-algo ring --cp-ring double" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--nodes", "0", "--gpus-per-node", "8", "--seq", "1M", "--heads", "40"], "--nodes 0 must be >= 1"),
+    (["--nodes", "1", "--gpus-per-node", "8", "--seq", "1M", "--heads", "40", "--kv-heads", "6"],
+     "--heads 40 is not divisible by --kv-heads 6"),
+    (["--nodes", "1", "--gpus-per-node", "3", "--seq", "1000", "--heads", "8"], "not divisible by 3 GPUs"),
+])
+def test_cli_rejects_bad_input_with_a_message(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        plan.main(argv)
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_cli_on_one_gpu_says_what_and_why(capsys):
+    plan.main(["--nodes", "1", "--gpus-per-node", "1", "--seq", "8K", "--heads", "8"])
+    out = capsys.readouterr().out
+    assert "no context parallelism" in out and "recommendation: --context-parallel-size 1" in out
+
+
+def test_cli_recommendation_gives_its_reason(capsys):
+    plan.main(["--nodes", "4", "--gpus-per-node", "8", "--seq", "1M", "--heads", "40", "--head-dim", "128"])
+    out = capsys.readouterr().out
+    assert "recommendation: --cp-algo burst --cp-ring double: the lowest predicted fwd+bwd time" in out
+    assert "3 inter-node hops" in out

@@ -11,9 +11,17 @@ BENCHES = {
 }
 
 
+USAGE = (f"usage: python -m megatron_burst.bench {{{','.join(BENCHES)}}} [options]\n"
+         "  python -m megatron_burst.bench <name> --help   lists that benchmark's options")
+
+
 def main() -> None:
+    if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\n" + USAGE)
+        sys.exit(0)
     if len(sys.argv) < 2 or sys.argv[1] not in BENCHES:
-        print(f"usage: python -m megatron_burst.bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
+        got = f"unknown benchmark {sys.argv[1]!r}\n" if len(sys.argv) >= 2 else ""
+        print(got + USAGE, file=sys.stderr)
         sys.exit(2)
     importlib.import_module(BENCHES[sys.argv[1]]).main(sys.argv[2:])
 

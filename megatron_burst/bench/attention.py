@@ -80,6 +80,13 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     args = p.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
+    if args.heads % args.kv_heads:
+        p.error(f"--heads {args.heads} is not divisible by --kv-heads {args.kv_heads}")
+    for layout in args.layouts:  # run exactly --seq, or say why not (never a silently shorter one)
+        try:
+            mb.layout.check_seq_len(args.seq, args.world_size, layout)
+        except ValueError as exc:
+            p.error(f"--seq {args.seq} at --world-size {args.world_size}, layout {layout}: {exc}")
     res = run_local(args.world_size, _all, args, threads=args.threads)[0]
     mask = "full" if args.full else "causal"
     print(f"# cp attention: W={args.world_size} gloo ranks, seq={args.seq}, batch={args.batch}, "

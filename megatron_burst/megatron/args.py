@@ -17,6 +17,8 @@ from megatron_burst.layout import LAYOUTS, check_layout, check_seq_len
 from megatron_burst.topology import RING_SHAPES, check_ranks_per_node
 
 DEFAULT_CP_ALGO = "burst"
+# --cp-algo none: keep Megatron's own core attention (and its zigzag slicing); the opt-out
+STOCK_ATTENTION = "none"
 DEFAULT_CP_LAYOUT = "zigzag"  # what stock Megatron-LM slices batches and RoPE in
 
 # Megatron-LM's --cp-comm-type values that select Transformer Engine's CP implementations.
@@ -49,9 +51,11 @@ def resolve_cp_algo(cp_algo: Optional[str], cp_comm_type: Union[str, Sequence[st
       * otherwise ``cp_algo``, or ``"burst"`` when neither is set.
     A per-layer list of comm types must name a single value (we run one algorithm for all layers).
     """
+    if cp_algo == STOCK_ATTENTION:  # Megatron's own attention handles --cp-comm-type itself
+        return STOCK_ATTENTION
     if cp_algo is not None and cp_algo not in CP_ALGOS:
         raise ValueError(f"cp_algo={cp_algo!r} is not a megatron-burst algorithm: choose one of "
-                         f"{', '.join(CP_ALGOS)} (--cp-algo)")
+                         f"{', '.join(CP_ALGOS)}, or {STOCK_ATTENTION} for Megatron's own (--cp-algo)")
     comm = cp_comm_type
     if isinstance(comm, (list, tuple)):
         distinct = sorted(set(comm))
@@ -109,11 +113,13 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     (which must return the parser).
     """
     group = parser.add_argument_group("megatron-burst", "context-parallel attention")
-    group.add_argument("--cp-algo", type=str, default=None, choices=list(CP_ALGOS),
+    group.add_argument("--cp-algo", type=str, default=None, choices=list(CP_ALGOS) + [STOCK_ATTENTION],
                        help="context-parallel attention algorithm. Default: the value of "
                             "--cp-comm-type when it names one of ours, else 'burst'. "
                             "Megatron-LM's default --cp-comm-type p2p counts as 'ring' only when "
-                            "--cp-algo is not given.")
+                            "--cp-algo is not given. 'none' keeps Megatron's own attention and "
+                            "zigzag slicing (megatron-burst changes nothing in the model then, "
+                            "except --fused-lm-loss if given)")
     group.add_argument("--cp-layout", type=str, default=DEFAULT_CP_LAYOUT, choices=list(LAYOUTS),
                        help="how the sequence is split over CP ranks; batches and RoPE follow it "
                             f"(default {DEFAULT_CP_LAYOUT}, Megatron's own)")
@@ -146,12 +152,24 @@ def cp_options_from_args(args: argparse.Namespace) -> CPOptions:
                            getattr(args, "cp_ring", None), cp_ranks_per_node_from_args(args),
                            getattr(args, "seq_selective_ckpt_ratio", None))
     ratio = opts.selective_ckpt_ratio
-    if ratio is not None and getattr(args, "recompute_granularity", "unset") is None:
+    granularity = getattr(args, "recompute_granularity", "unset")
+    if ratio is not None and granularity is None:
         raise ValueError(f"--seq-selective-ckpt-ratio {ratio} needs activation recompute: add "
                          "--recompute-granularity selective (core attention) or full")
+    modules = getattr(args, "recompute_modules", None)
+    if ratio is not None and granularity == "selective" and modules is not None and "core_attn" not in modules:
+        raise ValueError(f"--seq-selective-ckpt-ratio {ratio} acts on the recompute of core attention, but "
+                         f"--recompute-modules {' '.join(modules)} does not recompute it: add core_attn to "
+                         "--recompute-modules (or use --recompute-granularity full)")
+    if ratio is not None and opts.algo == STOCK_ATTENTION:
+        raise ValueError(f"--seq-selective-ckpt-ratio {ratio} needs megatron-burst's attention, but --cp-algo "
+                         "none keeps Megatron's: drop one of them")
     seq_length = getattr(args, "seq_length", None)
     cp = getattr(args, "context_parallel_size", None) or 1
-    if seq_length is not None:
+    if opts.algo == STOCK_ATTENTION and opts.layout != "zigzag":
+        raise ValueError(f"--cp-algo none keeps Megatron's attention, which slices in zigzag only: drop "
+                         f"--cp-layout {opts.layout}")
+    if seq_length is not None and cp > 1:  # one rank holds any sequence length
         try:
             check_seq_len(seq_length, cp, opts.layout, opts.stripe)
         except ValueError as exc:

@@ -12,6 +12,7 @@ special handling: q has hq heads, k/v hkv, and ``cp_attention`` requires ``hq % 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -27,8 +28,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_burst.checkpoint import SelectiveAttentionCache, selective_cp_attention
 from megatron_burst.algorithms import prepare
-from megatron_burst.megatron.args import (CPOptions, check_cp_dropout, cp_ranks_per_node_from_args, make_cp_options,
-                                          megatron_lm_cp_flags)
+from megatron_burst.megatron.args import (STOCK_ATTENTION, CPOptions, check_cp_dropout, cp_ranks_per_node_from_args,
+                                          make_cp_options, megatron_lm_cp_flags)
 from megatron_burst.megatron.groups import needs_node_topology, resolve_cp_ranks_per_node
 from megatron_burst.topology import CPTopology, registered_cp_topology
 
@@ -50,6 +51,20 @@ def _checkpointing() -> bool:
     from megatron.core.tensor_parallel import random as tp_random
 
     return tp_random.is_checkpointing()
+
+
+def _check_against_flags(flags, cp_algo: Optional[str], cp_layout: Optional[str], cp_stripe: Optional[int]) -> None:
+    """A layer spec's explicit options must agree with Megatron-LM's flags, which slice the batches."""
+    if cp_layout is not None and cp_layout != flags.cp_layout:
+        raise ValueError(f"the layer spec sets cp_layout={cp_layout!r} but --cp-layout is {flags.cp_layout!r}, and "
+                         "batches and RoPE follow the flag: pass --cp-layout "
+                         f"{cp_layout}, or build the spec without cp_layout")
+    if cp_stripe is not None and cp_stripe != flags.cp_stripe:
+        raise ValueError(f"the layer spec sets cp_stripe={cp_stripe} but --cp-stripe is {flags.cp_stripe}: pass "
+                         f"--cp-stripe {cp_stripe}, or build the spec without cp_stripe")
+    if cp_algo is not None and flags.cp_algo is not None and cp_algo != flags.cp_algo:
+        raise ValueError(f"the layer spec sets cp_algo={cp_algo!r} but --cp-algo is {flags.cp_algo!r}: pass one "
+                         "value (or build the spec without cp_algo)")
 
 
 def _mask_is_causal(mask_type: AttnMaskType) -> bool:
@@ -99,7 +114,8 @@ class BurstCoreAttention(MegatronModule):
         cp_size = dist.get_world_size(self.cp_group) if dist.is_initialized() else 1
 
         flags = megatron_lm_cp_flags()
-        if flags is not None:  # Megatron-LM with our flags: the spec's unset options follow them
+        if flags is not None:  # Megatron-LM with our flags: they are the one source of truth
+            _check_against_flags(flags, cp_algo, cp_layout, cp_stripe)
             cp_algo = cp_algo if cp_algo is not None else flags.cp_algo
             cp_layout = cp_layout if cp_layout is not None else flags.cp_layout
             cp_stripe = cp_stripe if cp_stripe is not None else flags.cp_stripe
@@ -107,8 +123,17 @@ class BurstCoreAttention(MegatronModule):
             cp_ranks_per_node = cp_ranks_per_node or cp_ranks_per_node_from_args(flags)
             if seq_selective_ckpt_ratio is None:
                 seq_selective_ckpt_ratio = getattr(flags, "seq_selective_ckpt_ratio", None)
+        # The layout is fixed (by the spec or the flags) or still free to follow the model's
+        # (BurstGPTModel binds it: see bind_layout).
+        self._layout_fixed = cp_layout is not None or cp_stripe is not None
         self.options: CPOptions = make_cp_options(cp_algo, cp_layout, cp_stripe, cp_comm_type, cp_ring,
                                                   cp_ranks_per_node, seq_selective_ckpt_ratio)
+        if self.options.algo == STOCK_ATTENTION:
+            raise ValueError(f"layer {self.layer_number}: BurstCoreAttention with --cp-algo none: 'none' keeps "
+                             "Megatron's attention, so build the model with Megatron's layer spec (drop --spec)")
+        # Whether the recompute of this forward pass will run (training with grad): set by the
+        # model's forward pre-hook (see megatron_burst.megatron.model); None: assume it will.
+        self.recompute_follows: Optional[bool] = None
 
         if attention_type != "self":
             raise ValueError(f"attention_type={attention_type!r}: megatron-burst implements "
@@ -167,6 +192,21 @@ class BurstCoreAttention(MegatronModule):
         # unchanged, so it is deliberately not applied here.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
+    def bind_layout(self, layout: str, stripe: int = 1) -> None:
+        """Follow the model's sequence layout (what its RoPE and the batch slicing use).
+
+        A layout the spec or the flags fixed must already be the model's: a disagreement is a
+        ValueError naming both, never a silent mismatch between attention, RoPE and batches.
+        """
+        if (self.options.layout, self.options.stripe) == (layout, stripe):
+            return
+        if self._layout_fixed:
+            raise ValueError(f"layer {self.layer_number}: core attention slices the sequence as "
+                             f"cp_layout={self.options.layout!r} (stripe {self.options.stripe}) but the model's RoPE "
+                             f"and batches use {layout!r} (stripe {stripe}): build the layer spec without cp_layout "
+                             "(it then follows the model), or use one --cp-layout everywhere")
+        self.options = dataclasses.replace(self.options, layout=layout, stripe=stripe)
+
     def forward(
         self,
         query: torch.Tensor,
@@ -196,8 +236,11 @@ class BurstCoreAttention(MegatronModule):
             kw = dict(group=self.cp_target, algo=opts.algo, layout=opts.layout, causal=causal, ring=opts.ring,
                       softmax_scale=self.softmax_scale, qkv_format="sbhd", stripe=opts.stripe)
             if self.selective_cache is not None and self.training and _checkpointing():
+                # First forward: store only when Megatron will recompute it (not in a no-grad
+                # scoring pass); the recompute itself (grad enabled) always takes its entry.
+                store = torch.is_grad_enabled() or self.recompute_follows is not False
                 out = selective_cp_attention(query, key, value, cache=self.selective_cache,
-                                             stored_fraction=opts.selective_ckpt_ratio, **kw)
+                                             stored_fraction=opts.selective_ckpt_ratio, store=store, **kw)
             else:
                 call = prepare(query, key, value, **kw)
                 self.resolved_algo = call.backward_algo

@@ -1,16 +1,27 @@
 """Glue for Megatron-LM's ``pretrain_gpt.py`` (see ``patches/pretrain_gpt.patch``).
 
 Megatron-LM is not a dependency: these helpers take its objects (parsed args, its
-``gpt_builder``) as arguments and only touch attributes its 0.15/0.16 releases define.
+``model_provider`` and ``gpt_builder``) as arguments and only touch attributes its 0.15/0.16
+releases define.
+
+What the patch changes in the model, and nothing more: Megatron builds its own layer spec from its
+own flags (dense, MoE, MTP, heterogeneous, TE or local, qk-layernorm ...); only the softmax core
+attention inside it becomes :class:`~megatron_burst.megatron.attention.BurstCoreAttention`
+(:func:`megatron_burst.specs.swap_core_attention`), so parameter names and counts are the
+unpatched model's. RoPE follows ``--cp-layout`` and batches are sliced in it. ``--cp-algo none``
+keeps Megatron's attention and slicing. Anything that cannot be honoured is refused at startup,
+naming its flag (:func:`check_args`).
 """
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, Dict, Optional
+import contextlib
+from typing import Any, Callable, Dict, Iterator, Optional
 
-from megatron_burst.megatron.args import add_args, cp_options_from_args
+import torch
+
+from megatron_burst.megatron.args import STOCK_ATTENTION, CPOptions, add_args, cp_options_from_args
 from megatron_burst.megatron.batch import get_batch_on_this_cp_rank
-from megatron_burst.megatron.rope import use_layout_rope
 
 BURST_SPEC = ["megatron_burst.specs", "gpt_layer_spec"]
 
@@ -24,42 +35,127 @@ def extra_args_provider(parser: argparse.ArgumentParser,
     return add_args(parser)
 
 
+def check_args(args: argparse.Namespace) -> CPOptions:
+    """Resolve our flags and refuse what megatron-burst cannot honour, each error naming its flag.
+
+    Runs when the model is built (startup, every rank, before any step and before any collective
+    of ours). Returns the resolved options.
+    """
+    opts = cp_options_from_args(args)  # also: layout vs --seq-length, selective ckpt vs recompute
+    if getattr(args, "use_legacy_models", False):
+        raise ValueError("--use-legacy-models: megatron-burst works with megatron.core's GPTModel; drop the flag")
+    if getattr(args, "fused_lm_loss", False) and getattr(args, "fp16", False):
+        raise ValueError("--fused-lm-loss supports fp32 and bf16 parameters, not --fp16: use --bf16, or drop "
+                         "--fused-lm-loss")
+    if opts.algo == STOCK_ATTENTION:
+        return opts
+    if getattr(args, "reset_attention_mask", False):
+        raise ValueError("--reset-attention-mask (document masks) is not supported by megatron-burst's CP "
+                         "attention yet: drop it, or keep Megatron's attention with --cp-algo none")
+    tp = getattr(args, "tensor_model_parallel_size", None) or 1
+    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
+    if groups is not None and groups < tp and not torch.cuda.is_available():
+        raise ValueError(f"--num-query-groups {groups} below --tensor-model-parallel-size {tp} needs Megatron's "
+                         "KV-head all-gather, which runs on CUDA only: use at least as many query groups as TP "
+                         "ranks on CPU")
+    return opts
+
+
+def wrap_model_provider(model_provider: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap Megatron-LM's ``model_provider(model_builder, pre_process, post_process, ...)`` so the
+    builder it is given goes through :func:`wrap_gpt_builder`.
+
+    ModelOpt's builder (``--modelopt-enabled`` and friends) replaces the builder inside
+    model_provider, which would silently drop megatron-burst; it is refused instead.
+    """
+    def provider(model_builder: Callable[..., Any], pre_process: bool = True, post_process: bool = True,
+                 vp_stage: Optional[int] = None, config: Any = None, pg_collection: Any = None):
+        from megatron.training import get_args
+
+        args = get_args()
+        if getattr(args, "modelopt_enabled", False) and cp_options_from_args(args).algo != STOCK_ATTENTION:
+            raise ValueError("ModelOpt's model builder (--modelopt-enabled) replaces the GPT builder, so "
+                             "megatron-burst's attention would silently not be used: pass --cp-algo none with "
+                             "ModelOpt, or train without ModelOpt")
+        return model_provider(wrap_gpt_builder(model_builder), pre_process, post_process, vp_stage,
+                              config=config, pg_collection=pg_collection)
+
+    provider.__name__ = getattr(model_provider, "__name__", "model_provider")
+    return provider
+
+
+@contextlib.contextmanager
+def _attention_swapped_in(gpt_builder: Callable[..., Any], options: Dict[str, Any]) -> Iterator[None]:
+    """While ``gpt_builder`` runs, every GPTModel it constructs gets its specs' softmax core
+    attention swapped for ours (the specs Megatron built from its flags are otherwise untouched).
+
+    gpt_builder constructs ``GPTModel(..., transformer_layer_spec=..., mtp_block_spec=...)`` from its
+    module's namespace; that name is what is replaced, for the duration of the call only.
+    """
+    from megatron_burst.specs import swap_core_attention
+
+    namespace = getattr(gpt_builder, "__globals__", None)
+    real = namespace.get("GPTModel") if namespace is not None else None
+    if real is None:
+        raise TypeError(f"{getattr(gpt_builder, '__name__', gpt_builder)!r} does not construct a GPTModel by that "
+                        "name (a Megatron-LM version this glue does not know): build the model with "
+                        "megatron_burst.specs.swap_core_attention on its layer spec instead")
+
+    def gpt_model_with_our_attention(*args: Any, **kwargs: Any):
+        for key in ("transformer_layer_spec", "mtp_block_spec"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = swap_core_attention(kwargs[key], **options)
+        return real(*args, **kwargs)
+
+    namespace["GPTModel"] = gpt_model_with_our_attention
+    try:
+        yield
+    finally:
+        namespace["GPTModel"] = real
+
+
 def wrap_gpt_builder(gpt_builder: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap Megatron-LM's ``gpt_builder(args, pre_process, post_process, ...)``.
 
-    Before building: validates our flags against ``--seq-length/--context-parallel-size`` and,
-    when no ``--spec`` was given, selects ``megatron_burst.specs gpt_layer_spec`` (which reads
-    ``--cp-algo/--cp-layout``). After: RoPE follows ``--cp-layout``, and with ``--fused-lm-loss``
-    the GPTModel becomes a :class:`~megatron_burst.megatron.model.BurstGPTModel` (in place, same
-    parameters) whose training forward returns the fused op's per-token loss -- what
-    pretrain_gpt's ``loss_func`` expects, given the ``loss_mask`` pretrain_gpt already passes.
+    Before building: :func:`check_args`, and the double ring's node topology (a collective; every
+    rank builds models, so every rank gets here). Building: Megatron's own spec with our core
+    attention (module docstring). After: the model becomes a
+    :class:`~megatron_burst.megatron.model.BurstGPTModel` in place (same parameters): RoPE follows
+    ``--cp-layout``, every attention layer's layout is checked against it, and with
+    ``--fused-lm-loss`` the last stage's training forward returns the fused per-token loss.
+    ``--cp-algo none``: Megatron's model as it is (plus the fused loss if asked for).
     """
     def builder(args: argparse.Namespace, pre_process: bool, post_process: bool, *rest: Any, **kwargs: Any):
-        opts = cp_options_from_args(args)
+        from megatron_burst.megatron.model import as_burst_gpt_model
+
+        opts = check_args(args)
+        fused = bool(getattr(args, "fused_lm_loss", False)) and post_process  # the loss lives on the last stage
+        if opts.algo == STOCK_ATTENTION:
+            model = gpt_builder(args, pre_process, post_process, *rest, **kwargs)
+            return as_burst_gpt_model(model, cp_layout=None, fused_lm_loss=True) if fused else model
         from megatron.core import parallel_state
 
         from megatron_burst.megatron.groups import setup_cp_topology
 
-        # Every rank (every pipeline stage) builds models, so the topology's collective is safe here.
         cp = getattr(args, "context_parallel_size", None) or 1
         tp = getattr(args, "tensor_model_parallel_size", None) or 1
-        cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
-        setup_cp_topology(opts, cp_group, cp, tp)
-        if getattr(args, "spec", None) is None:
-            args.spec = list(BURST_SPEC)
-        model = gpt_builder(args, pre_process, post_process, *rest, **kwargs)
-        if getattr(args, "fused_lm_loss", False) and post_process:  # the loss lives on the last stage
-            from megatron_burst.megatron.model import as_burst_gpt_model
-
-            return as_burst_gpt_model(model, cp_layout=opts.layout, cp_stripe=opts.stripe, fused_lm_loss=True)
-        cp_group = model.pg_collection.cp if hasattr(model, "pg_collection") else None
-        return use_layout_rope(model, opts.layout, cp_group, opts.stripe)
+        setup_cp_topology(opts, parallel_state.get_context_parallel_group() if cp > 1 else None, cp, tp)
+        options = dict(cp_algo=opts.algo, cp_layout=opts.layout, cp_stripe=opts.stripe, cp_ring=opts.ring,
+                       cp_ranks_per_node=opts.ranks_per_node, seq_selective_ckpt_ratio=opts.selective_ckpt_ratio)
+        with _attention_swapped_in(gpt_builder, options):
+            model = gpt_builder(args, pre_process, post_process, *rest, **kwargs)
+        return as_burst_gpt_model(model, cp_layout=opts.layout, cp_stripe=opts.stripe, fused_lm_loss=fused)
 
     builder.__name__ = getattr(gpt_builder, "__name__", "gpt_builder")
     return builder
 
 
 def slice_batch(batch: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
-    """``get_batch_on_this_cp_rank`` with the layout from Megatron-LM's parsed args."""
+    """This CP rank's part of ``batch``: in ``--cp-layout`` (Megatron's own zigzag slicing with
+    ``--cp-algo none``)."""
     opts = cp_options_from_args(args)
+    if opts.algo == STOCK_ATTENTION:
+        from megatron.core.utils import get_batch_on_this_cp_rank as megatron_slicing
+
+        return megatron_slicing(batch)
     return get_batch_on_this_cp_rank(batch, layout=opts.layout, stripe=opts.stripe)

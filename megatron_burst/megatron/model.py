@@ -2,10 +2,13 @@
 optionally, the fused LM head + cross-entropy loss."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
+import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
+from megatron_burst.checkpoint import release_before_optimizer_steps
+from megatron_burst.megatron.attention import BurstCoreAttention
 from megatron_burst.megatron.rope import use_layout_rope
 
 
@@ -23,13 +26,21 @@ class BurstGPTModel(GPTModel):
     interchangeable with a plain GPTModel.
     """
 
-    def __init__(self, *args: Any, cp_layout: str = "zigzag", cp_stripe: int = 1, fused_lm_loss: bool = False,
-                 **kwargs: Any) -> None:
+    def __init__(self, *args: Any, cp_layout: Optional[str] = "zigzag", cp_stripe: int = 1,
+                 fused_lm_loss: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._setup_burst(cp_layout, cp_stripe, fused_lm_loss)
 
-    def _setup_burst(self, cp_layout: str, cp_stripe: int, fused_lm_loss: bool) -> None:
-        """Everything BurstGPTModel adds to a built GPTModel: attributes and the RoPE swap, no parameters."""
+    def _setup_burst(self, cp_layout: Optional[str], cp_stripe: int, fused_lm_loss: bool) -> None:
+        """Everything BurstGPTModel adds to a built GPTModel -- no parameters:
+
+        * RoPE rows follow ``cp_layout``, and every megatron-burst core attention uses that same
+          layout (one whose spec left it unset adopts it; a disagreeing one is a ValueError).
+          ``cp_layout=None``: Megatron's RoPE and attention are left as they are (``--cp-algo none``).
+        * A forward pre-hook tells each core attention whether this pass will be recomputed
+          (training with grad), so sequence-level selective checkpointing stores only then.
+        * Selective-checkpoint stores are released (and verified) before every optimizer step.
+        """
         if fused_lm_loss:
             if not self.post_process:
                 raise ValueError("fused_lm_loss needs the output layer: it applies to the last pipeline stage only; "
@@ -43,7 +54,15 @@ class BurstGPTModel(GPTModel):
         self.cp_layout = cp_layout
         self.cp_stripe = cp_stripe
         self.fused_lm_loss = fused_lm_loss
+        if cp_layout is None:
+            return
         use_layout_rope(self, cp_layout, self.pg_collection.cp, cp_stripe)
+        attentions = [m for m in self.modules() if isinstance(m, BurstCoreAttention)]
+        for attention in attentions:
+            attention.bind_layout(cp_layout, cp_stripe)
+        if attentions and not getattr(self, "_burst_pass_hook", None):
+            self._burst_pass_hook = self.register_forward_pre_hook(_tell_attention_whether_recompute_follows)
+        release_before_optimizer_steps(self)
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args: Any, **kwargs: Any):
         use_fused = (self.fused_lm_loss and self.training and labels is not None
@@ -62,7 +81,16 @@ class BurstGPTModel(GPTModel):
         return loss.transpose(0, 1).contiguous()  # [b, s], as GPTModel's compute_language_model_loss
 
 
-def as_burst_gpt_model(model: GPTModel, *, cp_layout: str, cp_stripe: int = 1,
+def _tell_attention_whether_recompute_follows(model: torch.nn.Module, inputs: Any) -> None:
+    """Forward pre-hook: a pass's checkpointed regions are recomputed only when it trains with grad
+    (a no-grad scoring pass in training mode runs Megatron's checkpoint forward all the same)."""
+    follows = model.training and torch.is_grad_enabled()
+    for module in model.modules():
+        if isinstance(module, BurstCoreAttention):
+            module.recompute_follows = follows
+
+
+def as_burst_gpt_model(model: GPTModel, *, cp_layout: Optional[str], cp_stripe: int = 1,
                        fused_lm_loss: bool = False) -> BurstGPTModel:
     """Turn a GPTModel built elsewhere (Megatron-LM's ``gpt_builder``) into a BurstGPTModel, in place.
 
@@ -72,7 +100,8 @@ def as_burst_gpt_model(model: GPTModel, *, cp_layout: str, cp_stripe: int = 1,
     """
     if type(model) not in (GPTModel, BurstGPTModel):
         raise TypeError(f"megatron-burst can only extend megatron.core's GPTModel, got {type(model).__name__}: "
-                        "drop --fused-lm-loss for this model (or build it as a BurstGPTModel)")
+                        "build a megatron.core GPTModel, or keep the model as it is with --cp-algo none and "
+                        "without --fused-lm-loss")
     model.__class__ = BurstGPTModel
     model._setup_burst(cp_layout, cp_stripe, fused_lm_loss)
     return model

@@ -1,0 +1,36 @@
+"""Command-line front doors answer --help with exit status 0 and refuse bad input with a message."""
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(*argv):
+    return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120)
+
+
+def test_bench_help_exits_zero_and_lists_the_benchmarks():
+    res = _run("megatron_burst.bench", "--help")
+    assert res.returncode == 0, res.stderr
+    for name in ("attention", "kernels", "multinode", "loss", "ckpt"):
+        assert name in res.stdout
+
+
+def test_bench_unknown_name_is_an_error():
+    res = _run("megatron_burst.bench", "nonsense")
+    assert res.returncode == 2 and "unknown benchmark 'nonsense'" in res.stderr
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--world-size", "3", "--seq", "512"], "--seq 512 at --world-size 3, layout contiguous"),
+    (["--world-size", "3", "--seq", "513", "--layouts", "zigzag"], "layout zigzag"),
+    (["--heads", "8", "--kv-heads", "3"], "--heads 8 is not divisible by --kv-heads 3"),
+])
+def test_bench_attention_runs_the_sequence_asked_for_or_refuses(argv, needle, capsys):
+    """It used to cut 512 tokens to 510 at W = 3 without saying so."""
+    from megatron_burst.bench import attention
+
+    with pytest.raises(SystemExit) as exc:
+        attention.main(argv)
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err

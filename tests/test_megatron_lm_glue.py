@@ -1,0 +1,203 @@
+"""The Megatron-LM patch never changes the model silently (issue M).
+
+Driven through ``wrap_gpt_builder`` around a stand-in of Megatron-LM's gpt_builder
+(tests/megatron_lm_standin.py: the same megatron.core spec functions chosen by the same flags):
+
+* Megatron builds its own spec from its flags; only the core attention becomes ours, so parameter
+  names and shapes equal the unpatched model's for every flag set (dense, qk-layernorm, MoE, MTP,
+  a user --spec), at CP = 1 and CP = 2 -- and the patched model trains like CP = 1.
+* ``--cp-algo none`` gives back Megatron's model untouched.
+* A layer spec whose options disagree with the flags or the model is refused at construction.
+* What cannot be honoured is refused at startup, naming the flag.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+
+# Megatron-LM flag sets, as the attributes its parsed args carry (and the config they imply)
+FLAG_SETS = {
+    "dense": ({}, {}),
+    "qk_layernorm": ({"qk_layernorm": True}, {"qk_layernorm": True}),
+    "moe": ({"num_experts": 4}, {"num_moe_experts": 4, "moe_router_topk": 2}),
+    "mtp": ({"mtp_num_layers": 1}, {"mtp_num_layers": 1}),
+    "user_spec": ({"spec": ["megatron_burst.specs", "gpt_layer_spec"]}, {}),
+}
+
+
+def _megatron_lm_args(cp: int, flag_set: str, extra: Optional[list] = None):
+    """Megatron-LM-shaped parsed args for the tiny GPT of the model tests, on initialized groups."""
+    from megatron_burst import train
+    from test_megatron_model import VOCAB, small_args
+
+    args = small_args(["--context-parallel-size", str(cp)] + list(extra or []))
+    opts, sizes = train.validate_args(args, dist.get_world_size())
+    args.padded_vocab_size = VOCAB
+    groups = train.init_parallel(sizes)
+    attrs, config_overrides = FLAG_SETS[flag_set]
+    for name, default in (("spec", None), ("num_experts", None), ("moe_grouped_gemm", False),
+                          ("qk_layernorm", False), ("multi_latent_attention", False), ("mtp_num_layers", None)):
+        setattr(args, name, attrs.get(name, default))
+    cpu = torch.device("cpu")
+    args.make_config = lambda: dataclasses.replace(train.model_config(args, sizes, cpu), **config_overrides)
+    return args, opts, groups
+
+
+def build_both(cp: int, flag_set: str, plain: bool) -> dict:
+    """The patched model (and, at CP = 1, the unpatched one): parameter names/shapes, core
+    attention classes, and one training step's loss."""
+    import megatron_lm_standin
+    from megatron_burst import train
+    from megatron_burst.megatron import megatron_lm
+    from test_megatron_model import fixed_batch
+
+    args, opts, groups = _megatron_lm_args(cp, flag_set)
+    cpu = torch.device("cpu")
+    out = {}
+    if plain:
+        train.seed_everything(args.seed, cpu)
+        model = megatron_lm_standin.gpt_builder(args, True, True)
+        out["plain_params"] = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    train.seed_everything(args.seed, cpu)
+    model = megatron_lm.wrap_gpt_builder(megatron_lm_standin.gpt_builder)(args, True, True)
+    out["params"] = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    out["core"] = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith("core_attention")})
+    out["n_core"] = sum(1 for n, _ in model.named_modules() if n.endswith("core_attention"))
+    out["cls"] = type(model).__name__
+    out["loss"] = train.loss_and_grads(model, [fixed_batch(24)], opts, groups, cpu).item()
+    return out
+
+
+@pytest.fixture(scope="module")
+def unpatched():
+    return {name: run_ranks(1, build_both, 1, name, True)[0] for name in FLAG_SETS}
+
+
+@pytest.mark.parametrize("flag_set", list(FLAG_SETS))
+def test_patched_model_has_the_unpatched_parameters(unpatched, flag_set):
+    ref = unpatched[flag_set]
+    assert ref["params"] == ref["plain_params"], f"{flag_set}: the patch changed the parameters at CP=1"
+    assert ref["core"] == ["BurstCoreAttention"]
+    expected_layers = 2 + (1 if flag_set == "mtp" else 0)  # the MTP layer has attention too
+    assert ref["n_core"] == expected_layers
+    for rank, res in enumerate(run_ranks(2, build_both, 2, flag_set, False)):
+        assert res["params"] == ref["plain_params"], f"{flag_set}: CP=2 rank {rank} parameters differ"
+        assert res["core"] == ["BurstCoreAttention"] and res["cls"] == "BurstGPTModel"
+        assert abs(res["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (flag_set, res["loss"], ref["loss"])
+
+
+def build_opt_out() -> dict:
+    import megatron_lm_standin
+    from megatron_burst.megatron import megatron_lm
+
+    args, _, _ = _megatron_lm_args(1, "dense", ["--cp-algo", "none"])
+    model = megatron_lm.wrap_gpt_builder(megatron_lm_standin.gpt_builder)(args, True, True)
+    return {"cls": type(model).__name__, "core": type(model.decoder.layers[0].self_attention.core_attention).__name__,
+            "rope": type(model.rotary_pos_emb).__name__}
+
+
+def test_cp_algo_none_keeps_megatrons_attention():
+    res = run_ranks(1, build_opt_out)[0]
+    assert res == {"cls": "GPTModel", "core": "DotProductAttention", "rope": "RotaryEmbedding"}
+
+
+def _spec_module_disagreeing_layout():
+    """A user spec that fixes cp_layout='zigzag' (what get_gpt_layer_spec used to default to)."""
+    from megatron_burst.specs import get_gpt_layer_spec
+
+    return get_gpt_layer_spec(cp_layout="zigzag", use_te=False)
+
+
+zigzag_spec = None  # filled on first use by build_with_user_spec (module attribute for --spec)
+
+
+def build_with_user_spec(layout: str) -> str:
+    """A --spec fixing cp_layout=zigzag, with --cp-layout ``layout`` slicing the batches."""
+    global zigzag_spec
+    import megatron_lm_standin
+    from megatron_burst.megatron import megatron_lm
+
+    zigzag_spec = _spec_module_disagreeing_layout()
+    args, _, _ = _megatron_lm_args(2, "dense", ["--cp-layout", layout])
+    args.spec = ["test_megatron_lm_glue", "zigzag_spec"]
+    try:
+        megatron_lm.wrap_gpt_builder(megatron_lm_standin.gpt_builder)(args, True, True)
+    except ValueError as exc:
+        return str(exc)
+    return "ok"
+
+
+def test_user_spec_disagreeing_with_the_flags_is_refused():
+    """Used to build silently: attention in zigzag, batches and RoPE in striped (loss 7.57 vs 7.26)."""
+    for msg in run_ranks(2, build_with_user_spec, "striped"):
+        assert "cp_layout='zigzag'" in msg and "'striped'" in msg, msg
+    assert run_ranks(2, build_with_user_spec, "zigzag") == ["ok", "ok"]
+
+
+def model_layout_binding(spec_layout: Optional[str], model_layout: str) -> str:
+    """megatron-core: BurstGPTModel(cp_layout=...) with a spec that leaves the layout unset (it
+    follows the model) or fixes another (refused)."""
+    from megatron_burst import train
+    from megatron_burst.megatron.model import BurstGPTModel
+    from megatron_burst.specs import get_gpt_layer_spec
+    from test_megatron_model import VOCAB, small_args
+
+    args = small_args(["--context-parallel-size", "2"])
+    opts, sizes = train.validate_args(args, dist.get_world_size())
+    groups = train.init_parallel(sizes)
+    spec = get_gpt_layer_spec(cp_layout=spec_layout, use_te=False)
+    try:
+        model = BurstGPTModel(config=train.model_config(args, sizes, torch.device("cpu")), transformer_layer_spec=spec,
+                              vocab_size=VOCAB, max_sequence_length=24, pg_collection=groups.pg_collection,
+                              position_embedding_type="rope", cp_layout=model_layout)
+    except ValueError as exc:
+        return str(exc)
+    return model.decoder.layers[0].self_attention.core_attention.options.layout
+
+
+def test_spec_layout_follows_the_model_or_is_refused():
+    assert run_ranks(2, model_layout_binding, None, "striped") == ["striped", "striped"]
+    for msg in run_ranks(2, model_layout_binding, "zigzag", "striped"):
+        assert "cp_layout='zigzag'" in msg and "'striped'" in msg, msg
+
+
+@pytest.mark.parametrize("attrs,needle", [
+    ({"reset_attention_mask": True}, "--reset-attention-mask"),
+    ({"fused_lm_loss": True, "fp16": True}, "--fp16"),
+    ({"use_legacy_models": True}, "--use-legacy-models"),
+    ({"seq_selective_ckpt_ratio": 0.5, "recompute_granularity": "selective", "recompute_modules": ["mlp"]},
+     "--recompute-modules"),
+    ({"seq_selective_ckpt_ratio": 0.5, "recompute_granularity": None}, "needs activation recompute"),
+    ({"cp_algo": "none", "cp_layout": "striped"}, "--cp-algo none"),
+    ({"cp_algo": "none", "seq_selective_ckpt_ratio": 0.5, "recompute_granularity": "full"}, "--cp-algo none"),
+])
+def test_startup_refusals_name_the_flag(attrs, needle):
+    from megatron_burst.megatron import megatron_lm
+    from megatron_burst.megatron.args import add_args
+
+    args = add_args(argparse.ArgumentParser()).parse_args([])
+    args.seq_length, args.context_parallel_size, args.tensor_model_parallel_size = 32, 2, 1
+    for key, value in attrs.items():
+        setattr(args, key, value)
+    with pytest.raises(ValueError, match=needle.replace("-", r"\-")):
+        megatron_lm.check_args(args)
+
+
+def test_odd_sequence_length_at_cp1_is_accepted():
+    """The patch used to reject --seq-length 33 at CP = 1 (zigzag's 2 x CP divisibility)."""
+    from megatron_burst.megatron import megatron_lm
+    from megatron_burst.megatron.args import add_args
+
+    args = add_args(argparse.ArgumentParser()).parse_args([])
+    args.seq_length, args.context_parallel_size = 33, 1
+    assert megatron_lm.check_args(args).layout == "zigzag"
+    args.context_parallel_size = 2
+    with pytest.raises(ValueError, match="--seq-length 33"):
+        megatron_lm.check_args(args)
