@@ -25,6 +25,9 @@ from megatron_burst.loss.parallel import all_reduce_stats, gather_sequence
 
 __all__ = ["chunked_forward", "recompute_grads", "loss_without_grad"]
 
+# torch.mm(bf16, bf16, out_dtype=torch.float32) (CUDA only; torch >= 2.8 has the overload).
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+
 
 # ------------------------------------------------------------------------------- one token chunk
 
@@ -111,12 +114,19 @@ def _chunk_matmuls(G: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, dh_ou
     if dw_acc is not None:
         if G.dtype == torch.float32:
             dw_acc.addmm_(G, h)
-        else:
-            # bf16 matmul (as Megatron's weight-gradient GEMM), accumulated over chunks in fp32;
-            # tiled over the vocabulary so the bf16 partial product stays tile-sized.
-            for a in range(0, cfg.v_local, cfg.vocab_chunk):
-                b = min(a + cfg.vocab_chunk, cfg.v_local)
-                dw_acc[a:b].add_(torch.mm(G[a:b], h))
+            return
+        # bf16 operands (as Megatron's weight-gradient GEMM) with fp32 products and sums, added to
+        # the fp32 accumulator unrounded: a bf16 product per chunk would round every chunk's
+        # partial sum, where Megatron rounds the total once (and not at all into main_grad).
+        # Tiled over the vocabulary so the fp32 partial product stays tile-sized.
+        fast = G.is_cuda and _MM_OUT_DTYPE
+        h32 = None if fast else h.float()
+        for a in range(0, cfg.v_local, cfg.vocab_chunk):
+            b = min(a + cfg.vocab_chunk, cfg.v_local)
+            if fast:  # cuBLAS bf16 GEMM with an fp32 result
+                dw_acc[a:b].add_(torch.mm(G[a:b], h, out_dtype=torch.float32))
+            else:  # bf16 values are exact in fp32 and so are their products: the same sums
+                dw_acc[a:b].addmm_(G[a:b].float(), h32)
 
 
 # ----------------------------------------------------------------------------------- the walker
