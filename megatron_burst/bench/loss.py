@@ -15,8 +15,11 @@ hidden states (labels: all N); memory figures are the largest over the ranks. On
 unfused path cannot run under sequence parallelism (its backward allocates on CUDA): use
 ``--variants fused recompute`` there. E.g. the fused loss's memory under TP = 2 with SP:
 
-    python -m megatron_burst.bench loss --tp 2 --sequence-parallel --variants fused recompute \
-        --tokens 4096 --vocab 32768 --hidden 1024 --repeats 1 --threads 1 --plot ''
+    MALLOC_MMAP_THRESHOLD_=1048576 python -m megatron_burst.bench loss --tp 2 --sequence-parallel \
+        --variants fused recompute --tokens 4096 --vocab 32768 --hidden 1024 --repeats 1 --plot ''
+
+(On CPU the peak is the RSS's: glibc keeps some freed blocks in its heap unless large blocks are
+mmapped, which the fixed MALLOC_MMAP_THRESHOLD_ forces; then the RSS follows the live tensors.)
 
 Variants, each on hidden [N, 1, d], weight [V, d], objective sum(loss * mask) / sum(mask):
   unfused    Megatron: ColumnParallelLinear output layer -> logits [N, V] -> vocab_parallel_cross_entropy
