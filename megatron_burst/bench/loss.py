@@ -32,9 +32,9 @@ allocated bytes once the inputs exist. "saved": the bytes of the tensors the var
 forward to backward (torch.autograd.graph.saved_tensors_hooks), beyond the inputs hidden and weight
 themselves (alive anyway: an activation and a parameter); "backward peak": the peak of one more
 backward above the memory in use when it starts (in a model, saved + backward peak is what the loss
-adds to the step's peak, which comes at the start of the backward). "largest / NxV": the largest tensor any
-op produced during one more (untimed) step, in elements, over N x V -- 1.00 or more means an N x V
-tensor was allocated.
+adds to the step's peak, which comes at the start of the backward). "largest / NxV": the largest
+tensor any op produced during one more (untimed) step, in elements, over N x V -- 1.00 or more
+means an N x V tensor was allocated.
 Configurations whose unfused path cannot fit in this machine's memory are skipped and listed.
 The --full grid is meant for a GPU (or a large CPU box): on a small CPU machine its GEMMs take
 hours; each run is cut at --timeout seconds and reported as an error line.

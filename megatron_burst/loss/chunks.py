@@ -9,8 +9,9 @@ gradient GEMMs stay in torch).
 
 Whole sequences: :func:`chunked_forward` (loss, per-token stats and, on request, the gradient
 factors D and A of the fused op), :func:`recompute_grads` (exact gradients for any incoming
-per-token gradient, recomputing each chunk's logits) and :func:`loss_without_grad` (inference). Neither reduces anything over TP except the
-per-token statistics; the callers own the hidden-gradient reduction (:mod:`.parallel`).
+per-token gradient, recomputing each chunk's logits) and :func:`loss_without_grad` (inference).
+None reduces anything over TP but the per-token statistics; the callers own the hidden-gradient
+reduction (:mod:`.parallel`).
 """
 from __future__ import annotations
 
