@@ -19,19 +19,24 @@ megatron_burst/loss/triton_kernels.py), so the tests start it as a fresh subproc
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
+import math
 import os
 import sys
 import warnings
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_burst.bench.loss import LargestTensor
 from megatron_burst.loss import (FusedLossRecomputeWarning, backward_paths, fused_linear_cross_entropy,
                                  recompute_linear_cross_entropy, reference_linear_cross_entropy)
 
 IGNORE = -100
+QUANTITIES = ("loss", "dh", "dw")
 
 
 def make_inputs(s, b, d, V, seed, dtype, n_ignored=2, mask_kind="binary"):
@@ -90,8 +95,14 @@ def leaf(t, dtype=None):
     return t.detach().to(dtype or t.dtype).clone().requires_grad_()
 
 
-def _errs(prefix, got, ref):
-    return {f"{prefix}_{k}": (g.float() - r.float()).abs().max().item() for k, g, r in zip(("dh", "dw"), got, ref)}
+def _errs(prefix, got, ref, names=("dh", "dw")):
+    """{prefix_q: max |got - ref|, prefix_rms_q: root-mean-square of got - ref} per quantity q."""
+    out = {}
+    for q, g, r in zip(names, got, ref):
+        diff = g.float() - r.float()
+        out[f"{prefix}_{q}"] = diff.abs().max().item()
+        out[f"{prefix}_rms_{q}"] = diff.square().mean().sqrt().item()
+    return out
 
 
 def run_case(s=12, b=3, d=24, V=50, dtype=torch.float32, kind="binary", seed=0, token_chunk=5, vocab_chunk=16,
@@ -129,22 +140,21 @@ def run_case(s=12, b=3, d=24, V=50, dtype=torch.float32, kind="binary", seed=0, 
     loss_r = reference_linear_cross_entropy(h_r, w_r, labels, tp_group=group, ignore_index=IGNORE,
                                             sequence_parallel=sequence_parallel)
     ((loss_r * r).sum() * scale).backward()
-    out["ref_loss"] = (loss_f - loss_r).abs().max().item()
-    out.update(_errs("ref", (h_f.grad, w_f.grad), (h_r.grad, w_r.grad)))
-    out["scale_loss"] = loss_r.abs().max().item()
-    out["scale_dh"] = h_r.grad.abs().max().item()
-    out["scale_dw"] = w_r.grad.abs().max().item()
+    out.update(_errs("ref", (loss_f[valid], h_f.grad, w_f.grad), (loss_r[valid], h_r.grad, w_r.grad), QUANTITIES))
+    for q, t in zip(QUANTITIES, (loss_r[valid], h_r.grad, w_r.grad)):
+        out[f"scale_{q}"] = t.abs().max().item()
+        out[f"scale_rms_{q}"] = t.square().mean().sqrt().item()
 
     if with_megatron:
         # Megatron knows no ignore_index: its loss mask (r * valid) removes those tokens instead.
         h_m, w_m = leaf(hidden), leaf(w_shard)
         loss_m = megatron_losses(h_m, w_m, labels, tp)
         ((loss_m * (r * valid)).sum() * scale).backward()
-        out["meg_loss"] = (loss_f - loss_m)[valid].abs().max().item()
-        out.update(_errs("meg", (h_f.grad, w_f.grad), (shard(h_m.grad), w_m.grad)))
+        out.update(_errs("meg", (loss_f[valid], h_f.grad, w_f.grad), (loss_m[valid], shard(h_m.grad), w_m.grad),
+                         QUANTITIES))
         # Megatron's own error against the fp32 reference: the yardstick for bf16.
-        out["megref_loss"] = (loss_m - loss_r)[valid].abs().max().item()
-        out.update(_errs("megref", (shard(h_m.grad), w_m.grad), (h_r.grad, w_r.grad)))
+        out.update(_errs("megref", (loss_m[valid], shard(h_m.grad), w_m.grad), (loss_r[valid], h_r.grad, w_r.grad),
+                         QUANTITIES))
         ps.destroy_model_parallel()
     return out
 
@@ -241,29 +251,236 @@ def bad_input_errors_tp():
     return msgs
 
 
+# --------------------------------------------------- what the op keeps, reads and communicates
+
+
+class OpProbe(TorchDispatchMode):
+    """While active: host reads of tensor values and ops with data-dependent output shapes (both
+    sync a GPU), and the tensors ops produce (shape, dtype, data_ptr), in order."""
+
+    DATA_DEPENDENT = ("nonzero", "masked_select", "unique", "repeat_interleave", "_assert_async")
+
+    def __init__(self):
+        super().__init__()
+        self.host_reads = 0
+        self.data_dependent = []
+        self.outputs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name == "_local_scalar_dense":  # .item(), bool(t), int(t), float(t)
+            self.host_reads += 1
+        if any(k in name for k in self.DATA_DEPENDENT):
+            self.data_dependent.append(name)
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.outputs.append((tuple(t.shape), t.dtype, t.data_ptr()))
+        return out
+
+
+@contextlib.contextmanager
+def host_reads_outside_dispatch():
+    """Count Tensor.tolist / numpy / cpu calls (host reads that bypass the dispatcher on CPU)."""
+    counts = {"n": 0}
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu")}
+
+    def counting(orig):
+        def wrapper(self, *a, **k):
+            counts["n"] += 1
+            return orig(self, *a, **k)
+        return wrapper
+
+    for name, orig in originals.items():
+        setattr(torch.Tensor, name, counting(orig))
+    try:
+        yield counts
+    finally:
+        for name, orig in originals.items():
+            setattr(torch.Tensor, name, orig)
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Count the torch.distributed collectives the op calls (it calls them through the module)."""
+    counts = collections.Counter()
+    names = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather", "reduce_scatter",
+             "broadcast")
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(name, orig):
+        def wrapper(*a, **k):
+            counts[name] += 1
+            return orig(*a, **k)
+        return wrapper
+
+    for name, orig in originals.items():
+        setattr(dist, name, counting(name, orig))
+    try:
+        yield counts
+    finally:
+        for name, orig in originals.items():
+            setattr(dist, name, orig)
+
+
+def _setup(s, b, d, V, seed, dtype, sequence_parallel, kind="binary"):
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    hidden, weight, labels, mask = make_inputs(s, b, d, V, seed, dtype)
+    r, scale, hint = objective_weights(kind, labels, mask, seed)
+    vl, sl = V // tp, s // tp
+    h_local = hidden[rank * sl:(rank + 1) * sl] if sequence_parallel else hidden
+    return dict(group=dist.group.WORLD if tp > 1 else None, h=leaf(h_local), w=leaf(weight[rank * vl:(rank + 1) * vl]),
+                labels=labels, r=r, scale=scale, hint=hint)
+
+
+def saved_and_retained(s=8, b=2, d=12, V=20, sequence_parallel=False, dtype=torch.float32, kind="binary"):
+    """Shapes and dtypes of every tensor the fused op saves for backward (saved_tensors_hooks), and
+    the tensors new to the backward of at least min(N, V/tp) x d elements: (shape, dtype) list each."""
+    x = _setup(s, b, d, V, 0, dtype, sequence_parallel, kind)
+    saved = []  # (shape, dtype, data_ptr, bytes): holding the tensors would keep them alive
+
+    def pack(t):
+        saved.append((tuple(t.shape), str(t.dtype), t.data_ptr(), t.numel() * t.element_size()))
+        return t
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FusedLossRecomputeWarning)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = fused_linear_cross_entropy(x["h"], x["w"], x["labels"], tp_group=x["group"], ignore_index=IGNORE,
+                                              loss_mask=x["hint"], sequence_parallel=sequence_parallel, token_chunk=5,
+                                              vocab_chunk=7)
+        objective = (loss * x["r"]).sum() * x["scale"]
+        grad_ptrs = {}
+        x["h"].register_hook(lambda g: grad_ptrs.__setitem__("dh", g.data_ptr()))
+        x["w"].register_hook(lambda g: grad_ptrs.__setitem__("dw", g.data_ptr()))
+        known = {ptr for _, _, ptr, _ in saved}
+        with OpProbe() as probe:
+            objective.backward()
+    big = min(x["labels"].numel(), x["w"].shape[0]) * d
+    new_big = {}
+    for shape, dt, ptr in probe.outputs:
+        if math.prod(shape) >= big and ptr not in known:
+            new_big.setdefault(ptr, (shape, str(dt)))  # an out= op reports the buffer again
+    inputs = (x["h"].data_ptr(), x["w"].data_ptr())
+    saved_ptr = {ptr for _, _, ptr, _ in saved if ptr not in inputs}
+    return {"saved": sorted((shape, dt) for shape, dt, _, _ in saved),
+            "saved_bytes": sum(nbytes for _, _, _, nbytes in saved),
+            "new_in_backward": sorted(new_big.values()),
+            # the gradients handed to autograd are the saved D and A themselves (scaled in place)
+            "dh_is_saved": grad_ptrs.get("dh") in saved_ptr,
+            "dw_is_saved": grad_ptrs.get("dw") in saved_ptr}
+
+
+def reads_and_collectives(s=10, b=2, d=8, V=20, sequence_parallel=False, kind="binary", token_chunk=4):
+    """Per phase (forward with grad, backward, forward without grad): host reads, data-dependent
+    ops and collectives of the fused op; plus its gradients' errors against the reference."""
+    x = _setup(s, b, d, V, 1, torch.float32, sequence_parallel, kind)
+    kw = dict(tp_group=x["group"], ignore_index=IGNORE, loss_mask=x["hint"], sequence_parallel=sequence_parallel,
+              token_chunk=token_chunk, vocab_chunk=3)
+    out = {}
+
+    def phase(name, fn):
+        with count_collectives() as coll, host_reads_outside_dispatch() as other, OpProbe() as probe:
+            result = fn()
+        out[name] = {"host_reads": probe.host_reads + other["n"], "data_dependent": probe.data_dependent,
+                     "collectives": dict(coll)}
+        return result
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FusedLossRecomputeWarning)
+        loss = phase("forward", lambda: fused_linear_cross_entropy(x["h"], x["w"], x["labels"], **kw))
+        objective = (loss * x["r"]).sum() * x["scale"]
+        phase("backward", objective.backward)
+        with torch.no_grad():
+            phase("inference", lambda: fused_linear_cross_entropy(x["h"], x["w"], x["labels"], **kw))
+    h_r, w_r = leaf(x["h"]), leaf(x["w"])
+    loss_r = reference_linear_cross_entropy(h_r, w_r, x["labels"], tp_group=x["group"], ignore_index=IGNORE,
+                                            sequence_parallel=sequence_parallel)
+    ((loss_r * x["r"]).sum() * x["scale"]).backward()
+    out["err_dh"] = (x["h"].grad - h_r.grad).abs().max().item() / h_r.grad.abs().max().item()
+    out["err_dw"] = (x["w"].grad - w_r.grad).abs().max().item() / w_r.grad.abs().max().item()
+    out["chunks"] = -(-x["labels"].numel() // token_chunk)
+    return out
+
+
+def main_grad_case(dtype=torch.float32, kind="binary", ddp_attrs=True, zero_out_wgrad=False, s=9, b=2, d=12, V=30):
+    """accumulate_into_main_grad=True on a weight given a pre-filled fp32 main_grad by hand (as
+    Megatron's DDP does). Returns the main_grad increment's error against the unfused gradient
+    (fp32 reference, and Megatron's bf16 path for bf16), the returned weight gradient and flags."""
+    tp = dist.get_world_size()
+    x = _setup(s, b, d, V, 2, dtype, False, kind)
+    w = x["w"]
+    prefill = torch.randn(w.shape, generator=torch.Generator().manual_seed(9))
+    w.main_grad = prefill.clone()
+    if ddp_attrs:
+        w.grad_added_to_main_grad = False
+    if zero_out_wgrad:
+        w.zero_out_wgrad = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FusedLossRecomputeWarning)
+        before = dict(backward_paths)
+        loss = fused_linear_cross_entropy(x["h"], w, x["labels"], tp_group=x["group"], ignore_index=IGNORE,
+                                          loss_mask=x["hint"], accumulate_into_main_grad=True, token_chunk=4,
+                                          vocab_chunk=8)
+        ((loss * x["r"]).sum() * x["scale"]).backward()
+    h_r, w_r = leaf(x["h"], torch.float32), leaf(w, torch.float32)
+    loss_r = reference_linear_cross_entropy(h_r, w_r, x["labels"], tp_group=x["group"], ignore_index=IGNORE)
+    ((loss_r * x["r"]).sum() * x["scale"]).backward()
+    res = {"main_grad_dtype": str(w.main_grad.dtype),
+           "err_vs_ref": (w.main_grad - prefill - w_r.grad).abs().max().item(),
+           "scale": w_r.grad.abs().max().item(),
+           "grad": None if w.grad is None else (tuple(w.grad.shape), str(w.grad.dtype), bool((w.grad == 0).all())),
+           "grad_added_to_main_grad": getattr(w, "grad_added_to_main_grad", None),
+           "paths": {k: backward_paths[k] - before.get(k, 0) for k in ("scaled", "recompute")}}
+    if dtype != torch.float32:  # Megatron's unfused bf16 weight gradient, against the same reference
+        ps = _init_tp(tp)
+        h_m, w_m = leaf(x["h"]), leaf(w)
+        loss_m = megatron_losses(h_m, w_m, x["labels"], tp)
+        ((loss_m * (x["r"] * (x["labels"] != IGNORE))).sum() * x["scale"]).backward()
+        res["megatron_err_vs_ref"] = (w_m.grad.float() - w_r.grad).abs().max().item()
+        ps.destroy_model_parallel()
+    return res
+
+
 # ------------------------------------------------------------------ Triton under the interpreter
 
 
+def unfused_linear_cross_entropy(hidden, weight, labels):
+    """Megatron's unfused computation at TP = 1 in plain torch: logits in the input dtype (its output
+    layer's GEMM), cross-entropy in fp32 on them (vocab_parallel_cross_entropy); autograd then runs
+    the gradient GEMMs in the input dtype too. The bf16 yardstick where Megatron cannot run."""
+    logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
+    loss = torch.nn.functional.cross_entropy(logits.float(), labels.reshape(-1), ignore_index=IGNORE,
+                                             reduction="none")
+    return loss.view(labels.shape)
+
+
 def _triton_case(dtype, kind, token_chunk):
-    """fused(impl='triton') vs fused(impl='torch') and vs the reference, one process."""
+    """fused(impl='triton') vs fused(impl='torch'), vs the reference, and the unfused path's own
+    error against the reference (megref_*), one process."""
     hidden, weight, labels, mask = make_inputs(13, 3, 24, 50, 2, dtype)
     r, scale, hint = objective_weights(kind, labels, mask, 2)
+    valid = labels != IGNORE
     res = {}
-    for impl in ("triton", "torch", "reference"):
+    for impl in ("triton", "torch", "reference", "unfused"):
         if impl == "reference":
             h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32)
             loss = reference_linear_cross_entropy(h, w, labels)
+        elif impl == "unfused":
+            h, w = leaf(hidden), leaf(weight)
+            loss = unfused_linear_cross_entropy(h, w, labels)
         else:
             h, w = leaf(hidden), leaf(weight)
             loss = fused_linear_cross_entropy(h, w, labels, loss_mask=hint, token_chunk=token_chunk, impl=impl)
         ((loss * r).sum() * scale).backward()
-        res[impl] = (loss, h.grad, w.grad)
+        res[impl] = (loss[valid], h.grad, w.grad)
     errs = {}
-    for other in ("torch", "reference"):
-        for name, a, b in zip(("loss", "dh", "dw"), res["triton"], res[other]):
-            errs[f"{other}_{name}"] = (a.float() - b.float()).abs().max().item()
-    for name, t in zip(("loss", "dh", "dw"), res["reference"]):
+    for prefix, got, ref in (("torch", "triton", "torch"), ("reference", "triton", "reference"),
+                             ("megref", "unfused", "reference")):
+        errs.update(_errs(prefix, res[got], res[ref], QUANTITIES))
+    for name, t in zip(QUANTITIES, res["reference"]):
         errs[f"scale_{name}"] = t.abs().max().item()
+        errs[f"scale_rms_{name}"] = t.square().mean().sqrt().item()
     return errs
 
 

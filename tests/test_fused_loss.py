@@ -1,14 +1,19 @@
 """fused_linear_cross_entropy equals Megatron's output layer + vocab_parallel_cross_entropy and the
-plain fp32 reference -- loss, d(hidden), d(weight) -- at TP = 1 and 2, and never allocates N x V.
+plain fp32 reference -- loss, d(hidden), d(weight) -- at TP = 1 and 2, and never allocates N x V;
+what it saves, allocates, reads on the host and communicates is asserted exactly.
 
-Tolerances (max abs error, relative to the largest magnitude of the reference quantity):
-  fp32: 1e-5 against both Megatron and the reference (observed <= 6e-7).
-  bf16: against Megatron (which computes its logits in bf16, as the fused op does): loss within
-        1e-2 absolute (observed 5e-7: the same bf16 logits), gradients within 2e-2 x max|ref|
-        (observed <= 0.9%: bf16 rounding of the gradient GEMMs). Against the fp32 reference the
-        fused op must stay within twice Megatron's own bf16 error + 2e-3 x max|ref| (observed
-        ratio <= 1.92 for d(hidden), 1.35 for d(weight), 1.00 for the loss: the scaled path
-        rounds its stored bf16 hidden-gradient factor once more, when scaling it, than Megatron).
+Tolerances (errors against the reference quantity's largest magnitude, max|ref|):
+  fp32: max error 1e-5 x max|ref| against both Megatron and the reference (observed <= 6e-7).
+  bf16: measured against Megatron's own bf16 error: Megatron's unfused path (bf16 logits, bf16
+        gradient GEMMs) run on the same inputs and compared with the same fp32 reference. The fused
+        op's error must stay within 1.5 x Megatron's, plus one bf16 rounding (2^-8) of max|ref|
+        for the max error (the scaled path rounds its stored bf16 hidden-gradient factor once more,
+        when scaling it, than Megatron rounds its input gradient; and which element's rounding is
+        the largest differs between two correct bf16 computations) and nothing for the RMS error.
+        Observed: the fused error is <= 0.86 of that bound (6 seeds, 3 objectives). An op that
+        accumulated the weight gradient A in bf16 exceeds it 2-2.6x on the many-chunks case (256
+        tokens in 64 chunks). A bound "error <= 2e-2 x max|ref|" (kept below, against Megatron)
+        passes that op too.
 Shapes are odd on purpose: 36 tokens in chunks of 5, a vocabulary of 50 (25 per rank at TP = 2)
 in tiles of 16.
 """
@@ -32,9 +37,11 @@ from megatron_burst.loss import (FusedLossRecomputeWarning, backward_paths, fuse
 FP32_TOL = 1e-5
 BF16_LOSS_TOL = 1e-2
 BF16_GRAD_TOL = 2e-2
-BF16_VS_MEGATRON_FACTOR = 2.0
-BF16_VS_MEGATRON_SLACK = 2e-3
-QUANTITIES = ("loss", "dh", "dw")
+BF16_VS_MEGATRON_FACTOR = 1.5
+BF16_ROUNDING = 2.0 ** -8  # bf16's unit roundoff: one rounding, relative to the value
+QUANTITIES = cases.QUANTITIES
+# The many-chunks case accumulates A over 64 chunks: where accumulating it in bf16 would show.
+BF16_SHAPES = {"small": {}, "many_chunks": dict(s=64, b=4, d=32, V=50, token_chunk=4)}
 EXPECTED_PATH = {"binary": "scaled", "weights": "scaled", "mean": "scaled", "mismatch": "recompute"}
 
 
@@ -68,18 +75,27 @@ def test_fp32_default_chunking(world_size):
         _check_fp32(res)
 
 
+def _check_bf16_vs_megatron(res, src="ref", base="megref"):
+    """res[src] (the fused op's error against the fp32 reference) within 1.5 x res[base] (Megatron's
+    own bf16 error against the same reference) + one bf16 rounding of max|ref| (max error only)."""
+    for q in QUANTITIES:
+        bound = BF16_VS_MEGATRON_FACTOR * res[f"{base}_{q}"] + BF16_ROUNDING * res[f"scale_{q}"]
+        assert res[f"{src}_{q}"] <= bound, f"max error of {q}: {res[f'{src}_{q}']:.3e} > {bound:.3e} ({res})"
+        bound = BF16_VS_MEGATRON_FACTOR * res[f"{base}_rms_{q}"] + 1e-6 * res[f"scale_rms_{q}"]
+        assert res[f"{src}_rms_{q}"] <= bound, f"RMS error of {q}: {res[f'{src}_rms_{q}']:.3e} > {bound:.3e} ({res})"
+
+
+@pytest.mark.parametrize("shape", list(BF16_SHAPES))
 @pytest.mark.parametrize("kind", ["binary", "mismatch"])
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_bf16_within_documented_tolerance(world_size, kind):
-    for res in run_ranks(world_size, cases.run_case, dtype=torch.bfloat16, kind=kind):
+def test_bf16_as_accurate_as_megatron(world_size, kind, shape):
+    for res in run_ranks(world_size, cases.run_case, dtype=torch.bfloat16, kind=kind, **BF16_SHAPES[shape]):
         _check_path(res, kind)
         assert res["ignored_loss"] == 0.0
         assert res["meg_loss"] <= BF16_LOSS_TOL, res
         for q in ("dh", "dw"):
             assert res[f"meg_{q}"] <= BF16_GRAD_TOL * res[f"scale_{q}"], (q, res)
-        for q in QUANTITIES:
-            bound = BF16_VS_MEGATRON_FACTOR * res[f"megref_{q}"] + BF16_VS_MEGATRON_SLACK * res[f"scale_{q}"]
-            assert res[f"ref_{q}"] <= bound, (q, res)
+        _check_bf16_vs_megatron(res)
 
 
 @pytest.mark.parametrize("kind", ["binary", "mismatch"])
@@ -88,6 +104,136 @@ def test_sequence_parallel(kind):
     for res in run_ranks(2, cases.run_case, kind=kind, sequence_parallel=True):
         _check_fp32(res)
         _check_path(res, kind)
+
+
+F32, BF16, I64, BOOL = "torch.float32", "torch.bfloat16", "torch.int64", "torch.bool"
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_saved_tensors_and_in_place_scaling(sequence_parallel):
+    """TP = 2, N = 16 tokens, d = 12, V/tp = 10. Saved for backward, exactly: hidden as passed and D
+    reduced over TP -- under sequence parallelism both are this rank's shard [8, 12], never the
+    gathered [16, 12] -- the weight and A [10, 12], labels, weights, max, sum-exp [16] and the label
+    check. The scaled backward hands autograd D and A themselves (scaled in place) and allocates
+    no tensor of [V/tp, d] or [N, d] size."""
+    n = 8 if sequence_parallel else 16
+    expect = sorted([((), BOOL), ((n, 12), F32), ((n, 12), F32), ((10, 12), F32), ((10, 12), F32),
+                     ((16,), F32), ((16,), F32), ((16,), F32), ((16,), I64)])
+    for res in run_ranks(2, cases.saved_and_retained, sequence_parallel=sequence_parallel):
+        assert res["saved"] == expect
+        assert res["saved_bytes"] == 4 * (2 * n * 12 + 2 * 10 * 12 + 3 * 16) + 8 * 16 + 1
+        assert res["dh_is_saved"] and res["dw_is_saved"]
+        assert res["new_in_backward"] == []
+
+
+def test_bf16_scaled_backward_allocates_only_the_weight_gradient():
+    """bf16, TP = 1: D is scaled in place; A (fp32) is scaled straight into the one new tensor of
+    the backward, the bf16 weight gradient -- no fp32 [V, d] temporary."""
+    res = run_ranks(1, cases.saved_and_retained, dtype=torch.bfloat16)[0]
+    assert res["saved"] == sorted([((), BOOL), ((16, 12), BF16), ((16, 12), BF16), ((20, 12), BF16),
+                                   ((20, 12), F32), ((16,), F32), ((16,), F32), ((16,), F32), ((16,), I64)])
+    assert res["dh_is_saved"] and not res["dw_is_saved"]
+    assert res["new_in_backward"] == [((20, 12), BF16)]
+
+
+@pytest.mark.parametrize("kind", ["binary", "mismatch"])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_collectives_and_host_reads(sequence_parallel, kind):
+    """TP = 2, 20 tokens in 5 chunks of 4. Forward: two all-reduces per chunk (max; sum-exp and
+    target logit) plus D's reduction over TP -- all-reduce, or reduce-scatter under sequence
+    parallelism (after the all-gather of hidden). Scaled backward: no collective at all; recompute
+    backward: the hidden gradient's reduction (and the all-gather of the saved shard). Host reads
+    (.item() / bool() / tolist() ..., and ops with data-dependent shapes, which sync a GPU): none in
+    the training forward, exactly one in the backward (path decision and label check together),
+    one in a forward without grad (the label check). The gradients stay exact."""
+    for res in run_ranks(2, cases.reads_and_collectives, sequence_parallel=sequence_parallel, kind=kind):
+        chunks = res["chunks"]
+        assert chunks == 5
+        if sequence_parallel:
+            fwd = {"all_gather_into_tensor": 1, "all_reduce": 2 * chunks, "reduce_scatter_tensor": 1}
+            bwd = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+            inference = {"all_gather_into_tensor": 1, "all_reduce": 2 * chunks}
+        else:
+            fwd = {"all_reduce": 2 * chunks + 1}
+            bwd = {"all_reduce": 1}
+            inference = {"all_reduce": 2 * chunks}
+        assert res["forward"]["collectives"] == fwd
+        assert res["backward"]["collectives"] == (bwd if kind == "mismatch" else {})
+        assert res["inference"]["collectives"] == inference
+        for phase, reads in (("forward", 0), ("backward", 1), ("inference", 1)):
+            assert res[phase]["host_reads"] == reads, (phase, res[phase])
+            assert res[phase]["data_dependent"] == [], (phase, res[phase])
+        assert res["err_dh"] <= FP32_TOL and res["err_dw"] <= FP32_TOL
+
+
+def test_one_host_read_without_tp():
+    res = run_ranks(1, cases.reads_and_collectives)[0]
+    assert [res[p]["host_reads"] for p in ("forward", "backward", "inference")] == [0, 1, 1]
+    assert all(res[p]["collectives"] == {} for p in ("forward", "backward", "inference"))
+
+
+@pytest.mark.parametrize("kind", ["binary", "mismatch"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_accumulate_into_main_grad(world_size, kind):
+    """Megatron's gradient-accumulation fusion: with a main_grad buffer pre-filled by hand, the
+    weight gradient is added into it (value: pre-fill + the unfused gradient) and the returned
+    gradient is Megatron's placeholder: a tensor of the weight's shape with grad_added_to_main_grad
+    set (DDP then skips adding it). Scaled and recompute paths."""
+    for res in run_ranks(world_size, cases.main_grad_case, kind=kind):
+        _check_path(res, kind)
+        assert res["main_grad_dtype"] == "torch.float32"
+        assert res["err_vs_ref"] <= FP32_TOL * res["scale"], res
+        assert res["grad"][:2] == ((30 // world_size, 12), "torch.float32") and res["grad_added_to_main_grad"]
+
+
+def test_accumulate_into_main_grad_megatron_attributes():
+    """Without DDP's grad_added_to_main_grad attribute the weight gradient is None (as Megatron's
+    layer returns); with zero_out_wgrad (an embedding tied on the same stage) the placeholder is
+    zeros, so DDP's hook adding weight.grad (the embedding's part) + 0 stays exact."""
+    res = run_ranks(1, cases.main_grad_case, ddp_attrs=False)[0]
+    assert res["grad"] is None and res["grad_added_to_main_grad"] is None
+    assert res["err_vs_ref"] <= FP32_TOL * res["scale"]
+    res = run_ranks(1, cases.main_grad_case, zero_out_wgrad=True)[0]
+    assert res["grad"] == ((30, 12), "torch.float32", True) and res["grad_added_to_main_grad"]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_accumulate_into_main_grad_bf16(world_size):
+    """bf16 weight, fp32 main_grad: the increment is added in fp32 without a bf16 rounding of the
+    result, so it is at least as accurate as Megatron's bf16 weight gradient (observed: half its
+    error; the bound is Megatron's error, not a fraction of max|ref| a bf16 accumulation would pass)."""
+    for res in run_ranks(world_size, cases.main_grad_case, dtype=torch.bfloat16):
+        assert res["grad"][:2] == ((30 // world_size, 12), "torch.bfloat16") and res["grad_added_to_main_grad"]
+        assert res["err_vs_ref"] <= res["megatron_err_vs_ref"], res
+
+
+def test_accumulate_into_main_grad_needs_the_buffer():
+    h, w = torch.randn(4, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="accumulate_into_main_grad=True but weight has no main_grad buffer"):
+        fused_linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), accumulate_into_main_grad=True)
+    w.main_grad = torch.zeros(5, 8)
+    with pytest.raises(ValueError, match=r"weight.main_grad \(5, 8\) on cpu must match weight \(10, 8\)"):
+        fused_linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), accumulate_into_main_grad=True)
+
+
+def test_second_backward_through_one_graph_is_refused():
+    """The scaled backward consumes D and A (scaled in place): a retain_graph second backward would
+    return c^2-scaled gradients, so it raises instead; the recompute path keeps them and may repeat."""
+    hidden, weight, labels, mask = cases.make_inputs(6, 2, 8, 20, 4, torch.float32)
+    h, w = cases.leaf(hidden), cases.leaf(weight)
+    objective = (fused_linear_cross_entropy(h, w, labels, loss_mask=mask, token_chunk=4) * mask).sum()
+    objective.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice through one graph"):
+        objective.backward()
+
+
+def test_out_of_range_label_with_grad_raises_in_backward():
+    """With a backward to come the label check is read together with the backward's decision (one
+    host read per call): the forward returns, the backward raises the same error."""
+    h, w = torch.randn(3, 2, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+    loss = fused_linear_cross_entropy(h, w, torch.tensor([[0, 1], [2, 10], [3, 4]]))
+    with pytest.raises(ValueError, match=r"labels\[1, 1\] = 10 is outside the vocabulary \[0, 10\)"):
+        loss.sum().backward()
 
 
 def test_sequence_parallel_and_tp_input_errors():
@@ -229,6 +375,7 @@ def test_triton_kernels_under_interpreter():
         assert r["reference_loss"] <= FP32_TOL * r["scale_loss"], r
         for q in ("dh", "dw"):
             assert r[f"reference_{q}"] <= BF16_GRAD_TOL * r[f"scale_{q}"], (kind, q, r)
+        _check_bf16_vs_megatron(r, src="reference")  # megref: the unfused path in plain torch
     for res in results["tp2"]:
         _check_fp32(res, sources=("ref",))
         _check_path(res, "binary")

@@ -54,6 +54,51 @@ def test_fused_with_untied_output_weight_tp2():
         _assert_matches(res, ref, "fused loss, untied output weight, TP=2")
 
 
+def fused_step_into_main_grad(tp: int) -> dict:
+    """build_and_step's step, with the model's config asking for Megatron's gradient-accumulation
+    fusion and the tied embedding/output weight given a zero fp32 main_grad by hand (Megatron's
+    DDP does both; its linear layers need CUDA for the fusion, so only the loss reads the flag).
+    Returns the weight's gradient as Megatron's DDP hook sums it -- main_grad plus weight.grad,
+    which the hook adds because Megatron marks a weight tied on one stage zero_out_wgrad -- and
+    the flags the fused loss set."""
+    import torch.distributed as dist
+
+    from megatron_burst import train
+    from test_megatron_model import VOCAB, small_args
+
+    cpu = torch.device("cpu")
+    args = small_args(["--tensor-model-parallel-size", str(tp), "--fused-lm-loss"])
+    opts, topo = train.validate_args(args, dist.get_world_size())
+    args.padded_vocab_size = VOCAB
+    groups = train.init_parallel(topo)
+    train.seed_everything(args.seed, cpu)
+    model = train.build_model(args, opts, topo, groups, cpu)
+    model.config.gradient_accumulation_fusion = True  # read by the fused loss at each call
+    weight = model.shared_embedding_or_output_weight()
+    weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
+    weight.grad_added_to_main_grad = False
+    train.loss_and_grads(model, [fixed_batch(24)], opts, groups, cpu)
+    total = weight.main_grad + weight.grad  # DDP's hook: main_grad.add_(grad) when zero_out_wgrad
+    parts = [torch.empty_like(total) for _ in range(tp)]
+    dist.all_gather(parts, total, group=groups.tp)
+    return {"grad": torch.cat(parts), "main_grad_max": weight.main_grad.abs().max().item(),
+            "zero_out_wgrad": getattr(weight, "zero_out_wgrad", False),
+            "grad_added_to_main_grad": weight.grad_added_to_main_grad,
+            "name": next(n for n, p in model.named_parameters() if p is weight)}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gradient_accumulation_fusion_reaches_the_fused_loss(unfused_reference, tp):
+    """config.gradient_accumulation_fusion: the output layer's part of the tied weight's gradient
+    lands in main_grad, the embedding's part in weight.grad (the placeholder is zeros), and their
+    sum is the unfused step's gradient of that weight."""
+    for res in run_ranks(tp, fused_step_into_main_grad, tp):
+        assert res["zero_out_wgrad"] and res["grad_added_to_main_grad"]
+        ref = unfused_reference["grads"][res["name"]]
+        assert res["main_grad_max"] > 0.1 * ref.abs().max().item()  # the loss did add into main_grad
+        assert (res["grad"] - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
 def megatron_lm_builder_step(cp: int, extra=None) -> dict:
     """build_and_step, but the model comes the way Megatron-LM's patched pretrain_gpt.py gets it:
     a plain megatron.core GPTModel from a gpt_builder, wrapped by ``wrap_gpt_builder``."""

@@ -4,9 +4,14 @@
   recompute_linear_cross_entropy  -- chunked, recomputes logits in backward (CCE-style baseline)
   reference_linear_cross_entropy  -- plain full-logits fp32 autograd version (tests)
   backward_paths, FusedLossRecomputeWarning -- which backward path the fused op took
+
+Modules: fused (public function, algorithm), autograd (its autograd function), chunks (chunk
+walker, torch backend), triton_kernels (Triton backend), parallel (TP / SP collectives), config
+(validation and chunking), recompute, reference.
 """
-from megatron_burst.loss.fused import (DEFAULT_TILE_ELEMS, FusedLossRecomputeWarning, backward_paths,
-                                       fused_linear_cross_entropy)
+from megatron_burst.loss.autograd import FusedLossRecomputeWarning, backward_paths
+from megatron_burst.loss.config import DEFAULT_TILE_ELEMS
+from megatron_burst.loss.fused import fused_linear_cross_entropy
 from megatron_burst.loss.recompute import recompute_linear_cross_entropy
 from megatron_burst.loss.reference import reference_linear_cross_entropy
 

@@ -15,31 +15,35 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_burst.loss.fused import (_forward, _gather_sequence, _make_plan, _Plan, _reduce_hidden_grad,
-                                       _token_weights, recompute_grads)
+from megatron_burst.loss.chunks import chunked_forward, loss_without_grad, recompute_grads
+from megatron_burst.loss.config import LossConfig, check_labels, make_loss_config
+from megatron_burst.loss.parallel import gather_sequence, reduce_hidden_grad
 
 __all__ = ["recompute_linear_cross_entropy"]
+
+_NAME = "recompute_linear_cross_entropy"
 
 
 class _RecomputeLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, wts: torch.Tensor,
-                plan: _Plan) -> torch.Tensor:
-        h = _gather_sequence(hidden, plan) if plan.sequence_parallel else hidden
-        loss, m_all, s_all, _, _ = _forward(h, weight, labels, wts, plan, False, False)
-        ctx.plan, ctx.need = plan, (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        ctx.save_for_backward(h, weight, labels, m_all, s_all)
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                cfg: LossConfig) -> torch.Tensor:
+        h = gather_sequence(hidden, cfg) if cfg.sequence_parallel else hidden
+        loss, m_all, s_all, _, _ = chunked_forward(h, weight, labels, None, cfg, False, False)
+        ctx.cfg, ctx.need = cfg, (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        ctx.save_for_backward(hidden, weight, labels, m_all, s_all)  # the shard under SP, as the fused op
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        h, weight, labels, m_all, s_all = ctx.saved_tensors
-        plan = ctx.plan
-        g = torch.where(labels != plan.ignore_index, grad_loss.reshape(-1).float(), 0.0)
-        dh, dw = recompute_grads(h, weight, labels, m_all, s_all, g, plan, *ctx.need)
+        hidden, weight, labels, m_all, s_all = ctx.saved_tensors
+        cfg = ctx.cfg
+        h = gather_sequence(hidden, cfg) if cfg.sequence_parallel else hidden
+        g = torch.where(labels != cfg.ignore_index, grad_loss.reshape(-1).float(), 0.0)
+        dh, dw = recompute_grads(h, weight, labels, m_all, s_all, g, cfg, *ctx.need)
         if dh is not None:
-            dh = _reduce_hidden_grad(dh, plan)
-        return dh, dw, None, None, None
+            dh = reduce_hidden_grad(dh, cfg)
+        return dh, None if dw is None else dw.to(weight.dtype), None, None
 
 
 def recompute_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -50,13 +54,12 @@ def recompute_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, l
 
     hidden: [..., d], weight: [V/tp, d], labels: hidden's leading shape -> fp32 per-token loss.
     """
-    plan = _make_plan(hidden, weight, labels, None, tp_group, ignore_index, sequence_parallel, token_chunk,
-                      vocab_chunk, impl, name="recompute_linear_cross_entropy")
+    cfg = make_loss_config(hidden, weight, labels, None, tp_group, ignore_index, sequence_parallel, token_chunk,
+                           vocab_chunk, impl, name=_NAME)
+    check_labels(labels, cfg, _NAME)  # one host read, before any collective
     h2, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    wts = _token_weights(labels, None, ignore_index)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        loss = _RecomputeLinearCrossEntropy.apply(h2, weight, y, wts, plan)
+        loss = _RecomputeLinearCrossEntropy.apply(h2, weight, y, cfg)
     else:
-        h_full = _gather_sequence(h2, plan) if plan.sequence_parallel else h2
-        loss = _forward(h_full, weight, y, wts, plan, False, False)[0]
+        loss = loss_without_grad(h2, weight, y, cfg)
     return loss.view(labels.shape)

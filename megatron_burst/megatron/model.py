@@ -77,6 +77,7 @@ class BurstGPTModel(GPTModel):
         loss = fused_linear_cross_entropy(
             hidden_states, weight, labels.transpose(0, 1),  # [b, s] -> [s, b] like hidden_states
             tp_group=self.pg_collection.tp, sequence_parallel=self.config.sequence_parallel,
+            accumulate_into_main_grad=self.config.gradient_accumulation_fusion,  # as the output layer would
             loss_mask=None if loss_mask is None else loss_mask.transpose(0, 1))
         return loss.transpose(0, 1).contiguous()  # [b, s], as GPTModel's compute_language_model_loss
 

@@ -1,0 +1,146 @@
+"""Validated settings of one fused-loss call: TP layout, token / vocabulary chunking, backend.
+
+:func:`make_loss_config` checks the arguments of :func:`~megatron_burst.loss.fused_linear_cross_entropy`
+(and of the recompute baseline) on the host -- shapes, dtypes, devices, chunk sizes: no tensor is
+read, no collective runs -- and returns a :class:`LossConfig`. The one check that needs the label
+*values* (every label in the vocabulary or ``ignore_index``) is split in two, so that it costs no
+host read of its own: :func:`labels_out_of_range` forms the answer on the device and
+:func:`raise_label_error` (error path only) locates the offending label for the message;
+:func:`check_labels` does both with one host read where no backward will read the answer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NoReturn, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_burst.loss import triton_kernels
+
+__all__ = ["LossConfig", "make_loss_config", "token_weights", "labels_out_of_range", "check_labels",
+           "raise_label_error",
+           "DEFAULT_TILE_ELEMS", "DEFAULT_VOCAB_CHUNK", "SUPPORTED_DTYPES"]
+
+# Default logits tile of one token chunk: token_chunk * V_local <= this many fp32 values (256 MiB).
+DEFAULT_TILE_ELEMS = 1 << 26
+DEFAULT_VOCAB_CHUNK = 16384
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """How one call is laid out: the TP group and this rank's vocabulary rows, the chunk sizes,
+    the label convention and the backend. Identical on all ranks of ``group`` except ``tp_rank``."""
+
+    group: Optional[dist.ProcessGroup]  # None when the vocabulary is not split (tp_size == 1)
+    tp_size: int
+    tp_rank: int
+    v_local: int  # vocabulary rows on this rank (V / tp)
+    token_chunk: int  # tokens per chunk (a chunk's fp32 logits tile is token_chunk x v_local)
+    vocab_chunk: int  # vocabulary rows per logits tile within a chunk
+    ignore_index: int
+    sequence_parallel: bool  # hidden (and its gradient) is this rank's sequence shard
+    impl: str  # "torch" or "triton"
+
+    @property
+    def vocab_start(self) -> int:
+        return self.tp_rank * self.v_local
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tp_size * self.v_local
+
+
+def make_loss_config(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                     loss_mask: Optional[torch.Tensor], tp_group: Optional[dist.ProcessGroup], ignore_index: int,
+                     sequence_parallel: bool, token_chunk: Optional[int], vocab_chunk: Optional[int], impl: str,
+                     name: str = "fused_linear_cross_entropy") -> LossConfig:
+    """Validate the arguments (errors name the value and the fix) and fix the chunking.
+
+    Reads no tensor value (label values: :func:`labels_out_of_range`), so it costs no host sync.
+    """
+    for arg, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in SUPPORTED_DTYPES:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: {arg} has dtype {got}; supported are torch.float32 and torch.bfloat16 "
+                             f"(cast {arg} to one of them)")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"{name}: hidden is {hidden.dtype} but weight is {weight.dtype}; pass both in the "
+                         "same dtype (the output layer computes in the parameter dtype)")
+    if weight.dim() != 2 or hidden.dim() < 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(f"{name}: hidden {tuple(hidden.shape)} must be [..., d] and weight {tuple(weight.shape)} "
+                         "this rank's vocabulary shard [V/tp, d] (V/tp >= 1) with the same d")
+    if labels.device != hidden.device or weight.device != hidden.device:
+        raise ValueError(f"{name}: hidden ({hidden.device}), weight ({weight.device}) and labels "
+                         f"({labels.device}) must be on one device")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
+        raise ValueError(f"{name}: labels must hold integer vocabulary ids, got dtype {labels.dtype}")
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    lead = tuple(hidden.shape[:-1])
+    if sequence_parallel:
+        expect = (lead[0] * tp_size,) + lead[1:]
+        if tuple(labels.shape) != expect:
+            raise ValueError(f"{name}: with sequence_parallel=True hidden {tuple(hidden.shape)} is this rank's "
+                             f"sequence shard and labels must cover the whole sequence, shape {expect} "
+                             f"(tp={tp_size}); got labels {tuple(labels.shape)}")
+    elif tuple(labels.shape) != lead:
+        hint = ""
+        if tp_size > 1 and labels.dim() and labels.shape[0] == lead[0] * tp_size:
+            hint = " (labels cover tp x hidden's sequence: pass sequence_parallel=True if hidden is a sequence shard)"
+        raise ValueError(f"{name}: labels {tuple(labels.shape)} must have hidden's leading shape {lead}{hint}")
+    if loss_mask is not None and (not isinstance(loss_mask, torch.Tensor) or loss_mask.shape != labels.shape):
+        got = tuple(loss_mask.shape) if isinstance(loss_mask, torch.Tensor) else type(loss_mask).__name__
+        raise ValueError(f"{name}: loss_mask {got} must have the labels' shape {tuple(labels.shape)}")
+    v_local = weight.shape[0]
+    n_tokens = max(labels.numel(), 1)
+    for arg, v in (("token_chunk", token_chunk), ("vocab_chunk", vocab_chunk)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{name}: {arg} must be a positive int (or None for the default), got {v!r}")
+    if token_chunk is None:
+        # The chunk's logits tile is token_chunk x V_local fp32; bound it, not the token count.
+        token_chunk = max(1, DEFAULT_TILE_ELEMS // v_local)
+        if token_chunk >= 128:
+            token_chunk -= token_chunk % 128  # whole GEMM tiles
+    token_chunk = min(token_chunk, n_tokens)
+    vocab_chunk = min(vocab_chunk or DEFAULT_VOCAB_CHUNK, v_local)
+    if impl == "auto":
+        # The Triton kernels are correctness-tested (interpreter) but not yet timed on a GPU; until
+        # they are, torch (cuBLAS GEMMs + elementwise passes) is the measured, safe default.
+        impl = "torch"
+    if impl not in ("torch", "triton"):
+        raise ValueError(f"{name}: impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    if impl == "triton":
+        triton_kernels.check_device(hidden)
+    return LossConfig(tp_group if tp_size > 1 else None, tp_size, tp_rank, v_local, token_chunk, vocab_chunk,
+                      ignore_index, bool(sequence_parallel), impl)
+
+
+def token_weights(labels: torch.Tensor, loss_mask: Optional[torch.Tensor], ignore_index: int) -> torch.Tensor:
+    """w_t = loss_mask_t (1 without a mask), 0 for ignored labels; [N] fp32."""
+    valid = (labels.reshape(-1) != ignore_index).float()
+    return valid if loss_mask is None else valid * loss_mask.reshape(-1).float()
+
+
+def labels_out_of_range(labels: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """0-dim bool on labels' device: some label is neither ``ignore_index`` nor in [0, V). No host read."""
+    bad = (labels != cfg.ignore_index) & ((labels < 0) | (labels >= cfg.vocab_size))
+    return bad.any()
+
+
+def check_labels(labels: torch.Tensor, cfg: LossConfig, name: str = "fused_linear_cross_entropy") -> None:
+    """Raise ValueError naming the first label outside the vocabulary (one host read)."""
+    if labels.numel() and bool(labels_out_of_range(labels, cfg)):
+        raise_label_error(labels, cfg, name)
+
+
+def raise_label_error(labels: torch.Tensor, cfg: LossConfig, name: str = "fused_linear_cross_entropy") -> NoReturn:
+    """Raise the ValueError for the first out-of-range label (call only once one is known to exist)."""
+    bad = (labels != cfg.ignore_index) & ((labels < 0) | (labels >= cfg.vocab_size))
+    idx = tuple(int(i) for i in bad.nonzero()[0])
+    value = int(labels[idx])
+    fix = (" -- if weight is a tensor-parallel vocabulary shard, pass tp_group" if cfg.tp_size == 1 and value >= 0
+           else f"; mark padding with ignore_index={cfg.ignore_index}")
+    raise ValueError(f"{name}: labels{list(idx)} = {value} is outside the vocabulary [0, {cfg.vocab_size}) "
+                     f"(tp={cfg.tp_size} x {cfg.v_local} rows){fix}")
