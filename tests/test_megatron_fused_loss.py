@@ -1,6 +1,7 @@
 """GPT with --fused-lm-loss: the training step equals the unfused one (loss and every gradient),
 the fused backward path is the one taken, and evaluation still returns logits."""
 import pytest
+from megatron.core.models.gpt.gpt_model import GPTModel  # gpt_builder below constructs it by this name
 import torch
 
 from harness import run_ranks
@@ -103,7 +104,6 @@ def megatron_lm_builder_step(cp: int, extra=None) -> dict:
     """build_and_step, but the model comes the way Megatron-LM's patched pretrain_gpt.py gets it:
     a plain megatron.core GPTModel from a gpt_builder, wrapped by ``wrap_gpt_builder``."""
     import torch.distributed as dist
-    from megatron.core.models.gpt.gpt_model import GPTModel
 
     from megatron_burst import train
     from megatron_burst.loss import backward_paths
@@ -119,15 +119,15 @@ def megatron_lm_builder_step(cp: int, extra=None) -> dict:
     def gpt_builder(a, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
         return GPTModel(**train.gpt_model_kwargs(a, opts, topo, groups, cpu, pre_process, post_process))
 
-    builder = megatron_lm.wrap_gpt_builder(gpt_builder)
-    first_stage = builder(args, True, False)  # a pipeline stage without the output layer stays a GPTModel
+    builder = megatron_lm.wrap_gpt_builder(gpt_builder)  # swaps GPTModel by its global name (imported above)
+    first_stage = builder(args, True, False)  # a pipeline stage without the output layer: no fused loss
     train.seed_everything(args.seed, cpu)
     model = builder(args, True, True, vp_stage=None)
     before = dict(backward_paths)
     loss = train.loss_and_grads(model, [fixed_batch(24)], opts, groups, cpu)
     train.allreduce_grads(model, groups)
     return {"loss": loss.item(), "grads": full_grads(model, groups), "cls": type(model).__name__,
-            "first_stage_cls": type(first_stage).__name__, "fused": model.fused_lm_loss,
+            "first_stage_fused": first_stage.fused_lm_loss, "fused": model.fused_lm_loss,
             "paths": {k: backward_paths[k] - before.get(k, 0) for k in backward_paths}}
 
 
@@ -136,7 +136,7 @@ def test_megatron_lm_builder_gets_the_fused_loss(unfused_reference, cp, layout):
     """--fused-lm-loss reaches a model built by Megatron-LM's gpt_builder (through the patch's
     wrap_gpt_builder) and its step equals the unfused one."""
     for res in run_ranks(cp, megatron_lm_builder_step, cp, ["--fused-lm-loss", "--cp-layout", layout]):
-        assert res["cls"] == "BurstGPTModel" and res["fused"] and res["first_stage_cls"] == "GPTModel"
+        assert res["cls"] == "BurstGPTModel" and res["fused"] and not res["first_stage_fused"]
         _assert_matches(res, unfused_reference, f"fused loss via Megatron-LM's builder, CP={cp} {layout}")
         assert res["paths"].get("scaled", 0) == 1 and res["paths"].get("recompute", 0) == 0
 
@@ -150,5 +150,5 @@ def test_as_burst_gpt_model_refuses_other_subclasses():
         def __init__(self):  # never built: the check comes first
             pass
 
-    with pytest.raises(TypeError, match="OtherGPT.*drop --fused-lm-loss"):
+    with pytest.raises(TypeError, match="OtherGPT.*--cp-algo none"):
         as_burst_gpt_model(OtherGPT(), cp_layout="zigzag", fused_lm_loss=True)

@@ -30,6 +30,7 @@ FLAG_SETS = {
     "mtp": ({"mtp_num_layers": 1}, {"mtp_num_layers": 1}),
     "user_spec": ({"spec": ["megatron_burst.specs", "gpt_layer_spec"]}, {}),
 }
+CUDA_ONLY_STEP = ("moe", "mtp")
 
 
 def _megatron_lm_args(cp: int, flag_set: str, extra: Optional[list] = None):
@@ -71,7 +72,10 @@ def build_both(cp: int, flag_set: str, plain: bool) -> dict:
     out["core"] = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith("core_attention")})
     out["n_core"] = sum(1 for n, _ in model.named_modules() if n.endswith("core_attention"))
     out["cls"] = type(model).__name__
-    out["loss"] = train.loss_and_grads(model, [fixed_batch(24)], opts, groups, cpu).item()
+    # megatron.core's MoE router moves its weight to CUDA in every forward, and MTP logs its loss
+    # into a CUDA tensor: those build on CPU (and their parameters are compared) but cannot step
+    if flag_set not in CUDA_ONLY_STEP:
+        out["loss"] = train.loss_and_grads(model, [fixed_batch(24)], opts, groups, cpu).item()
     return out
 
 
@@ -90,7 +94,8 @@ def test_patched_model_has_the_unpatched_parameters(unpatched, flag_set):
     for rank, res in enumerate(run_ranks(2, build_both, 2, flag_set, False)):
         assert res["params"] == ref["plain_params"], f"{flag_set}: CP=2 rank {rank} parameters differ"
         assert res["core"] == ["BurstCoreAttention"] and res["cls"] == "BurstGPTModel"
-        assert abs(res["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (flag_set, res["loss"], ref["loss"])
+        if flag_set not in CUDA_ONLY_STEP:
+            assert abs(res["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (flag_set, res["loss"], ref["loss"])
 
 
 def build_opt_out() -> dict:
