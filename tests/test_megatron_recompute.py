@@ -66,6 +66,40 @@ def gpt_step_with_detours(layout: str) -> dict:
             "released": end_iteration(model), "left": [len(s) for s in stores]}
 
 
+def scoring_passes_store_nothing(granularity: str) -> dict:
+    """No-grad forwards in training mode (a scoring pass) run Megatron's checkpoint forward, but no
+    recompute follows them: they must not fill the store (64 passes used to leave 64 entries)."""
+    import torch
+    import torch.distributed as dist
+
+    import megatron_burst
+    from megatron_burst import train
+
+    args = small_args(["--context-parallel-size", "2", "--cp-layout", "striped", "--recompute-granularity",
+                       granularity, "--seq-selective-ckpt-ratio", "0.5"])
+    opts, topo = train.validate_args(args, dist.get_world_size())
+    args.padded_vocab_size = VOCAB
+    groups = train.init_parallel(topo)
+    train.seed_everything(args.seed, torch.device("cpu"))
+    model = train.build_model(args, opts, topo, groups, torch.device("cpu"))
+    stores = [layer.self_attention.core_attention.selective_cache for layer in model.decoder.layers]
+    b = megatron_burst.get_batch_on_this_cp_rank(fixed_batch(24), layout="striped", cp_group=groups.cp)
+    model.train()
+    with torch.no_grad():
+        for _ in range(3):
+            model(b["tokens"], b["position_ids"], None, labels=b["labels"], loss_mask=b["loss_mask"])
+    after_scoring = [len(s) for s in stores]
+    model(b["tokens"], b["position_ids"], None, labels=b["labels"], loss_mask=b["loss_mask"]).sum().backward()
+    return {"after_scoring": after_scoring, "hits": [s.hits for s in stores], "left": [len(s) for s in stores]}
+
+
+@pytest.mark.parametrize("granularity", ["selective", "full"])
+def test_scoring_pass_in_training_mode_stores_nothing(granularity):
+    for res in run_ranks(2, scoring_passes_store_nothing, granularity):
+        assert res["after_scoring"] == [0, 0]
+        assert res["hits"] == [1, 1] and res["left"] == [0, 0]  # the training pass still stored and hit
+
+
 @pytest.fixture(scope="module")
 def reference():
     return run_ranks(1, gpt_step, 1, 1)[0]
