@@ -1,4 +1,4 @@
-"""Check megatron-burst inside a real Megatron-LM checkout, on CPU, in about a minute.
+"""Check megatron-burst inside a real Megatron-LM checkout, on CPU, in a few minutes.
 
     cd Megatron-LM && git checkout core_v0.16.1 && git apply /path/to/megatron-burst/patches/pretrain_gpt.patch
     pip install six regex pyyaml pydantic          # Megatron-LM's training-side imports
@@ -6,10 +6,23 @@
 
 It drives the patched ``pretrain_gpt.py``'s own pieces: Megatron-LM's ``parse_args`` and
 ``validate_args`` with our ``extra_args_provider``, its ``model_provider`` and ``gpt_builder``
-through our ``wrap_gpt_builder``, our ``slice_batch`` and its ``loss_func``. It takes one forward and
-backward of a small GPT for several flag sets and compares the loss and every gradient with an
-unpatched-style run (CP = 1, no megatron-burst flags). Megatron-LM's training loop itself needs
-CUDA; everything checked here runs on gloo. Exits 1 if a case differs.
+(unpatched, and through the patch's ``wrap_model_provider``), our ``slice_batch`` and its
+``loss_func``. Three kinds of checks, each printing one line:
+
+* **same model**: for each flag set (dense, --qk-layernorm, MoE, MTP, --swiglu, --bf16, a user
+  --spec with --cp-layout striped) the patched model at CP = 2 has exactly the unpatched CP = 1
+  model's parameter names and shapes; with --cp-algo none it is the unpatched model itself
+  (GPTModel with Megatron's DotProductAttention).
+* **same training**: one forward and backward of the patched model at CP = 2 (and CP = 1 with the
+  fused loss) against the patched model at CP = 1 without megatron-burst flags (loss and every
+  gradient), where megatron.core can step on CPU. The reference is not the unpatched model
+  because Megatron's own DotProductAttention and RotaryEmbedding need CUDA (its MoE router and MTP
+  loss logging too); it has the unpatched parameters (checked above), and our attention at
+  CP = 1 is plain softmax attention (tests/test_megatron_model.py).
+* **refused at startup**: flag sets megatron-burst cannot honour raise a ValueError naming the flag
+  before anything is built.
+
+Megatron-LM's training loop itself needs CUDA; everything here runs on gloo. Exits 1 if a case fails.
 """
 from __future__ import annotations
 
@@ -18,6 +31,7 @@ import io
 import os
 import sys
 from functools import partial
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -25,14 +39,34 @@ import torch.distributed as dist
 from megatron_burst.bench.launch import run_local
 
 SEQ, VOCAB, BATCH = 32, 128, 2
-CASES = [  # (CP size, extra flags)
+MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+USER_SPEC = ["--spec", "megatron_burst.specs", "gpt_layer_spec"]
+SAME_MODEL = [  # flag sets whose patched parameters must equal the unpatched model's
+    [], ["--qk-layernorm"], MOE, ["--mtp-num-layers", "1"], ["--swiglu"], ["--bf16"],
+    USER_SPEC + ["--cp-layout", "striped"],
+]
+SAME_TRAINING = [  # (CP size, flags): patched vs unpatched CP = 1 with the model-defining flags
     (1, ["--fused-lm-loss"]),
     (2, ["--cp-layout", "striped", "--cp-algo", "burst", "--fused-lm-loss"]),
     (2, ["--cp-layout", "zigzag", "--cp-comm-type", "p2p"]),
     (2, ["--cp-layout", "striped", "--recompute-granularity", "full", "--recompute-method", "uniform",
          "--recompute-num-layers", "1", "--seq-selective-ckpt-ratio", "0.5"]),
+    (2, ["--qk-layernorm", "--cp-layout", "striped"]),
+    (2, ["--swiglu", "--cp-algo", "ring"]),
+    (2, USER_SPEC + ["--cp-layout", "striped"]),
+    (2, ["--bf16", "--cp-layout", "striped", "--fused-lm-loss"]),
 ]
-LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
+REFUSED = [  # (CP size, flags, the flag the error must name)
+    (2, ["--reset-attention-mask"], "--reset-attention-mask"),
+    (2, ["--multi-latent-attention"], "--multi-latent-attention"),
+    (2, ["--cp-algo", "none", "--cp-layout", "striped"], "--cp-algo none"),
+    (2, ["--seq-selective-ckpt-ratio", "0.5", "--recompute-granularity", "selective", "--recompute-modules",
+         "mlp"], "--recompute-modules"),
+    (1, ["--cp-ring", "double"], "--cp-ring double"),
+]
+# flags that change the computation's precision: compared with a looser tolerance
+LOSS_RTOL, GRAD_RTOL, BF16_LOSS_RTOL, BF16_GRAD_RTOL = 1e-5, 1e-4, 2e-2, 1e-1
+MODEL_FLAGS = ("--qk-layernorm", "--swiglu", "--bf16", "--spec", *MOE, *USER_SPEC[1:])
 
 
 def _megatron_argv(cp: int, world: int, extra: list[str]) -> list[str]:
@@ -47,8 +81,9 @@ def _megatron_argv(cp: int, world: int, extra: list[str]) -> list[str]:
             "--no-persist-layer-norm", "--context-parallel-size", str(cp)] + extra
 
 
-def _rank(extra: list[str]) -> tuple:
-    """One rank's step (run_local has initialized gloo): (model class, loss, full grads, cache hits)."""
+def _rank(extra: list[str], patched: bool, step: bool) -> dict:
+    """One rank (run_local has initialized gloo): build the model (patched or not), optionally
+    take one step. Returns the class, parameters, loss, full gradients, cache hits -- or the error."""
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     import pretrain_gpt
@@ -62,40 +97,61 @@ def _rank(extra: list[str]) -> tuple:
     allow_checkpointing_without_cuda()  # Megatron's activation checkpoint saves the CUDA RNG state
     arguments.get_device_arch_version = lambda: 10  # validate_args asks CUDA for the GPU generation
     sys.argv = _megatron_argv(world, world, extra)
+    provider_args = partial(burst_lm.extra_args_provider, chained=None)
     with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
-        args = arguments.parse_args(extra_args_provider=partial(burst_lm.extra_args_provider, chained=None))
+        args = arguments.parse_args(extra_args_provider=provider_args if patched else None)
         arguments.validate_args(args, {})
     args.padded_vocab_size = VOCAB
     set_args(args)
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
     torch.manual_seed(1234)  # same initial weights at every CP size (CPU initialization)
-    model = pretrain_gpt.model_provider(burst_lm.wrap_gpt_builder(pretrain_gpt.gpt_builder), True, True)
-
+    provider = burst_lm.wrap_model_provider(pretrain_gpt.model_provider) if patched else pretrain_gpt.model_provider
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            model = provider(pretrain_gpt.gpt_builder, True, True)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    out = {"cls": type(model).__name__, "params": [(n, tuple(p.shape)) for n, p in model.named_parameters()],
+           "core": type(model.decoder.layers[0].self_attention.core_attention).__name__}
+    if not step:
+        return out
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
              "loss_mask": (torch.rand(BATCH, SEQ, generator=g) > 0.2).float(),
              "position_ids": torch.arange(SEQ).expand(BATCH, SEQ).contiguous(), "attention_mask": None}
-    local = burst_lm.slice_batch(batch, args)
+    local = burst_lm.slice_batch(batch, args) if patched else batch
     model.train()
-    out = model(local["tokens"], local["position_ids"], None, labels=local["labels"], loss_mask=local["loss_mask"])
-    loss_sum, num_tokens, _ = pretrain_gpt.loss_func(local["loss_mask"], out, model=model)
+    logits_or_loss = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
+                           loss_mask=local["loss_mask"])
+    loss_sum, num_tokens, _ = pretrain_gpt.loss_func(local["loss_mask"], logits_or_loss, model=model)
     totals = torch.stack([loss_sum.detach().float(), num_tokens.float()])
     dist.all_reduce(totals)
     (loss_sum / totals[1]).backward()
     grads = {}
     for name, p in model.named_parameters():
-        grad = p.grad.detach().clone()
+        grad = p.grad.detach().float().clone()
         dist.all_reduce(grad)  # CP ranks hold partial gradients of the same weights
         grads[name] = grad.numpy()
-    caches = [layer.self_attention.core_attention.selective_cache for layer in model.decoder.layers]
-    hits = sum(c.hits for c in caches if getattr(c, "hits", None) is not None)
-    return type(model).__name__, (totals[0] / totals[1]).item(), grads, hits
+    caches = [getattr(layer.self_attention.core_attention, "selective_cache", None) for layer in model.decoder.layers]
+    out.update(loss=(totals[0] / totals[1]).item(), grads=grads, hits=sum(c.hits for c in caches if c is not None))
+    return out
 
 
-def run_case(cp: int, extra: list[str]) -> tuple[str, float, dict, int]:
-    """(model class, global loss, full gradients, rank 0's selective-checkpoint hits) of one step."""
-    return run_local(cp, _rank, extra)[0]
+def run(cp: int, extra: list[str], patched: bool = True, step: bool = True) -> dict:
+    """Rank 0's result of one build (and step) on ``cp`` gloo ranks."""
+    return run_local(cp, _rank, extra, patched, step)[0]
+
+
+def _model_flags(extra: list[str]) -> list[str]:
+    """The flags of ``extra`` that define the model (what the unpatched reference also gets)."""
+    keep, out = False, []
+    for flag in extra:
+        if flag.startswith("--"):
+            keep = flag in MODEL_FLAGS and flag != "--spec"
+        if keep:
+            out.append(flag)
+    return out
 
 
 def main() -> int:
@@ -105,19 +161,47 @@ def main() -> int:
         print(f"cannot import Megatron-LM's pretrain_gpt ({exc}): put a patched Megatron-LM checkout on "
               "PYTHONPATH and install its imports (see this file's docstring)")
         return 2
-    ref_cls, ref_loss, ref_grads, _ = run_case(1, [])
-    print(f"reference: CP=1, no megatron-burst flags ({ref_cls}): loss {ref_loss:.6f}")
     failed = False
-    for cp, extra in CASES:
-        cls, loss, grads, hits = run_case(cp, extra)
-        grad_err = max(float(abs(grads[k] - ref_grads[k]).max() / max(abs(ref_grads[k]).max(), 1e-12))
-                       for k in ref_grads)
-        ok = abs(loss - ref_loss) <= LOSS_RTOL * abs(ref_loss) and grad_err <= GRAD_RTOL
-        ok = ok and (cls == "BurstGPTModel") == ("--fused-lm-loss" in extra)
-        ok = ok and (hits > 0) == ("--seq-selective-ckpt-ratio" in extra)  # the store served the recompute
+
+    def report(ok: bool, line: str) -> None:
+        nonlocal failed
         failed |= not ok
-        print(f"{'ok  ' if ok else 'FAIL'} CP={cp} {' '.join(extra)}: {cls}, loss {loss:.6f}, "
-              f"max relative gradient difference {grad_err:.2e}" + (f", {hits} selective-checkpoint hits" if hits else ""))
+        print(f"{'ok  ' if ok else 'FAIL'} {line}", flush=True)
+
+    for extra in SAME_MODEL:
+        ref = run(1, [f for f in extra if f not in ("--cp-layout", "striped")], patched=False, step=False)
+        got = run(2, extra, step=False)
+        ok = "error" not in got and got["params"] == ref["params"] and got["core"] == "BurstCoreAttention"
+        report(ok, f"same model: CP=2 {' '.join(extra) or '(dense)'}: {len(ref['params'])} parameters "
+                   f"{'equal' if ok else 'DIFFER from'} the unpatched model's ({got.get('error', got.get('core'))})")
+    ref = run(1, [], patched=False, step=False)
+    got = run(1, ["--cp-algo", "none"], step=False)
+    ok = (got.get("cls"), got.get("core"), got.get("params")) == ("GPTModel", "DotProductAttention", ref["params"])
+    report(ok, f"same model: CP=1 --cp-algo none: {got.get('cls')} with {got.get('core')}, Megatron's own model")
+    refs: dict = {}
+    for cp, extra in SAME_TRAINING:
+        key = tuple(_model_flags(extra))
+        if key not in refs:
+            refs[key] = run(1, list(key))
+        ref = refs[key]
+        got = run(cp, extra)
+        if "error" in got:
+            report(False, f"same training: CP={cp} {' '.join(extra)}: {got['error']}")
+            continue
+        grad_err = max(float(abs(got["grads"][k] - ref["grads"][k]).max() / max(abs(ref["grads"][k]).max(), 1e-12))
+                       for k in ref["grads"])
+        bf16 = "--bf16" in extra
+        loss_tol, grad_tol = (BF16_LOSS_RTOL, BF16_GRAD_RTOL) if bf16 else (LOSS_RTOL, GRAD_RTOL)
+        ok = abs(got["loss"] - ref["loss"]) <= loss_tol * abs(ref["loss"]) and grad_err <= grad_tol
+        ok = ok and (got["hits"] > 0) == ("--seq-selective-ckpt-ratio" in extra)  # the store served the recompute
+        ok = ok and got["cls"] == "BurstGPTModel"
+        report(ok, f"same training: CP={cp} {' '.join(extra)}: loss {got['loss']:.6f} (CP=1 reference "
+                   f"{ref['loss']:.6f}), max relative gradient difference {grad_err:.2e}"
+                   + (f", {got['hits']} selective-checkpoint hits" if got["hits"] else ""))
+    for cp, extra, flag in REFUSED:
+        got = run(cp, extra, step=False)
+        ok = "error" in got and flag in got["error"]
+        report(ok, f"refused at startup: CP={cp} {' '.join(extra)}: " + (got.get("error") or "BUILT (not refused)"))
     return 1 if failed else 0
 
 
