@@ -38,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_burst.bench import plotting
+from megatron_burst.world import free_port
 
 VARIANTS = ("unfused", "fused", "recompute")
 DEFAULT_CONFIGS = [(4096, 32768, 1024), (4096, 131072, 1024), (16384, 32768, 1024)]  # (N, V, d)
@@ -145,15 +146,8 @@ def _worker(spec: dict) -> dict:
     return {"time_s": statistics.median(times), "peak_bytes": peak, "largest_numel": probe.numel}
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(spec: dict, timeout: float) -> dict:
-    spec = dict(spec, port=_free_port())
+    spec = dict(spec, port=free_port())
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), PYTHONWARNINGS="ignore")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH", "")) if p)
