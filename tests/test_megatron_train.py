@@ -1,5 +1,6 @@
-"""The training entry point: checkpoints move across CP sizes, the CLI runs and logs like
-Megatron, and the built-in corpus is real, deterministic Megatron indexed data."""
+"""The training entry point: checkpoints move across CP sizes and restore the RNG states, the CLI
+runs, logs like Megatron, documents every flag and exits cleanly under torchrun, and the built-in
+corpus is real, deterministic Megatron indexed data."""
 from __future__ import annotations
 
 import json
