@@ -29,7 +29,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -178,11 +177,11 @@ _used_ports: set[int] = set()
 
 
 def _free_port() -> int:
-    """A currently free localhost port, never handed out twice in this session."""
+    """megatron_burst.world.free_port, but never the same port twice in this session."""
+    from megatron_burst.world import free_port
+
     while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         if port not in _used_ports:
             _used_ports.add(port)
             return port

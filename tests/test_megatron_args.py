@@ -155,7 +155,7 @@ def test_train_flags_resolve():
 
     args = _train_args(["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
                         "--cp-layout", "striped", "--cp-comm-type", "ring", "--global-batch-size", "8"])
-    opts, topo = validate_args(args, 8)
+    opts, sizes = validate_args(args, 8)
     assert opts == CPOptions("ring", "striped", 1)
-    assert (topo.tp, topo.cp, topo.dp, topo.num_microbatches) == (2, 2, 2, 2)
+    assert (sizes.tp, sizes.cp, sizes.dp, sizes.num_microbatches) == (2, 2, 2, 2)
     assert (args.kv_channels, args.ffn_hidden_size, args.num_query_groups) == (8, 128, 4)

@@ -112,12 +112,12 @@ def megatron_lm_builder_step(cp: int, extra=None) -> dict:
 
     cpu = torch.device("cpu")
     args = small_args(["--context-parallel-size", str(cp)] + list(extra or []))
-    opts, topo = train.validate_args(args, dist.get_world_size())
+    opts, sizes = train.validate_args(args, dist.get_world_size())
     args.padded_vocab_size = VOCAB
-    groups = train.init_parallel(topo)
+    groups = train.init_parallel(sizes)
 
     def gpt_builder(a, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
-        return GPTModel(**train.gpt_model_kwargs(a, opts, topo, groups, cpu, pre_process, post_process))
+        return GPTModel(**train.gpt_model_kwargs(a, opts, sizes, groups, cpu, pre_process, post_process))
 
     builder = megatron_lm.wrap_gpt_builder(gpt_builder)  # swaps GPTModel by its global name (imported above)
     first_stage = builder(args, True, False)  # a pipeline stage without the output layer: no fused loss

@@ -58,12 +58,12 @@ def build_and_step(tp: int, cp: int, extra: Optional[List[str]] = None, seq: int
 
     args = small_args(["--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp),
                        "--seq-length", str(seq)] + list(extra or []))
-    opts, topo = train.validate_args(args, dist.get_world_size())
+    opts, sizes = train.validate_args(args, dist.get_world_size())
     args.padded_vocab_size = VOCAB
-    groups = train.init_parallel(topo)
+    groups = train.init_parallel(sizes)
     device = torch.device("cpu")
     train.seed_everything(args.seed, device)
-    model = train.build_model(args, opts, topo, groups, device)
+    model = train.build_model(args, opts, sizes, groups, device)
     loss = train.loss_and_grads(model, [fixed_batch(seq)], opts, groups, device)
     train.allreduce_grads(model, groups)
     return loss.item(), model, groups
@@ -205,11 +205,11 @@ def _striped_batch_zigzag_rope() -> dict:
     from megatron_burst import train
 
     args = small_args(["--context-parallel-size", "2", "--cp-layout", "striped"])
-    opts, topo = train.validate_args(args, dist.get_world_size())
+    opts, sizes = train.validate_args(args, dist.get_world_size())
     args.padded_vocab_size = VOCAB
-    groups = train.init_parallel(topo)
+    groups = train.init_parallel(sizes)
     train.seed_everything(args.seed, torch.device("cpu"))
-    model = train.build_model(args, opts, topo, groups, torch.device("cpu"))
+    model = train.build_model(args, opts, sizes, groups, torch.device("cpu"))
     model.rotary_pos_emb.layout = "zigzag"  # RoPE rows no longer match the tokens' positions
     loss = train.loss_and_grads(model, [fixed_batch(24)], opts, groups, torch.device("cpu"))
     train.allreduce_grads(model, groups)

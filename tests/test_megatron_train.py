@@ -1,5 +1,6 @@
-"""The training entry point: checkpoints move across CP sizes, the CLI runs and logs like
-Megatron, and the built-in corpus is real, deterministic Megatron indexed data."""
+"""The training entry point: checkpoints move across CP sizes and restore the RNG states, the CLI
+runs, logs like Megatron, documents every flag and exits cleanly under torchrun, and the built-in
+corpus is real, deterministic Megatron indexed data."""
 from __future__ import annotations
 
 import json
@@ -48,6 +49,49 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1(tmp_path):
     assert ref[-1]["lm_loss"] < ref[0]["lm_loss"] - 0.05
 
 
+def train_run_then_draw(argv: List[str]):
+    """train_run, then four draws from torch's global CPU generator where the run left it."""
+    import torch
+
+    metrics = train_run(argv)
+    return [m["lm_loss"] for m in metrics], torch.rand(4).tolist()
+
+
+def test_resume_restores_rng_states(tmp_path):
+    """model_optim_rng.pt holds Megatron-LM's rng_state, and loading it restores the generators:
+    with dropout, 4 iterations straight and 2 + 2 resumed draw the same masks (same losses) and
+    leave torch's generator in the same place. --no-load-rng resumes from the --seed state
+    instead, so both differ (which is what makes the first comparison mean something)."""
+    import torch
+
+    drop = ["--hidden-dropout", "0.3"]
+    ckpt = str(tmp_path / "ckpt")
+    ref_losses, ref_draw = run_ranks(1, train_run_then_draw, _argv(tmp_path, 4, *drop))[0]
+    run_ranks(1, train_run, _argv(tmp_path, 2, *drop, "--save", ckpt))
+    state = torch.load(tmp_path / "ckpt" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt",
+                       weights_only=False)
+    assert isinstance(state["rng_state"], list) and len(state["rng_state"]) == 1
+    assert set(state["rng_state"][0]) == {"random_rng_state", "np_rng_state", "torch_rng_state"}
+
+    losses, draw = run_ranks(1, train_run_then_draw, _argv(tmp_path, 4, *drop, "--load", ckpt))[0]
+    assert draw == ref_draw
+    assert losses == pytest.approx(ref_losses[2:], rel=1e-6, abs=0)
+
+    losses, draw = run_ranks(1, train_run_then_draw,
+                             _argv(tmp_path, 4, *drop, "--load", ckpt, "--no-load-rng"))[0]
+    assert draw != ref_draw
+    assert all(abs(a - b) > 1e-4 * abs(b) for a, b in zip(losses, ref_losses[2:])), (losses, ref_losses)
+
+
+def test_checkpoint_without_rng_state_names_the_flag(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_ranks(1, train_run, _argv(tmp_path, 1, "--save", ckpt, "--no-save-rng"))
+    with pytest.raises(RuntimeError, match="pass --no-load-rng"):
+        run_ranks(1, train_run, _argv(tmp_path, 2, "--load", ckpt))
+    assert [m["iteration"] for m in run_ranks(1, train_run, _argv(tmp_path, 2, "--load", ckpt,
+                                                                    "--no-load-rng"))[0]] == [2]
+
+
 def test_checkpoint_from_other_tp_is_rejected(tmp_path):
     run_ranks(2, train_run, _argv(tmp_path, 1, "--tensor-model-parallel-size", "2",
                                   "--save", str(tmp_path / "ckpt")))
@@ -76,6 +120,59 @@ def test_cli_rejects_bad_flags_before_starting(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 2
     assert "--cp-comm-type a2a" in proc.stderr and "not supported" in proc.stderr
+
+
+def test_cli_error_while_training_exits_1_with_traceback(tmp_path):
+    """main() ends through os._exit, but a failure inside training still fails the process."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("3")  # no iter_0000003/
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_burst.train", *_argv(tmp_path, 2, "--load", str(tmp_path / "ckpt"))],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" in proc.stderr and "ValueError: checkpoint" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_cli_help_lists_every_flag():
+    """The README and the package docstring send readers to --help: it lists every flag the
+    parser accepts, each with a description."""
+    import megatron_burst.train
+    from megatron_burst.train import build_parser
+
+    assert "python -m megatron_burst.train --help" in megatron_burst.train.__doc__
+    proc = subprocess.run([sys.executable, "-m", "megatron_burst.train", "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    actions = build_parser()._actions
+    assert len(actions) > 60
+    for action in actions:
+        assert action.help, f"{'/'.join(action.option_strings)} has no help text"
+        for flag in action.option_strings:
+            assert flag in proc.stdout, flag
+    assert "--no-load-rng" in proc.stdout and "--fused-lm-loss" in proc.stdout
+
+
+# A tiny CP = 2 job: two ranks exchanging KV blocks over gloo point-to-point sends.
+_EXIT_FLAGS = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+               "--seq-length", "32", "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "1",
+               "--context-parallel-size", "2", "--cp-algo", "burst", "--cp-layout", "striped"]
+EXIT_RUNS = 5
+
+
+def test_torchrun_jobs_exit_cleanly(tmp_path):
+    """A rank that used gloo P2P sends can abort in teardown after its work is done ("terminate
+    called without an active exception", SIGABRT), failing the torchrun job now and then. main()
+    ends through megatron_burst.world.exit_rank instead: every one of several jobs exits 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "megatron_burst.train", *_EXIT_FLAGS, "--data-cache-path", str(tmp_path / "data"),
+           "--corpus-max-bytes", str(CORPUS_BYTES)]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    for run in range(EXIT_RUNS):
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, (f"job {run + 1} of {EXIT_RUNS}: exit status {proc.returncode}\n"
+                                      f"{proc.stderr[-3000:]}")
+        assert "iteration        1/       1" in proc.stdout, proc.stdout  # it trained, then ended
+        assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_stdlib_corpus_is_deterministic_megatron_data(tmp_path):

@@ -51,12 +51,12 @@ def _rank(args) -> dict:
     for name, extra in MODES:
         name = name.format(r=args.ratio)
         targs = train.build_parser().parse_args(base + [e.format(r=args.ratio) for e in extra])
-        opts_m, topo = train.validate_args(targs, dist.get_world_size())
+        opts_m, sizes = train.validate_args(targs, dist.get_world_size())
         targs.padded_vocab_size = 256
         if groups is None:
-            groups = train.init_parallel(topo)
+            groups = train.init_parallel(sizes)
         train.seed_everything(targs.seed, torch.device("cpu"))
-        models[name] = (train.build_model(targs, opts_m, topo, groups, torch.device("cpu")), opts_m)
+        models[name] = (train.build_model(targs, opts_m, sizes, groups, torch.device("cpu")), opts_m)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (1, args.seq + 1), generator=g)
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(1, args.seq),

@@ -2,18 +2,14 @@
 from __future__ import annotations
 
 import os
-import socket
+import traceback
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_burst.world import exit_rank, free_port
 
 
 def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: tuple, queue) -> None:
@@ -21,16 +17,21 @@ def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, ar
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        queue.put((rank, fn(*args)))
-    finally:
-        dist.destroy_process_group()
+        result = fn(*args)
+    except Exception:
+        traceback.print_exc()
+        exit_rank(1)
+    queue.put((rank, result))
+    queue.close()
+    queue.join_thread()  # the queue's feeder thread must hand the result over before os._exit
+    exit_rank(0)  # barrier, then end without gloo's teardown (it can abort a finished rank)
 
 
 def run_local(world_size: int, fn: Callable[..., Any], *args: Any, threads: int = 1) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned gloo ranks; returns per-rank results."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, threads, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -56,6 +56,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_burst.bench import plotting
+from megatron_burst.world import free_port
 
 VARIANTS = ("unfused", "fused", "recompute")
 DEFAULT_CONFIGS = [(4096, 32768, 1024), (4096, 131072, 1024), (16384, 32768, 1024)]  # (N, V, d)
@@ -224,13 +225,6 @@ def _worker(spec: dict) -> dict:
             "saved_bytes": sum(saved.values()), "backward_peak_bytes": backward_peak}
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(spec: dict, timeout: float, attempts: int = 3) -> dict:
     """Run ``spec`` on spec["tp"] fresh rank processes; time of rank 0, memory: the largest rank's.
 
@@ -238,7 +232,7 @@ def _run(spec: dict, timeout: float, attempts: int = 3) -> dict:
     jobs on the machine): then the run is repeated on a new port, up to ``attempts`` times.
     """
     for _ in range(attempts):
-        res = _run_once(dict(spec, port=_free_port()), timeout)
+        res = _run_once(dict(spec, port=free_port()), timeout)
         if "EADDRINUSE" not in res.get("error", ""):
             break
     return res

@@ -36,6 +36,7 @@ def _worker(args) -> None:
     import torch.distributed as dist
 
     import megatron_burst as mb
+    from megatron_burst.world import exit_rank
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world_size)
@@ -79,7 +80,7 @@ def _worker(args) -> None:
                     inter_wait=c.wait_seconds(link="inter"), inter_transfer=inter_bytes / rate if rate else 0.0))
     with open(os.path.join(args.out, f"rank{r}.json"), "w") as f:
         json.dump({"rank": r, "rate": rate, "results": results}, f)
-    dist.destroy_process_group()
+    exit_rank(0)  # barrier, then end without gloo's teardown (it can abort a finished rank)
 
 
 # ---------------------------------------------------------------- driver

@@ -1,0 +1,190 @@
+"""The trainer's flags: Megatron-LM's names plus megatron-burst's, and their validation.
+
+Every flag is listed, with its default, by ``python -m megatron_burst.train --help``; this module
+defines the Megatron-LM-named ones, :func:`megatron_burst.add_args` ours.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from megatron_burst.megatron.args import CPOptions, add_args, cp_options_from_args
+
+USAGE_EXAMPLE = """\
+example (4 CPU ranks, CP = 4):
+  torchrun --nproc-per-node 4 -m megatron_burst.train --context-parallel-size 4 \\
+      --cp-algo burst --cp-layout striped --num-layers 2 --hidden-size 64 \\
+      --num-attention-heads 4 --seq-length 256 --micro-batch-size 2 --global-batch-size 8 \\
+      --lr 1e-3 --train-iters 20
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Megatron-LM-named flags used by this trainer, plus megatron-burst's (every flag has help)."""
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_burst.train", allow_abbrev=False, epilog=USAGE_EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a GPT with megatron-burst context parallelism, built from megatron-core "
+                    "parts only. Run under torchrun for several ranks, or plainly for one.")
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=True, help="transformer layers")
+    g.add_argument("--hidden-size", type=int, required=True, help="model width")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP width (default 4 * hidden size)")
+    g.add_argument("--num-attention-heads", type=int, required=True, help="query heads")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="KV heads for grouped-query attention (default: = attention heads)")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="accepted for Megatron-LM compatibility; --num-query-groups decides")
+    g.add_argument("--kv-channels", type=int, default=None, help="head dim (default hidden / heads)")
+    g.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
+    g.add_argument("--position-embedding-type", default="rope",
+                   choices=["rope", "learned_absolute", "none"],
+                   help="default rope (Megatron-LM's default is learned_absolute)")
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (default 10000)")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="fraction of the head dim RoPE rotates (default 1.0)")
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
+                   help="default LayerNorm")
+    g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP instead of GELU")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                   help="no biases in linear layers")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="separate output layer weight (default: tied to the word embedding)")
+    g.add_argument("--init-method-std", type=float, default=0.02,
+                   help="std of the normal weight initialization (default 0.02)")
+    g.add_argument("--hidden-dropout", type=float, default=0.0,
+                   help="default 0.0 (Megatron-LM: 0.1); dropout breaks CP = 1 equivalence")
+    g.add_argument("--attention-dropout", type=float, default=0.0,
+                   help="default 0.0 (Megatron-LM: 0.1); must be 0 with CP > 1")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this x TP size (default 128)")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size (default 1)")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="CP size (default 1); the data-parallel size is world / (TP x CP)")
+    g.add_argument("--cp-comm-type", type=str, default=None,
+                   help="Megatron's name for the CP algorithm; ring/burst/auto select ours "
+                        "(see --cp-algo)")
+    g.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl"],
+                   help="default nccl when CUDA is available, else gloo")
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, required=True, help="samples per microbatch")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per iteration (default micro batch size * data-parallel size)")
+    g.add_argument("--train-iters", type=int, required=True, help="iterations to train")
+    g.add_argument("--lr", type=float, required=True, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0, help="learning rate floor (default 0)")
+    g.add_argument("--lr-decay-style", default="linear", choices=["constant", "linear", "cosine"],
+                   help="default linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    g.add_argument("--lr-warmup-iters", type=int, default=0,
+                   help="linear warmup from 0 (default 0: none)")
+    g.add_argument("--weight-decay", type=float, default=0.01,
+                   help="AdamW weight decay, not applied to biases and norms (default 0.01)")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="default 0.9")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="default 0.999")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="default 1e-8")
+    g.add_argument("--clip-grad", type=float, default=1.0,
+                   help="clip the global gradient L2 norm to this (default 1.0; 0 disables)")
+    g.add_argument("--seed", type=int, default=1234,
+                   help="seed of weights, dropout and data order (default 1234)")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="activation recompute (Megatron's): 'selective' recomputes core attention")
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+                   help="with --recompute-granularity full (default uniform)")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="with --recompute-granularity full (default 1)")
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="indexed dataset prefix(es), Megatron-LM style ('w1 p1 w2 p2' blends). "
+                        "Default: the built-in stdlib byte corpus")
+    g.add_argument("--mock-data", action="store_true", help="megatron.core's MockGPTDataset")
+    g.add_argument("--split", default="100,0,0",
+                   help="train,valid,test weights of --data-path (default 100,0,0)")
+    g.add_argument("--data-cache-path", default="data_cache",
+                   help="where the built-in corpus and GPTDataset index caches go (default data_cache)")
+    g.add_argument("--corpus-max-bytes", type=int, default=None,
+                   help="size cap of the built-in corpus (default 4 MiB)")
+    g.add_argument("--tokenizer-type", default="ByteTokenizer",
+                   choices=["ByteTokenizer", "NullTokenizer"], help="default ByteTokenizer")
+    g.add_argument("--vocab-size", type=int, default=None, help="for --tokenizer-type NullTokenizer")
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument("--log-interval", type=int, default=1, help="log every N iterations (default 1)")
+    g.add_argument("--metrics-file", default=None,
+                   help="write per-iteration metrics as JSON here (rank 0)")
+    g.add_argument("--save", default=None, help="checkpoint directory to save to")
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="save every N iterations (and at the end) when --save is given")
+    g.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    g.add_argument("--no-save-rng", action="store_false", dest="save_rng",
+                   help="do not save the RNG states in checkpoints")
+    g.add_argument("--no-load-rng", action="store_false", dest="load_rng",
+                   help="do not restore the saved RNG states when loading a checkpoint")
+    add_args(p)
+    return p
+
+
+@dataclass
+class ParallelSizes:
+    """Parallel sizes derived from the flags and the world size (before any process group exists)."""
+
+    world_size: int
+    tp: int
+    cp: int
+    dp: int
+    num_microbatches: int  # per iteration, on every data-parallel rank
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> tuple[CPOptions, ParallelSizes]:
+    """Fill defaults and check every flag combination; raise ValueError naming flag and fix."""
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "train_iters", "tensor_model_parallel_size", "context_parallel_size", "log_interval"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if world_size % (tp * cp):
+        raise ValueError(f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+                         f"{tp} x --context-parallel-size {cp}: launch a multiple of {tp * cp} ranks")
+    dp = world_size // (tp * cp)
+    heads = args.num_attention_heads
+    args.num_query_groups = args.num_query_groups or heads
+    if heads % args.num_query_groups:
+        raise ValueError(f"--num-attention-heads {heads} is not divisible by --num-query-groups "
+                         f"{args.num_query_groups}")
+    if heads % tp:
+        raise ValueError(f"--num-attention-heads {heads} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    if args.num_query_groups % tp and tp % args.num_query_groups:
+        raise ValueError(f"--num-query-groups {args.num_query_groups} and --tensor-model-parallel-size "
+                         f"{tp}: one must divide the other")
+    if args.kv_channels is None:
+        if args.hidden_size % heads:
+            raise ValueError(f"--hidden-size {args.hidden_size} is not divisible by "
+                             f"--num-attention-heads {heads}: set --kv-channels")
+        args.kv_channels = args.hidden_size // heads
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    if args.max_position_embeddings < args.seq_length:
+        raise ValueError(f"--max-position-embeddings {args.max_position_embeddings} < --seq-length "
+                         f"{args.seq_length}")
+    args.global_batch_size = args.global_batch_size or args.micro_batch_size * dp
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise ValueError(f"--global-batch-size {args.global_batch_size} is not divisible by "
+                         f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}")
+    if cp > 1 and args.attention_dropout > 0:
+        raise ValueError(f"--attention-dropout {args.attention_dropout} is not supported with "
+                         f"--context-parallel-size {cp}: pass --attention-dropout 0.0")
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.data_path and args.mock_data:
+        raise ValueError("--data-path and --mock-data are exclusive")
+    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} must be < --lr-decay-iters "
+                         f"{args.lr_decay_iters}")
+    if args.save_interval is not None and args.save_interval < 1:
+        raise ValueError(f"--save-interval {args.save_interval} must be >= 1")
+    opts = cp_options_from_args(args)  # checks --seq-length against the layout and CP size
+    return opts, ParallelSizes(world_size, tp, cp, dp,
+                               args.global_batch_size // (args.micro_batch_size * dp))

@@ -1,0 +1,99 @@
+"""The training loop: :func:`run` trains on an initialized torch.distributed world."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+import megatron_burst
+from megatron_burst.megatron.args import CPOptions
+from megatron_burst.train.args import ParallelSizes, build_parser, validate_args
+from megatron_burst.train.checkpointing import load_checkpoint, save_checkpoint
+from megatron_burst.train.data import build_dataset, build_tokenizer, microbatches
+from megatron_burst.train.setup import (Groups, build_model, build_optimizer, init_parallel,
+                                        padded_vocab_size, print_rank_0, seed_everything)
+from megatron_burst.train.step import allreduce_grads, clip_grads, loss_and_grads
+
+
+def run(argv: Optional[Sequence[str]] = None) -> List[Dict[str, float]]:
+    """Train on the already-initialized torch.distributed world; returns per-iteration metrics
+    (on every rank). Initializes and afterwards destroys megatron.core.parallel_state."""
+    args = build_parser().parse_args(argv)
+    world_size = dist.get_world_size()
+    opts, sizes = validate_args(args, world_size)  # before any collective
+    from megatron.core import parallel_state as ps
+
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    groups = init_parallel(sizes)
+    try:
+        return _train(args, opts, sizes, groups, device)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
+           device: torch.device) -> List[Dict[str, float]]:
+    """Build everything from the validated flags, resume from --load, train, save, log."""
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                               sizes.tp)
+    seed_everything(args.seed, device)
+    model = build_model(args, opts, sizes, groups, device)
+    optimizer, scheduler = build_optimizer(args, model)
+    start = load_checkpoint(args.load, model, optimizer, scheduler, args, groups) if args.load else 0
+    dataset = build_dataset(args, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    print_rank_0(f"megatron-burst train: world {sizes.world_size} = TP {sizes.tp} x CP {sizes.cp} x DP "
+                 f"{sizes.dp}; cp-algo {model.decoder.layers[0].self_attention.core_attention.options.algo} "
+                 f"cp-layout {opts.layout}{f' stripe {opts.stripe}' if opts.layout == 'striped' else ''}; "
+                 f"{args.num_layers} layers, hidden {args.hidden_size}, heads {args.num_attention_heads}"
+                 f"/{args.num_query_groups} kv, seq {args.seq_length}, {n_params} parameters per TP rank; "
+                 f"global batch {args.global_batch_size} = {sizes.num_microbatches} microbatches x "
+                 f"{args.micro_batch_size} x DP {sizes.dp}; device {device.type}")
+    dp_rank = dist.get_rank(groups.dp)
+    tokens_per_iter = args.global_batch_size * args.seq_length
+    metrics: List[Dict[str, float]] = []
+    model.train()
+    for iteration in range(start, args.train_iters):
+        t0 = time.perf_counter()
+        batches = microbatches(dataset, iteration, args, sizes, dp_rank)
+        for p in model.parameters():
+            p.grad = None
+        with megatron_burst.comm_counter() as counter:
+            loss = loss_and_grads(model, batches, opts, groups, device)
+        allreduce_grads(model, groups)
+        grad_norm = clip_grads(model, args.clip_grad, groups)
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step(1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        sent = torch.tensor([float(counter.bytes("sent"))], dtype=torch.float64, device=device)
+        dist.all_reduce(sent)  # mean over ranks below: every rank's share of the CP traffic
+        row = {"iteration": iteration + 1, "lm_loss": loss.item(), "grad_norm": grad_norm, "lr": lr,
+               "elapsed_s": elapsed, "tokens_per_s": tokens_per_iter / elapsed,
+               "cp_comm_bytes_per_rank": sent.item() / dist.get_world_size()}
+        metrics.append(row)
+        if (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters:
+            print_rank_0(f" iteration {iteration + 1:8d}/{args.train_iters:8d} | consumed samples: "
+                         f"{(iteration + 1) * args.global_batch_size:10d} | elapsed time per iteration "
+                         f"(ms): {elapsed * 1e3:.1f} | learning rate: {lr:.6E} | global batch size: "
+                         f"{args.global_batch_size:5d} | lm loss: {row['lm_loss']:.6E} | grad norm: "
+                         f"{grad_norm:.3f} | tokens per second: {row['tokens_per_s']:.1f} | "
+                         f"cp comm bytes per rank: {int(row['cp_comm_bytes_per_rank'])} |")
+        if args.save and args.save_interval and (iteration + 1) % args.save_interval == 0:
+            save_checkpoint(args.save, iteration + 1, model, optimizer, scheduler, args, groups)
+    if args.save and metrics and (not args.save_interval or args.train_iters % args.save_interval):
+        save_checkpoint(args.save, args.train_iters, model, optimizer, scheduler, args, groups)
+    if args.metrics_file and dist.get_rank() == 0:
+        with open(args.metrics_file, "w") as f:
+            json.dump({"cp": sizes.cp, "tp": sizes.tp, "dp": sizes.dp, "layout": opts.layout,
+                       "algo": model.decoder.layers[0].self_attention.core_attention.options.algo,
+                       "metrics": metrics}, f, indent=1)
+    return metrics
+

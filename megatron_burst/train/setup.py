@@ -1,0 +1,150 @@
+"""Process groups, seeding, model configuration, model and optimizer construction."""
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_burst.megatron.args import CPOptions
+from megatron_burst.train.args import ParallelSizes
+
+
+@dataclass
+class Groups:
+    """The process groups the trainer uses, taken once from megatron.core.parallel_state."""
+
+    tp: dist.ProcessGroup
+    cp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    dp_cp: dist.ProcessGroup  # gradients and the loss are reduced over data x context parallel
+    pg_collection: object
+
+
+def print_rank_0(msg: str) -> None:
+    """Print on global rank 0 only (every process prints when no world exists yet)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def init_parallel(sizes: ParallelSizes) -> Groups:
+    """initialize_model_parallel(tp, pp=1, cp) on an initialized torch.distributed world."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    ps.initialize_model_parallel(sizes.tp, 1, context_parallel_size=sizes.cp,
+                                 create_gloo_process_groups=False)
+    return Groups(tp=ps.get_tensor_model_parallel_group(), cp=ps.get_context_parallel_group(),
+                  dp=ps.get_data_parallel_group(),
+                  dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
+                  pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def seed_everything(seed: int, device: torch.device) -> None:
+    """Seed python's ``random``, numpy's and torch's global generators, as Megatron-LM does.
+
+    Same seed on every rank: CPU-initialized weights are then identical at any TP/CP size.
+    megatron.core's model_parallel_cuda_manual_seed needs CUDA; it also seeds the TP RNG
+    tracker used by dropout inside TP regions, which only matters on GPU.
+    """
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron-LM's padding: a multiple of divisible_by * TP, so every TP shard is equal."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+def model_config(args: argparse.Namespace, sizes: ParallelSizes, device: torch.device):
+    """The TransformerConfig for these flags (fp32, CPU initialization, no fusions)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import torch.nn.functional as F
+
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels, tensor_model_parallel_size=sizes.tp,
+        context_parallel_size=sizes.cp, cp_comm_type=args.cp_comm_type,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, normalization=args.normalization,
+        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=args.add_bias_linear,
+        # CPU initialization builds each full weight from the same seed and then takes the TP
+        # shard, so initial weights do not depend on TP or CP size (and it works without CUDA).
+        use_cpu_initialization=True, perform_initialization=True,
+        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=(args.recompute_method or "uniform") if args.recompute_granularity == "full" else None,
+        recompute_num_layers=(args.recompute_num_layers or 1) if args.recompute_granularity == "full" else None,
+    )
+
+
+def gpt_model_kwargs(args: argparse.Namespace, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
+                     device: torch.device, pre_process: bool = True, post_process: bool = True) -> dict:
+    """GPTModel's constructor arguments for these flags, with megatron-burst's layer spec."""
+    from megatron_burst.specs import get_gpt_layer_spec
+
+    spec = get_gpt_layer_spec(cp_algo=args.cp_algo, cp_layout=opts.layout, cp_stripe=opts.stripe,
+                              cp_ring=opts.ring, cp_ranks_per_node=opts.ranks_per_node,
+                              seq_selective_ckpt_ratio=opts.selective_ckpt_ratio,
+                              use_te=False, normalization=args.normalization)
+    return dict(
+        config=model_config(args, sizes, device), transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process, post_process=post_process, parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base, pg_collection=groups.pg_collection,
+    )
+
+
+def build_model(args: argparse.Namespace, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
+                device: torch.device):
+    """BurstGPTModel with megatron-burst's layer spec, on ``device``."""
+    from megatron_burst.megatron.model import BurstGPTModel
+
+    if device.type == "cpu" and args.recompute_granularity is not None:
+        from megatron_burst.megatron.cpu_compat import allow_checkpointing_without_cuda
+
+        allow_checkpointing_without_cuda()
+    from megatron_burst.megatron.groups import setup_cp_topology
+
+    # the double ring's node groups: a collective, made here with the other process groups
+    setup_cp_topology(opts, groups.cp, sizes.cp, sizes.tp)
+    model = BurstGPTModel(**gpt_model_kwargs(args, opts, sizes, groups, device),
+                          cp_layout=opts.layout, cp_stripe=opts.stripe, fused_lm_loss=args.fused_lm_loss)
+    return model.to(device)
+
+
+def build_optimizer(args: argparse.Namespace, model: torch.nn.Module):
+    """AdamW (no weight decay on biases and norms, as Megatron) + OptimizerParamScheduler."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        (no_decay if param.dim() == 1 or name.endswith(".bias") else decay).append(param)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
+        lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+        weight_decay=args.weight_decay)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr,
+        min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters,
+        wd_incr_style="constant")
+    return optimizer, scheduler
+

@@ -1,0 +1,71 @@
+"""One optimizer step's math: forward/backward with the global per-token loss, the gradient
+all-reduce over data x context parallel ranks, and global-norm clipping."""
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+import torch
+import torch.distributed as dist
+
+import megatron_burst
+from megatron_burst.megatron.args import CPOptions
+from megatron_burst.train.setup import Groups
+
+
+def loss_and_grads(model: torch.nn.Module, batches: Sequence[Dict[str, torch.Tensor]],
+                   opts: CPOptions, groups: Groups, device: torch.device) -> torch.Tensor:
+    """Forward and backward of this rank's microbatches (full sequence [b, s] tensors).
+
+    Slices each batch for this CP rank, and scales the summed masked per-token loss by the loss
+    tokens of the whole global batch (all microbatches, DP and CP ranks), so gradients summed
+    over data x context parallel ranks are exactly those of the global per-token mean, and the
+    returned value, all-reduced over dp_cp, is that mean (Megatron's lm loss).
+    """
+    local = [megatron_burst.get_batch_on_this_cp_rank(
+        {k: v.to(device) for k, v in b.items()}, layout=opts.layout, cp_group=groups.cp,
+        stripe=opts.stripe) for b in batches]
+    num_tokens = sum(b["loss_mask"].sum() for b in local).to(torch.float64)
+    dist.all_reduce(num_tokens, group=groups.dp_cp)
+    if num_tokens.item() == 0:
+        raise ValueError("the global batch has no loss tokens (loss_mask is all zero)")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for b in local:
+        losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"],
+                       loss_mask=b["loss_mask"])  # [b, s_local]
+        loss = (losses.float() * b["loss_mask"].float()).sum() / num_tokens.float()
+        loss.backward()
+        total += loss.detach().to(torch.float64)
+    dist.all_reduce(total, group=groups.dp_cp)
+    return total
+
+
+def allreduce_grads(model: torch.nn.Module, groups: Groups) -> None:
+    """Sum gradients over data x context parallel ranks, in one flat buffer."""
+    if dist.get_world_size(groups.dp_cp) == 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=groups.dp_cp)
+    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
+
+
+def clip_grads(model: torch.nn.Module, max_norm: float, groups: Groups) -> float:
+    """Global L2 grad norm (TP shards summed over TP, replicated params counted once), clipped."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float64, device=params[0].grad.device)
+    tp_rank = dist.get_rank(groups.tp)
+    for p in params:
+        # Megatron marks TP-sharded params with `tensor_model_parallel`; the others are identical
+        # on every TP rank and are counted on TP rank 0 only.
+        if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+            sq += p.grad.detach().double().pow(2).sum()
+    dist.all_reduce(sq, group=groups.tp)
+    norm = float(sq.sqrt())
+    if max_norm > 0:
+        coeff = max_norm / (norm + 1e-6)
+        if coeff < 1.0:
+            for p in params:
+                p.grad.mul_(coeff)
+    return norm
+
