@@ -159,3 +159,56 @@ def test_train_flags_resolve():
     assert opts == CPOptions("ring", "striped", 1)
     assert (sizes.tp, sizes.cp, sizes.dp, sizes.num_microbatches) == (2, 2, 2, 2)
     assert (args.kv_channels, args.ffn_hidden_size, args.num_query_groups) == (8, 128, 4)
+
+
+def test_swiglu_ffn_size_follows_megatron_lm():
+    """Megatron-LM: with --swiglu and no --ffn-hidden-size, int(4h * 2/3 / 64) * 64 (it was 4h)."""
+    from megatron_burst.train import validate_args
+
+    for hidden, want in ((32, 64), (128, 320), (4096, 10880)):
+        args = _train_args(["--hidden-size", str(hidden), "--swiglu"])
+        validate_args(args, 1)
+        assert args.ffn_hidden_size == want, (hidden, args.ffn_hidden_size)
+    args = _train_args(["--swiglu", "--ffn-hidden-size", "100"])
+    validate_args(args, 1)
+    assert args.ffn_hidden_size == 100
+    args = _train_args([])
+    validate_args(args, 1)
+    assert args.ffn_hidden_size == 128  # 4h without --swiglu
+
+
+@pytest.mark.parametrize("flag", ["--bf16", "--fp16", "--sequence-parallel"])
+def test_unsupported_megatron_flags_point_to_megatron_lm(flag):
+    from megatron_burst.train import validate_args
+
+    args = _train_args([flag])  # parsed (not "unrecognized arguments"), then refused with the route
+    with pytest.raises(ValueError, match=f"{flag}: megatron_burst.train trains in fp32.*pretrain_gpt.py"):
+        validate_args(args, 1)
+
+
+def test_fewer_kv_groups_than_tp_ranks_is_refused_on_cpu():
+    """Megatron's KV-head all-gather allocates on CUDA: on CPU it crashed in the first forward."""
+    from megatron_burst.train import validate_args
+
+    args = _train_args(["--num-query-groups", "1", "--tensor-model-parallel-size", "2",
+                        "--distributed-backend", "gloo"])
+    with pytest.raises(ValueError, match="--num-query-groups 1 below --tensor-model-parallel-size 2"):
+        validate_args(args, 2)
+
+
+def test_usage_errors_print_once_under_torchrun():
+    """Every rank parses the flags; only rank 0 prints the error, all exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "megatron_burst.train", "--num-layers", "1", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--lr", "1e-3",
+            "--train-iters", "1", "--bf16"]
+    outs = {}
+    for rank in ("0", "1"):
+        env = {**os.environ, "RANK": rank, "WORLD_SIZE": "2", "PYTHONWARNINGS": "ignore"}
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+        outs[rank] = (proc.returncode, proc.stderr)
+    assert outs["0"][0] == 2 and "--bf16: megatron_burst.train trains in fp32" in outs["0"][1]
+    assert outs["1"] == (2, "")

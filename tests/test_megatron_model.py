@@ -254,3 +254,23 @@ def test_core_attention_accepts_supported_settings():
     assert run_ranks(2, construct_core_attention, 2, cp_comm_type="p2p") == ["ok", "ok"]
     assert run_ranks(2, construct_core_attention, 2, mask="no_mask", cp_algo="auto") == ["ok", "ok"]
     assert run_ranks(1, construct_core_attention, 1, config={"attention_dropout": 0.1}) == ["ok"]
+
+
+def banner_summary(extra: List[str]) -> str:
+    """The trainer banner's attention summary for the tiny GPT at CP = 4."""
+    from megatron_burst import train
+    from megatron_burst.train.loop import attention_summary
+
+    args = small_args(["--context-parallel-size", "4", "--seq-length", "32"] + extra)
+    opts, sizes = train.validate_args(args, dist.get_world_size())
+    args.padded_vocab_size = VOCAB
+    groups = train.init_parallel(sizes)
+    model = train.build_model(args, opts, sizes, groups, torch.device("cpu"))
+    return attention_summary(model, args, sizes)
+
+
+def test_trainer_banner_names_what_auto_resolved_to_and_the_ring():
+    assert run_ranks(4, banner_summary, ["--cp-algo", "auto"])[0] == "cp-algo auto -> ring backward, ring flat"
+    assert (run_ranks(4, banner_summary, ["--cp-algo", "auto", "--num-query-groups", "4", "--cp-ranks-per-node",
+                                         "2"])[0] == "cp-algo auto -> burst backward, ring double (2 nodes x 2)")
+    assert run_ranks(4, banner_summary, ["--cp-algo", "burst"])[0] == "cp-algo burst, ring flat"

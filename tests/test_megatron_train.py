@@ -40,7 +40,8 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1(tmp_path):
     ref = run_ranks(2, train_run, _argv(tmp_path, 6, *cp2))[0]
     run_ranks(2, train_run, _argv(tmp_path, 3, *cp2, "--save", str(tmp_path / "ckpt")))
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
-    resumed = run_ranks(1, train_run, _argv(tmp_path, 6, "--load", str(tmp_path / "ckpt")))[0]
+    resumed = run_ranks(1, train_run, _argv(tmp_path, 6, "--load", str(tmp_path / "ckpt"),
+                                            "--override-opt-param-scheduler"))[0]
     assert [m["iteration"] for m in resumed] == [4, 5, 6]
     for got, want in zip(resumed, ref[3:]):
         assert got["lm_loss"] == pytest.approx(want["lm_loss"], rel=1e-5), (got, want)
@@ -73,12 +74,13 @@ def test_resume_restores_rng_states(tmp_path):
     assert isinstance(state["rng_state"], list) and len(state["rng_state"]) == 1
     assert set(state["rng_state"][0]) == {"random_rng_state", "np_rng_state", "torch_rng_state"}
 
-    losses, draw = run_ranks(1, train_run_then_draw, _argv(tmp_path, 4, *drop, "--load", ckpt))[0]
+    more = "--override-opt-param-scheduler"  # --train-iters grew: this run's schedule flags win
+    losses, draw = run_ranks(1, train_run_then_draw, _argv(tmp_path, 4, *drop, "--load", ckpt, more))[0]
     assert draw == ref_draw
     assert losses == pytest.approx(ref_losses[2:], rel=1e-6, abs=0)
 
     losses, draw = run_ranks(1, train_run_then_draw,
-                             _argv(tmp_path, 4, *drop, "--load", ckpt, "--no-load-rng"))[0]
+                             _argv(tmp_path, 4, *drop, "--load", ckpt, more, "--no-load-rng"))[0]
     assert draw != ref_draw
     assert all(abs(a - b) > 1e-4 * abs(b) for a, b in zip(losses, ref_losses[2:])), (losses, ref_losses)
 
@@ -86,10 +88,49 @@ def test_resume_restores_rng_states(tmp_path):
 def test_checkpoint_without_rng_state_names_the_flag(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     run_ranks(1, train_run, _argv(tmp_path, 1, "--save", ckpt, "--no-save-rng"))
+    more = "--override-opt-param-scheduler"
     with pytest.raises(RuntimeError, match="pass --no-load-rng"):
-        run_ranks(1, train_run, _argv(tmp_path, 2, "--load", ckpt))
-    assert [m["iteration"] for m in run_ranks(1, train_run, _argv(tmp_path, 2, "--load", ckpt,
+        run_ranks(1, train_run, _argv(tmp_path, 2, "--load", ckpt, more))
+    assert [m["iteration"] for m in run_ranks(1, train_run, _argv(tmp_path, 2, "--load", ckpt, more,
                                                                     "--no-load-rng"))[0]] == [2]
+
+
+def _schedule_argv(tmp, iters, *extra):
+    """Like _argv, but the decay length follows --train-iters (Megatron-LM's default)."""
+    argv = _argv(tmp, iters, *extra)
+    i = argv.index("--lr-decay-iters")
+    return argv[:i] + argv[i + 2:]
+
+
+def test_resume_with_more_iterations_follows_megatron_lm(tmp_path):
+    """Saved with --train-iters 3, resumed with --train-iters 5 (the decay now spans 5). It used to
+    take the checkpoint's 3-iteration schedule silently and train at the minimum learning rate.
+    As in Megatron-LM: without a flag the mismatch is an error naming both flags;
+    --override-opt-param-scheduler continues on the 5-iteration schedule (the learning rates of
+    an uninterrupted 5-iteration run); --use-checkpoint-opt-param-scheduler keeps the 3."""
+    ckpt = str(tmp_path / "ckpt")
+    straight = run_ranks(1, train_run, _schedule_argv(tmp_path, 5))[0]
+    run_ranks(1, train_run, _schedule_argv(tmp_path, 3, "--save", ckpt))
+    with pytest.raises(RuntimeError, match="--override-opt-param-scheduler.*--use-checkpoint-opt-param-scheduler"):
+        run_ranks(1, train_run, _schedule_argv(tmp_path, 5, "--load", ckpt))
+    resumed = run_ranks(1, train_run, _schedule_argv(tmp_path, 5, "--load", ckpt,
+                                                     "--override-opt-param-scheduler"))[0]
+    assert [m["iteration"] for m in resumed] == [4, 5]
+    assert [m["lr"] for m in resumed] == pytest.approx([m["lr"] for m in straight[3:]], rel=1e-12)
+    assert resumed[0]["lr"] > 1e-4  # a learning rate, not the end of the old schedule
+    kept = run_ranks(1, train_run, _schedule_argv(tmp_path, 5, "--load", ckpt,
+                                                  "--use-checkpoint-opt-param-scheduler"))[0]
+    assert [m["lr"] for m in kept] == [0.0, 0.0]  # the checkpoint's schedule had decayed to --min-lr 0
+
+
+def test_resume_with_another_global_batch_size_continues_the_data(tmp_path):
+    """2 iterations of 4 samples saved, resumed with 8 per iteration: the next batch starts at
+    sample 8 (consumed_samples is read back), not 16, and the schedule keeps its place in samples."""
+    ckpt = str(tmp_path / "ckpt")
+    run_ranks(1, train_run, _argv(tmp_path, 2, "--save", ckpt))
+    resumed = run_ranks(1, train_run, _argv(tmp_path, 3, "--load", ckpt, "--global-batch-size", "8",
+                                            "--override-opt-param-scheduler"))[0]
+    assert [(m["iteration"], m["consumed_samples"]) for m in resumed] == [(3, 16)]
 
 
 def test_checkpoint_from_other_tp_is_rejected(tmp_path):

@@ -6,9 +6,13 @@ defines the Megatron-LM-named ones, :func:`megatron_burst.add_args` ours.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from dataclasses import dataclass
 
-from megatron_burst.megatron.args import CPOptions, add_args, cp_options_from_args
+import torch
+
+from megatron_burst.megatron.args import CPOptions, add_args, check_cp_dropout, cp_options_from_args
 
 USAGE_EXAMPLE = """\
 example (4 CPU ranks, CP = 4):
@@ -19,9 +23,19 @@ example (4 CPU ranks, CP = 4):
 """
 
 
+class _OneRankParser(argparse.ArgumentParser):
+    """Under torchrun every rank parses the flags: print a usage error once (rank 0), exit 2 on all."""
+
+    def error(self, message: str):
+        if os.environ.get("RANK", "0") == "0":
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Megatron-LM-named flags used by this trainer, plus megatron-burst's (every flag has help)."""
-    p = argparse.ArgumentParser(
+    p = _OneRankParser(
         prog="python -m megatron_burst.train", allow_abbrev=False, epilog=USAGE_EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a GPT with megatron-burst context parallelism, built from megatron-core "
@@ -121,8 +135,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not save the RNG states in checkpoints")
     g.add_argument("--no-load-rng", action="store_false", dest="load_rng",
                    help="do not restore the saved RNG states when loading a checkpoint")
+    g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="on --load, take the learning-rate schedule (--lr, --min-lr, --lr-warmup-iters, "
+                        "--lr-decay-iters, --lr-decay-style) from this run's flags instead of the checkpoint")
+    g.add_argument("--use-checkpoint-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler",
+                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   help="on --load, keep the checkpoint's learning-rate schedule. Without either flag a "
+                        "schedule flag that differs from the checkpoint's is an error, as in Megatron-LM")
+    g = p.add_argument_group("Megatron-LM flags this trainer refuses (use Megatron-LM with the patch)")
+    for flag in _REFUSED_MEGATRON_FLAGS:
+        g.add_argument(flag, action="store_true", help=f"refused: {_REFUSED_MEGATRON_FLAGS[flag]}")
     add_args(p)
     return p
+
+
+# Megatron-LM flags users bring along that this fp32, no-SP trainer does not implement: accepted by
+# the parser (so the answer is a pointer, once, not argparse's "unrecognized arguments" per rank)
+_MEGATRON_LM_ROUTE = ("megatron_burst.train trains in fp32 without sequence parallelism; for this, run "
+                      "Megatron-LM's pretrain_gpt.py with patches/pretrain_gpt.patch (README: Using it with "
+                      "Megatron-LM), where megatron-burst's flags work alongside it")
+_REFUSED_MEGATRON_FLAGS = {"--bf16": _MEGATRON_LM_ROUTE, "--fp16": _MEGATRON_LM_ROUTE,
+                           "--sequence-parallel": _MEGATRON_LM_ROUTE}
+
+
+def _cuda_training(args: argparse.Namespace) -> bool:
+    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    return backend == "nccl"
 
 
 @dataclass
@@ -163,7 +202,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> tuple[CPOptions,
             raise ValueError(f"--hidden-size {args.hidden_size} is not divisible by "
                              f"--num-attention-heads {heads}: set --kv-channels")
         args.kv_channels = args.hidden_size // heads
-    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    if args.ffn_hidden_size is None:  # Megatron-LM's rule: SwiGLU's two input projections get 2/3 of 4h,
+        # rounded down to a multiple of 64, so the MLP keeps about the parameters of a 4h GELU MLP
+        args.ffn_hidden_size = (int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu
+                                else 4 * args.hidden_size)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     if args.max_position_embeddings < args.seq_length:
         raise ValueError(f"--max-position-embeddings {args.max_position_embeddings} < --seq-length "
@@ -172,9 +214,17 @@ def validate_args(args: argparse.Namespace, world_size: int) -> tuple[CPOptions,
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not divisible by "
                          f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}")
-    if cp > 1 and args.attention_dropout > 0:
-        raise ValueError(f"--attention-dropout {args.attention_dropout} is not supported with "
-                         f"--context-parallel-size {cp}: pass --attention-dropout 0.0")
+    check_cp_dropout(args.attention_dropout, cp)
+    for flag, route in _REFUSED_MEGATRON_FLAGS.items():
+        if getattr(args, flag.lstrip("-").replace("-", "_"), False):
+            raise ValueError(f"{flag}: {route}")
+    if args.num_query_groups < tp and not _cuda_training(args):
+        raise ValueError(f"--num-query-groups {args.num_query_groups} below --tensor-model-parallel-size {tp} "
+                         "needs Megatron's KV-head all-gather, which runs on CUDA only: use at least as many "
+                         "query groups as TP ranks on CPU")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ValueError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive: "
+                         "take this run's schedule flags or the checkpoint's, not both")
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
     if args.data_path and args.mock_data:

@@ -81,15 +81,16 @@ def set_rng_state(entry: Dict[str, Any], device: torch.device) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(entry["rng_tracker_states"])
 
 
-def save_checkpoint(root: str, iteration: int, model: torch.nn.Module, optimizer, scheduler,
-                    args: argparse.Namespace, groups: Groups) -> None:
-    """Write ``iteration``'s checkpoint: one file per TP rank, by the first data x context
-    parallel rank (parameters do not depend on CP), then the tracker file (global rank 0)."""
+def save_checkpoint(root: str, iteration: int, consumed_samples: int, model: torch.nn.Module, optimizer,
+                    scheduler, args: argparse.Namespace, groups: Groups) -> None:
+    """Write ``iteration``'s checkpoint (``consumed_samples`` samples trained so far): one file per
+    TP rank, by the first data x context parallel rank (parameters do not depend on CP), then the
+    tracker file (global rank 0)."""
     if dist.get_rank(groups.dp_cp) == 0:
         path = checkpoint_file(root, iteration, dist.get_rank(groups.tp))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         state = {
-            "iteration": iteration, "consumed_samples": iteration * args.global_batch_size,
+            "iteration": iteration, "consumed_samples": consumed_samples,
             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "opt_param_scheduler": scheduler.state_dict(),
             "args": {k: getattr(args, k) for k in MODEL_FLAGS},
@@ -109,16 +110,20 @@ def save_checkpoint(root: str, iteration: int, model: torch.nn.Module, optimizer
 
 
 def load_checkpoint(root: str, model: torch.nn.Module, optimizer, scheduler,
-                    args: argparse.Namespace, groups: Groups) -> int:
-    """Load the latest checkpoint under ``root``; returns its iteration (0 when there is none).
+                    args: argparse.Namespace, groups: Groups) -> tuple[int, int]:
+    """Load the latest checkpoint under ``root``; returns (iteration, consumed samples), (0, 0)
+    when there is none.
 
-    Any CP and DP size; TP and the model flags must match the saved run's. Restores the saved
-    RNG states on every rank unless ``args.load_rng`` is False (``--no-load-rng``).
+    Any CP and DP size; TP and the model flags must match the saved run's. The learning-rate
+    schedule follows Megatron-LM: a schedule flag that differs from the checkpoint's is a
+    ValueError unless ``--override-opt-param-scheduler`` (this run's flags win) or
+    ``--use-checkpoint-opt-param-scheduler`` (the checkpoint's win) says which. Restores the
+    saved RNG states on every rank unless ``args.load_rng`` is False (``--no-load-rng``).
     """
     tracker = os.path.join(root, CKPT_TRACKER)
     if not os.path.exists(tracker):
         print_rank_0(f"no checkpoint at {root} ({CKPT_TRACKER} missing): training from scratch")
-        return 0
+        return 0, 0
     with open(tracker) as f:
         iteration = int(f.read().strip())
     iter_dir = os.path.dirname(os.path.dirname(checkpoint_file(root, iteration, 0)))
@@ -139,10 +144,16 @@ def load_checkpoint(root: str, model: torch.nn.Module, optimizer, scheduler,
     rng = _check_rng_state(state, device, path) if args.load_rng else None  # before changing anything
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["opt_param_scheduler"])
+    try:  # after the optimizer: the scheduler sets the param groups' learning rate
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    except AssertionError as exc:
+        raise ValueError(f"checkpoint {path}: {exc}. Pass --override-opt-param-scheduler to use this run's "
+                         "learning-rate flags, or --use-checkpoint-opt-param-scheduler to keep the checkpoint's "
+                         "(Megatron-LM's rule)") from None
     if rng is not None:
         set_rng_state(rng, device)
-    print_rank_0(f"loaded checkpoint {path} (iteration {iteration}, saved at CP="
+    consumed = int(state.get("consumed_samples", iteration * args.global_batch_size))
+    print_rank_0(f"loaded checkpoint {path} (iteration {iteration}, {consumed} samples consumed, saved at CP="
                  f"{state['cp']['context_parallel_size']} layout {state['cp']['layout']}"
                  f"{'' if rng is not None else '; RNG states not restored (--no-load-rng)'})")
-    return iteration
+    return iteration, consumed

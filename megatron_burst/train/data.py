@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Dict, List
+from typing import Optional, Dict, List
 
 import torch
 
@@ -18,8 +18,9 @@ def build_tokenizer(args: argparse.Namespace):
     return NullTokenizer(args.vocab_size) if args.tokenizer_type == "NullTokenizer" else ByteTokenizer()
 
 
-def build_dataset(args: argparse.Namespace, tokenizer):
-    """GPTDataset over --data-path, the built-in corpus, or MockGPTDataset."""
+def build_dataset(args: argparse.Namespace, tokenizer, num_samples: Optional[int] = None):
+    """GPTDataset over --data-path, the built-in corpus, or MockGPTDataset, with ``num_samples``
+    samples (default: --train-iters x --global-batch-size)."""
     from megatron_burst import data
 
     data_path = args.data_path
@@ -31,19 +32,21 @@ def build_dataset(args: argparse.Namespace, tokenizer):
         data_path = [data.default_corpus(args.data_cache_path, **kwargs)]
     return data.build_train_dataset(
         data_path=data_path, mock=args.mock_data, seq_length=args.seq_length,
-        num_samples=args.train_iters * args.global_batch_size, seed=args.seed, tokenizer=tokenizer,
+        num_samples=num_samples or args.train_iters * args.global_batch_size, seed=args.seed, tokenizer=tokenizer,
         split=args.split, cache_path=os.path.join(args.data_cache_path, "index"))
 
 
-def microbatches(dataset, iteration: int, args: argparse.Namespace, sizes: ParallelSizes, dp_rank: int
+def microbatches(dataset, consumed_samples: int, args: argparse.Namespace, sizes: ParallelSizes, dp_rank: int
                  ) -> List[Dict[str, torch.Tensor]]:
-    """This DP rank's microbatches of ``iteration``, as Megatron's pretraining sampler deals them:
-    the global batch is consecutive samples; microbatch m of DP rank r holds samples
-    base + m * mbs * dp + r * mbs + [0, mbs)."""
+    """This DP rank's microbatches of the global batch that starts after ``consumed_samples``
+    samples, as Megatron's pretraining sampler deals them: the global batch is consecutive
+    samples; microbatch m of DP rank r holds samples base + m * mbs * dp + r * mbs + [0, mbs).
+    (Counting samples, not iterations, keeps a resumed run on its data when the global batch
+    size changes.)"""
     from megatron_burst.data import collate
 
     mbs = args.micro_batch_size
-    base = iteration * args.global_batch_size
+    base = consumed_samples
     out = []
     for m in range(sizes.num_microbatches):
         start = base + m * mbs * sizes.dp + dp_rank * mbs

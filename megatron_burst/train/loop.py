@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_burst
+from megatron_burst.checkpoint import end_iteration
 from megatron_burst.megatron.args import CPOptions
 from megatron_burst.train.args import ParallelSizes, build_parser, validate_args
 from megatron_burst.train.checkpointing import load_checkpoint, save_checkpoint
@@ -35,6 +36,30 @@ def run(argv: Optional[Sequence[str]] = None) -> List[Dict[str, float]]:
         ps.destroy_model_parallel()
 
 
+def attention_summary(model: torch.nn.Module, args, sizes: ParallelSizes) -> str:
+    """What the attention will run: the algorithm (what ``auto`` resolves to for this model's
+    per-rank shape) and the ring shape, e.g. "cp-algo auto -> ring (backward), ring double
+    (2 nodes x 4)"."""
+    from megatron_burst.algorithms import resolve_algo
+    from megatron_burst.topology import CPTopology
+
+    attention = model.decoder.layers[0].self_attention.core_attention
+    algo = attention.options.algo
+    target = attention.cp_target
+    nodes = target.num_nodes if isinstance(target, CPTopology) else 1
+    ring = attention.options.ring or ("double" if nodes > 1 else "flat")
+    text = f"cp-algo {algo}"
+    if algo == "auto" and sizes.cp > 1:
+        elem = next(model.parameters()).element_size()
+        chosen = resolve_algo("auto", args.micro_batch_size, args.num_attention_heads // sizes.tp,
+                              max(1, args.num_query_groups // sizes.tp), args.seq_length // sizes.cp,
+                              args.kv_channels, elem, sizes.cp, nodes=nodes, ring=ring)
+        text += f" -> {chosen} backward"
+    if sizes.cp > 1:
+        text += f", ring {ring}" + (f" ({nodes} nodes x {sizes.cp // nodes})" if nodes > 1 else "")
+    return text
+
+
 def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
            device: torch.device) -> List[Dict[str, float]]:
     """Build everything from the validated flags, resume from --load, train, save, log."""
@@ -44,11 +69,11 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
     seed_everything(args.seed, device)
     model = build_model(args, opts, sizes, groups, device)
     optimizer, scheduler = build_optimizer(args, model)
-    start = load_checkpoint(args.load, model, optimizer, scheduler, args, groups) if args.load else 0
-    dataset = build_dataset(args, tokenizer)
+    start, consumed = load_checkpoint(args.load, model, optimizer, scheduler, args, groups) if args.load else (0, 0)
+    dataset = build_dataset(args, tokenizer, consumed + max(0, args.train_iters - start) * args.global_batch_size)
     n_params = sum(p.numel() for p in model.parameters())
     print_rank_0(f"megatron-burst train: world {sizes.world_size} = TP {sizes.tp} x CP {sizes.cp} x DP "
-                 f"{sizes.dp}; cp-algo {model.decoder.layers[0].self_attention.core_attention.options.algo} "
+                 f"{sizes.dp}; {attention_summary(model, args, sizes)}; "
                  f"cp-layout {opts.layout}{f' stripe {opts.stripe}' if opts.layout == 'striped' else ''}; "
                  f"{args.num_layers} layers, hidden {args.hidden_size}, heads {args.num_attention_heads}"
                  f"/{args.num_query_groups} kv, seq {args.seq_length}, {n_params} parameters per TP rank; "
@@ -60,16 +85,18 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
     model.train()
     for iteration in range(start, args.train_iters):
         t0 = time.perf_counter()
-        batches = microbatches(dataset, iteration, args, sizes, dp_rank)
+        batches = microbatches(dataset, consumed, args, sizes, dp_rank)
         for p in model.parameters():
             p.grad = None
         with megatron_burst.comm_counter() as counter:
             loss = loss_and_grads(model, batches, opts, groups, device)
+        end_iteration(model)  # selective-checkpoint stores: verified and emptied before the update
+        consumed += args.global_batch_size
         allreduce_grads(model, groups)
         grad_norm = clip_grads(model, args.clip_grad, groups)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
-        scheduler.step(1)
+        scheduler.step(args.global_batch_size)  # in samples, as Megatron-LM
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
@@ -77,19 +104,19 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
         dist.all_reduce(sent)  # mean over ranks below: every rank's share of the CP traffic
         row = {"iteration": iteration + 1, "lm_loss": loss.item(), "grad_norm": grad_norm, "lr": lr,
                "elapsed_s": elapsed, "tokens_per_s": tokens_per_iter / elapsed,
-               "cp_comm_bytes_per_rank": sent.item() / dist.get_world_size()}
+               "cp_comm_bytes_per_rank": sent.item() / dist.get_world_size(), "consumed_samples": consumed}
         metrics.append(row)
         if (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters:
             print_rank_0(f" iteration {iteration + 1:8d}/{args.train_iters:8d} | consumed samples: "
-                         f"{(iteration + 1) * args.global_batch_size:10d} | elapsed time per iteration "
+                         f"{consumed:10d} | elapsed time per iteration "
                          f"(ms): {elapsed * 1e3:.1f} | learning rate: {lr:.6E} | global batch size: "
                          f"{args.global_batch_size:5d} | lm loss: {row['lm_loss']:.6E} | grad norm: "
                          f"{grad_norm:.3f} | tokens per second: {row['tokens_per_s']:.1f} | "
                          f"cp comm bytes per rank: {int(row['cp_comm_bytes_per_rank'])} |")
         if args.save and args.save_interval and (iteration + 1) % args.save_interval == 0:
-            save_checkpoint(args.save, iteration + 1, model, optimizer, scheduler, args, groups)
+            save_checkpoint(args.save, iteration + 1, consumed, model, optimizer, scheduler, args, groups)
     if args.save and metrics and (not args.save_interval or args.train_iters % args.save_interval):
-        save_checkpoint(args.save, args.train_iters, model, optimizer, scheduler, args, groups)
+        save_checkpoint(args.save, args.train_iters, consumed, model, optimizer, scheduler, args, groups)
     if args.metrics_file and dist.get_rank() == 0:
         with open(args.metrics_file, "w") as f:
             json.dump({"cp": sizes.cp, "tp": sizes.tp, "dp": sizes.dp, "layout": opts.layout,

@@ -140,11 +140,18 @@ def build_optimizer(args: argparse.Namespace, model: torch.nn.Module):
         [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
         lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
         weight_decay=args.weight_decay)
+    gbs = args.global_batch_size  # Megatron-LM counts the schedule in samples (step(gbs) per iteration),
+    # so a resume with another global batch size keeps its place on the schedule
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr,
-        min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters,
-        wd_incr_style="constant")
+        min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=args.lr_decay_iters * gbs, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style="constant",
+        # Megatron-LM's resume rule: a schedule flag that differs from the checkpoint's is an error
+        # unless one of these says which side wins (megatron.core's default would take the
+        # checkpoint's silently)
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler)
     return optimizer, scheduler
 
