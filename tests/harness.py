@@ -106,6 +106,7 @@ def _reset_state(base: _Baseline) -> None:
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is not None:
         parallel_state.destroy_model_parallel()
+    _destroy_task_process_groups()
     # megatron-burst's per-process caches: registered CP topologies (a test must build its own) and
     # the GPU kernels' self-check verdicts
     topology = sys.modules.get("megatron_burst.topology")
@@ -114,6 +115,25 @@ def _reset_state(base: _Baseline) -> None:
     kernels = sys.modules.get("megatron_burst.kernels")
     if kernels is not None:
         kernels._VERIFIED.clear()
+
+
+def _destroy_task_process_groups() -> None:
+    """Destroy every process group but the default one (the tasks' subgroups).
+
+    initialize_model_parallel makes ~25 gloo groups per call and destroy_model_parallel only drops
+    Megatron's references: each group keeps its gloo threads and sockets. Over a few hundred tests a
+    long-lived worker piles up thousands of threads whose loops then burn the CPU. Every rank
+    resets before every task, so all ranks destroy the same groups.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return
+    default = c10d._get_default_group()
+    for group in list(c10d._world.pg_map):
+        if group is not default:
+            dist.destroy_process_group(group)
 
 
 def _worker_main(rank: int, world_size: int, port: int, conn: mp_connection.Connection,

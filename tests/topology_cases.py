@@ -7,14 +7,9 @@ import torch.distributed as dist
 import megatron_burst as mb
 from attention_cases import run_case
 
-_TOPOLOGIES: dict[int, "mb.topology.CPTopology"] = {}
-
-
 def topology(ranks_per_node: int):
-    """One topology per worker process and split (building one creates process groups)."""
-    if ranks_per_node not in _TOPOLOGIES:
-        _TOPOLOGIES[ranks_per_node] = mb.build_cp_topology(None, ranks_per_node)
-    return _TOPOLOGIES[ranks_per_node]
+    """A topology for this task (the harness destroys every task's process groups afterwards)."""
+    return mb.build_cp_topology(None, ranks_per_node)
 
 
 def run_topology_matrix(ranks_per_node: int, ring: str, algo: str, layouts=("contiguous", "zigzag", "striped"),

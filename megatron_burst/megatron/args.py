@@ -210,7 +210,7 @@ def check_cp_dropout(attention_dropout: float, cp_size: int) -> None:
     """Raise ValueError for attention dropout under CP (the one place this is validated)."""
     if attention_dropout > 0 and cp_size > 1:
         raise ValueError(f"attention dropout {attention_dropout} is not supported with context parallelism "
-                         f"(--context-parallel-size {cp_size}): set --attention-dropout 0.0 "
+                         f"(--context-parallel-size {cp_size}): pass --attention-dropout 0.0 "
                          "(TransformerConfig.attention_dropout=0.0)")
 
 
