@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import sys
+import tempfile
 from functools import partial
 from typing import Optional
 
@@ -41,8 +43,22 @@ from megatron_burst.bench.launch import run_local
 SEQ, VOCAB, BATCH = 32, 128, 2
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 USER_SPEC = ["--spec", "megatron_burst.specs", "gpt_layer_spec"]
+# a heterogeneous model (Llama-Nemotron style): layer 1 full attention (GQA 2:1), layer 2 attention-free
+HETEROGENEOUS_JSON = json.dumps({
+    "hidden_act": "silu", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+    "tie_word_embeddings": True, "rope_theta": 10000, "rope_scaling": {"factor": 8.0},
+    "block_configs": [
+        {"attention": {"n_heads_in_group": 2, "no_op": False, "replace_with_linear": False},
+         "ffn": {"ffn_mult": 2.0, "no_op": False, "replace_with_linear": False}},
+        {"attention": {"n_heads_in_group": None, "no_op": True, "replace_with_linear": False},
+         "ffn": {"ffn_mult": 1.0, "no_op": False, "replace_with_linear": False}}]})
+# the flags Megatron-LM requires to agree with such a config (Llama-3 style: SwiGLU, RMSNorm, GQA, RoPE scaling)
+HETEROGENEOUS = ["--heterogeneous-layers-config-path", os.path.join(tempfile.gettempdir(), "burst_hetero.json"),
+                 "--heterogeneous-layers-config-encoded-json", HETEROGENEOUS_JSON, "--swiglu", "--normalization",
+                 "RMSNorm", "--group-query-attention", "--num-query-groups", "2", "--use-rope-scaling",
+                 "--rope-scaling-factor", "8.0", "--rotary-base", "10000", "--use-rotary-position-embeddings"]
 SAME_MODEL = [  # flag sets whose patched parameters must equal the unpatched model's
-    [], ["--qk-layernorm"], MOE, ["--mtp-num-layers", "1"], ["--swiglu"], ["--bf16"],
+    [], ["--qk-layernorm"], MOE, ["--mtp-num-layers", "1"], ["--swiglu"], ["--bf16"], HETEROGENEOUS,
     USER_SPEC + ["--cp-layout", "striped"],
 ]
 SAME_TRAINING = [  # (CP size, flags): patched vs unpatched CP = 1 with the model-defining flags
@@ -55,6 +71,7 @@ SAME_TRAINING = [  # (CP size, flags): patched vs unpatched CP = 1 with the mode
     (2, ["--swiglu", "--cp-algo", "ring"]),
     (2, USER_SPEC + ["--cp-layout", "striped"]),
     (2, ["--bf16", "--cp-layout", "striped", "--fused-lm-loss"]),
+    (2, HETEROGENEOUS + ["--cp-layout", "striped"]),
 ]
 REFUSED = [  # (CP size, flags, the flag the error must name)
     (2, ["--reset-attention-mask"], "--reset-attention-mask"),
@@ -66,7 +83,7 @@ REFUSED = [  # (CP size, flags, the flag the error must name)
 ]
 # flags that change the computation's precision: compared with a looser tolerance
 LOSS_RTOL, GRAD_RTOL, BF16_LOSS_RTOL, BF16_GRAD_RTOL = 1e-5, 1e-4, 2e-2, 1e-1
-MODEL_FLAGS = ("--qk-layernorm", "--swiglu", "--bf16", "--spec", *MOE, *USER_SPEC[1:])
+MODEL_FLAGS = ("--qk-layernorm", "--swiglu", "--bf16", "--spec", *MOE, *USER_SPEC[1:], *HETEROGENEOUS)
 
 
 def _megatron_argv(cp: int, world: int, extra: list[str]) -> list[str]:
@@ -133,8 +150,9 @@ def _rank(extra: list[str], patched: bool, step: bool) -> dict:
         grad = p.grad.detach().float().clone()
         dist.all_reduce(grad)  # CP ranks hold partial gradients of the same weights
         grads[name] = grad.numpy()
-    caches = [getattr(layer.self_attention.core_attention, "selective_cache", None) for layer in model.decoder.layers]
-    out.update(loss=(totals[0] / totals[1]).item(), grads=grads, hits=sum(c.hits for c in caches if c is not None))
+    from megatron_burst.checkpoint import stores_of
+
+    out.update(loss=(totals[0] / totals[1]).item(), grads=grads, hits=sum(c.hits for _, c in stores_of(model)))
     return out
 
 
@@ -154,6 +172,14 @@ def _model_flags(extra: list[str]) -> list[str]:
     return out
 
 
+def _show(flags: list[str]) -> str:
+    """The flags as typed, the heterogeneous layer config abbreviated."""
+    if HETEROGENEOUS_JSON in flags:  # the config and the flags it requires, abbreviated
+        flags = ["--heterogeneous-layers-config <layer 1 GQA attention, layer 2 attention-free>"] + \
+            [f for f in flags if f not in HETEROGENEOUS]
+    return " ".join(flags)
+
+
 def main() -> int:
     try:
         import pretrain_gpt  # noqa: F401
@@ -161,6 +187,8 @@ def main() -> int:
         print(f"cannot import Megatron-LM's pretrain_gpt ({exc}): put a patched Megatron-LM checkout on "
               "PYTHONPATH and install its imports (see this file's docstring)")
         return 2
+    with open(HETEROGENEOUS[1], "w") as f:  # Megatron-LM picks the heterogeneous spec by this path
+        f.write(HETEROGENEOUS_JSON)
     failed = False
 
     def report(ok: bool, line: str) -> None:
@@ -172,7 +200,7 @@ def main() -> int:
         ref = run(1, [f for f in extra if f not in ("--cp-layout", "striped")], patched=False, step=False)
         got = run(2, extra, step=False)
         ok = "error" not in got and got["params"] == ref["params"] and got["core"] == "BurstCoreAttention"
-        report(ok, f"same model: CP=2 {' '.join(extra) or '(dense)'}: {len(ref['params'])} parameters "
+        report(ok, f"same model: CP=2 {_show(extra) or '(dense)'}: {len(ref['params'])} parameters "
                    f"{'equal' if ok else 'DIFFER from'} the unpatched model's ({got.get('error', got.get('core'))})")
     ref = run(1, [], patched=False, step=False)
     got = run(1, ["--cp-algo", "none"], step=False)
@@ -186,7 +214,7 @@ def main() -> int:
         ref = refs[key]
         got = run(cp, extra)
         if "error" in got:
-            report(False, f"same training: CP={cp} {' '.join(extra)}: {got['error']}")
+            report(False, f"same training: CP={cp} {_show(extra)}: {got['error']}")
             continue
         grad_err = max(float(abs(got["grads"][k] - ref["grads"][k]).max() / max(abs(ref["grads"][k]).max(), 1e-12))
                        for k in ref["grads"])
@@ -195,7 +223,7 @@ def main() -> int:
         ok = abs(got["loss"] - ref["loss"]) <= loss_tol * abs(ref["loss"]) and grad_err <= grad_tol
         ok = ok and (got["hits"] > 0) == ("--seq-selective-ckpt-ratio" in extra)  # the store served the recompute
         ok = ok and got["cls"] == "BurstGPTModel"
-        report(ok, f"same training: CP={cp} {' '.join(extra)}: loss {got['loss']:.6f} (CP=1 reference "
+        report(ok, f"same training: CP={cp} {_show(extra)}: loss {got['loss']:.6f} (CP=1 reference "
                    f"{ref['loss']:.6f}), max relative gradient difference {grad_err:.2e}"
                    + (f", {got['hits']} selective-checkpoint hits" if got["hits"] else ""))
     for cp, extra, flag in REFUSED:

@@ -151,6 +151,17 @@ class _Registry:
         with self.lock:
             return list(self.counters), list(self.traces)
 
+    @contextlib.contextmanager
+    def active(self, registered: list, item):
+        """``item`` is in ``registered`` (counters or traces) while the block runs."""
+        with self.lock:
+            registered.append(item)
+        try:
+            yield item
+        finally:
+            with self.lock:
+                registered.remove(item)
+
 
 _registry = _Registry()
 
@@ -161,14 +172,8 @@ def comm_counter() -> Iterator[CommCounter]:
 
     Process-wide: work on other threads (autograd's device threads) is counted too.
     """
-    counter = CommCounter()
-    with _registry.lock:
-        _registry.counters.append(counter)
-    try:
+    with _registry.active(_registry.counters, CommCounter()) as counter:
         yield counter
-    finally:
-        with _registry.lock:
-            _registry.counters.remove(counter)
 
 
 @contextlib.contextmanager
@@ -178,14 +183,9 @@ def record_schedule() -> Iterator[ScheduleTrace]:
     The traces of all ranks, replayed by :func:`megatron_burst.nccl_check.replay`, tell whether
     the schedule completes under NCCL's rules (no buffering, FIFO per communicator).
     """
-    trace = ScheduleTrace(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
-    with _registry.lock:
-        _registry.traces.append(trace)
-    try:
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    with _registry.active(_registry.traces, ScheduleTrace(rank)) as trace:
         yield trace
-    finally:
-        with _registry.lock:
-            _registry.traces.remove(trace)
 
 
 def record(direction: str, phase: str, link: str, nbytes: int) -> None:
