@@ -206,3 +206,46 @@ def test_odd_sequence_length_at_cp1_is_accepted():
     args.context_parallel_size = 2
     with pytest.raises(ValueError, match="--seq-length 33"):
         megatron_lm.check_args(args)
+
+
+def test_swap_refuses_attention_it_cannot_replace():
+    """Only Megatron's softmax core attentions are replaced; anything else in a core_attention
+    slot (an experimental attention variant, kitchen, a custom module) is refused by name."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_burst.specs import count_core_attention, swap_core_attention
+
+    class SparseAttention(torch.nn.Module):
+        pass
+
+    spec = get_gpt_layer_local_spec()
+    assert count_core_attention(swap_core_attention(spec)) == 1
+    assert count_core_attention(spec) == 0  # the input spec is left as it was
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=SparseAttention)
+    with pytest.raises(ValueError, match="SparseAttention.*--cp-algo none"):
+        swap_core_attention(spec)
+    with pytest.raises(ValueError, match="--multi-latent-attention"):
+        swap_core_attention(get_gpt_layer_local_spec(multi_latent_attention=True))
+
+
+def test_modelopt_builder_is_refused(monkeypatch):
+    """ModelOpt's builder replaces the GPT builder inside model_provider, which would drop our
+    attention silently: the wrapped provider refuses it (unless --cp-algo none)."""
+    import sys
+    import types
+
+    from megatron_burst.megatron import megatron_lm
+    from megatron_burst.megatron.args import add_args
+
+    args = add_args(argparse.ArgumentParser()).parse_args([])
+    args.modelopt_enabled = True
+    training = types.ModuleType("megatron.training")
+    training.get_args = lambda: args
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    called = []
+    provider = megatron_lm.wrap_model_provider(lambda *a, **k: called.append(a) or "model")
+    with pytest.raises(ValueError, match="--modelopt-enabled"):
+        provider(lambda *a, **k: None, True, True)
+    args.cp_algo = "none"
+    assert provider(lambda *a, **k: None, True, True) == "model" and called
