@@ -3,6 +3,7 @@
 Public API (functional, usable without Megatron):
   layout_indices, shard, unshard          -- sequence layouts (contiguous, zigzag, striped)
   cp_attention                            -- context-parallel attention (ring, burst, auto)
+  linear_attention                        -- context-parallel (decayed) linear attention (LASP-2, LASP-1)
   build_cp_topology                       -- intra/inter-node rings for the topology-aware double ring
   comm_counter                            -- byte accounting of every CP transfer
   fused_linear_cross_entropy               -- LM head + vocab-parallel CE without N x V logits
@@ -12,6 +13,7 @@ from megatron_burst.layout import LAYOUTS, layout_indices, shard, unshard
 from megatron_burst.comm import comm_counter
 from megatron_burst.algorithms import CP_ALGOS, cp_attention
 from megatron_burst.topology import build_cp_topology
+from megatron_burst.linear import linear_attention
 
 __version__ = "0.1.0"
 
@@ -30,5 +32,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'megatron_burst' has no attribute {name!r}")
 
 
-__all__ = ["LAYOUTS", "CP_ALGOS", "layout_indices", "shard", "unshard", "cp_attention", "build_cp_topology", "comm_counter",
+__all__ = ["LAYOUTS", "CP_ALGOS", "layout_indices", "shard", "unshard", "cp_attention", "linear_attention",
+           "build_cp_topology", "comm_counter",
            "add_args", "get_batch_on_this_cp_rank", "fused_linear_cross_entropy"]

@@ -82,3 +82,16 @@ def selective_recompute_schedule(ring: str, ranks_per_node: int, algo: str = "bu
     result = _replays(trace)
     result["hits"] = cache.hits
     return result
+
+
+def linear_schedule(algo: str, layout: str, causal: bool):
+    """linear_attention forward + backward (errors checked too), recorded and replayed."""
+    from linear_cases import run_case as linear_case
+
+    stripe = 64 if layout == "striped" else 1
+    with record_schedule() as trace:
+        errs = linear_case(algo, layout, causal, "channel" if causal else None, 128 if stripe > 1 else 70,
+                           stripe=stripe)
+    result = _replays(trace)
+    result["max_err"] = max(v for key, v in errs.items() if key not in ("bytes", "dtype"))
+    return result

@@ -135,3 +135,16 @@ def test_selective_checkpoint_recompute_schedules_complete_under_nccl(ring, worl
                                          DOUBLE[world_size])):
         assert res["hits"] == 1
         _assert_replays(res, f"selective recompute {ring} W={world_size} rank {rank}")
+
+
+@pytest.mark.parametrize("algo,layout,causal", [
+    ("lasp2", "contiguous", True), ("lasp2", "zigzag", True), ("lasp2", "striped", True), ("lasp2", "zigzag", False),
+    ("lasp1", "contiguous", True), ("lasp1", "zigzag", True), ("lasp1", "striped", True), ("lasp1", "contiguous", False),
+])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_linear_attention_schedules_complete_under_nccl(algo, layout, causal, world_size):
+    """LASP-2's all-gathers and LASP-1's chain of lone sends (sends posted before the matching
+    receive is reached) complete under NCCL's rules: the chain runs in global segment order."""
+    for rank, res in enumerate(run_ranks(world_size, nccl_cases.linear_schedule, algo, layout, causal)):
+        _assert_replays(res, f"{algo} {layout} causal={causal} W={world_size} rank {rank}")
+        assert res["max_err"] < 1e-5

@@ -1,4 +1,137 @@
-"""Linear attention under context parallelism (LASP-2; LASP-1 as the baseline).
+"""Linear attention under context parallelism: LASP-2 (one all-gather of d x d states), LASP-1 baseline.
 
-``megatron_burst.linear.reference`` is the token-by-token recurrence everything is tested against.
+    out = megatron_burst.linear_attention(q, k, v, group=cp_group, g=log_decay, layout="zigzag")
+
+Modules: :mod:`~megatron_burst.linear.reference` (the token-by-token recurrence tests compare
+against), :mod:`~megatron_burst.linear.chunked` (one rank's segments, chunked),
+:mod:`~megatron_burst.linear.exchange` (the states that enter the segments: LASP-2's all-gather or
+LASP-1's chain).
 """
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_burst.layout import check_layout, check_local_len
+from megatron_burst.linear.chunked import CHUNK, segment_output, segment_state
+from megatron_burst.linear.exchange import (Lasp1Chain, Lasp2Exchange, SegmentMap, local_entering_states,
+                                            post_state_gather)
+from megatron_burst.linear.reference import expand_log_decay, naive_linear_attention
+
+__all__ = ["linear_attention", "naive_linear_attention", "LINEAR_CP_ALGOS", "MIN_STRIPE"]
+
+LINEAR_CP_ALGOS = ("lasp2", "lasp1")
+MIN_STRIPE = CHUNK  # block-striped segments shorter than a chunk would make the state exchange dominate
+
+
+def _segment_order(layout: str, world_size: int, rank: int, per_rank: int) -> tuple[int, ...]:
+    """Global indices of ``rank``'s segments, in its local (increasing) order."""
+    if layout == "contiguous":
+        return (rank,)
+    if layout == "zigzag":
+        return (rank, 2 * world_size - 1 - rank)
+    return tuple(j * world_size + rank for j in range(per_rank))
+
+
+def _validate(q, k, v, g, *, world_size, causal, layout, stripe, algo, qkv_format) -> None:
+    """Raise ValueError for any input linear_attention cannot take. Local checks only."""
+    if algo not in LINEAR_CP_ALGOS:
+        raise ValueError(f"unknown linear attention algo {algo!r}: choose one of {', '.join(LINEAR_CP_ALGOS)}")
+    check_layout(layout, stripe)
+    if layout == "striped" and stripe < MIN_STRIPE:
+        raise ValueError(f"layout='striped' with stripe={stripe}: linear attention needs stripes of at least "
+                         f"{MIN_STRIPE} tokens (a state is exchanged per stripe); use layout='zigzag' (balanced "
+                         f"for causal masks) or stripe >= {MIN_STRIPE}")
+    if qkv_format not in ("sbhd", "bshd"):
+        raise ValueError(f"unknown qkv_format {qkv_format!r}: choose sbhd or bshd")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D {qkv_format}, got shape {tuple(t.shape)}")
+    if q.shape != k.shape:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape")
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v {tuple(v.shape)} must match q {tuple(q.shape)} in tokens, batch and heads")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    s, b, h, dk = q.shape if qkv_format == "sbhd" else (q.shape[1], q.shape[0], q.shape[2], q.shape[3])
+    if g is not None:
+        if not causal:
+            raise ValueError("a decay g needs causal=True: bidirectional linear attention has no order to decay "
+                             "along (pass g=None)")
+        allowed = {(h,), (s, b, h), (s, b, h, dk)} if qkv_format == "sbhd" else {(h,), (b, s, h), (b, s, h, dk)}
+        if tuple(g.shape) not in allowed:
+            raise ValueError(f"g {tuple(g.shape)} must be one of {sorted(allowed, key=len)} (per head; per token and "
+                             f"head; per key channel) for q {tuple(q.shape)} ({qkv_format})")
+        if g.device != q.device:
+            raise ValueError(f"g is on {g.device}, q on {q.device}")
+    check_local_len(s, world_size, layout, stripe)
+
+
+def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                     group: Optional[dist.ProcessGroup] = None, g: Optional[torch.Tensor] = None,
+                     causal: bool = True, layout: str = "contiguous", stripe: int = 1, algo: str = "lasp2",
+                     scale: Optional[float] = None, qkv_format: str = "sbhd") -> torch.Tensor:
+    """Context-parallel (decayed) linear attention; exact, differentiable in q, k, v and g.
+
+    q, k [s, b, h, dk], v [s, b, h, dv] (``qkv_format="sbhd"``; or [b, s, h, d] for "bshd") hold
+    this rank's s tokens in ``layout``'s order. Returns o [s, b, h, dv] in q's dtype:
+    S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t and o_t = scale * q_t S_t over the global token order
+    (the current token included, S_0 = 0); ``causal=False``: o_t = scale * q_t sum_j k_j^T v_j.
+
+    ``g``: log-decay (<= 0): None, [h] (per head: Lightning Attention, RetNet), [s, b, h] (per token
+    and head: Mamba-2, simple GLA) or [s, b, h, dk] (per key channel: GLA), in q's token order.
+    ``scale`` None: dk ** -0.5. States and sums are fp32 whatever the input dtype.
+
+    ``algo="lasp2"``: one all-gather of every segment's d_k x d_v state (and its decay) forward,
+    posted before the intra-segment work so they overlap, and one all-gather of the state gradients
+    backward. ``"lasp1"``: the state passes from rank to rank (W - 1 sequential hops for contiguous).
+    Layouts: contiguous, zigzag, block-striped with stripe >= 64 (a rank holds s / stripe
+    segments). ``comm_counter`` counts an all-gather as (W - 1) x this rank's contribution sent;
+    for contiguous and zigzag that does not depend on the sequence length.
+    """
+    pg = group
+    world_size = dist.get_world_size(pg) if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank(pg) if world_size > 1 else 0
+    _validate(q, k, v, g, world_size=world_size, causal=causal, layout=layout, stripe=stripe, algo=algo,
+              qkv_format=qkv_format)
+    sbhd = qkv_format == "sbhd"
+    s, b, h, dk = q.shape if sbhd else (q.shape[1], q.shape[0], q.shape[2], q.shape[3])
+    dv = v.shape[-1]
+    scale = dk ** -0.5 if scale is None else scale
+    acc = torch.promote_types(q.dtype, torch.float32)
+    to_bhsd = (lambda t: t.permute(1, 2, 0, 3)) if sbhd else (lambda t: t.permute(0, 2, 1, 3))  # noqa: E731
+    per_rank = {"contiguous": 1, "zigzag": 2}.get(layout) or s // stripe
+    L = s // per_rank
+
+    def segments(t: torch.Tensor) -> torch.Tensor:  # [b, h, s, d] -> [nseg, b, h, L, d]
+        return t.reshape(b, h, per_rank, L, t.shape[-1]).permute(2, 0, 1, 3, 4)
+
+    qs, ks, vs = (segments(to_bhsd(t).to(acc)) for t in (q, k, v))
+    gs = None
+    if g is not None:
+        g_sbhd = g if (sbhd or g.dim() == 1) else g.transpose(0, 1)
+        gs = segments(expand_log_decay(g_sbhd, b, h, s, dk).to(acc))
+    smap = SegmentMap(pg, rank, world_size, tuple(_segment_order(layout, world_size, r, per_rank)
+                                                   for r in range(world_size)), causal)
+
+    M, a, G = segment_state(ks, vs, gs)
+    pending = None
+    if algo == "lasp2" and world_size > 1:
+        gathered, pending = post_state_gather(M, a, smap)  # overlaps with the intra-segment work below
+    if causal:
+        o = segment_output(qs, ks, vs, gs, scale)
+    if world_size == 1:  # the local segments are the global ones: no exchange
+        S_in = local_entering_states(M, a) if causal else M.sum(0, keepdim=True).expand_as(M)
+    elif algo == "lasp2":
+        pending.wait()
+        S_in = Lasp2Exchange.apply(M, a, gathered, smap)
+    else:
+        S_in = Lasp1Chain.apply(M, a, smap)
+    q_in = qs if G is None else qs * torch.exp(G)
+    inter = scale * (q_in @ S_in)
+    o = o + inter if causal else inter
+    o = o.permute(1, 2, 0, 3, 4).reshape(b, h, s, dv)  # segments back in local order
+    out = o.permute(2, 0, 1, 3) if sbhd else o.permute(0, 2, 1, 3)
+    return out.to(q.dtype).contiguous()

@@ -1,0 +1,255 @@
+"""How segments get the state that enters them: LASP-2 (one all-gather) or LASP-1 (a chain of sends).
+
+Global segment i (in sequence order) enters with S_in(0) = 0, S_in(i) = a_{i-1} * S_in(i-1) + M_{i-1}
+(causal; ``a`` broadcasts over a state's dk rows), or with S = sum_j M_j for every segment
+(bidirectional). These autograd Functions take this rank's (M, a) per local segment and return
+its S_in per local segment; their backward returns dM, da for the local segments from dS_in.
+
+Backward algebra (causal): with delta_i = dL/dS_in(i) from the local uses and G_i the total
+gradient reaching S_in(i): G_last = delta_last, G_i = delta_i + a_i * G_{i+1}; then dM_i = G_{i+1}
+and da_i = sum over dv (and over dk for a scalar decay) of G_{i+1} * S_in(i). Bidirectional:
+dM_i = sum of every segment's delta.
+
+* :class:`Lasp2Exchange` (LASP-2): one all-gather of every rank's (M, a) in the forward; every rank
+  scans all segments itself. One all-gather of delta in the backward; every rank runs the reverse
+  scan and keeps its own segments' dM, da. Bytes per rank and direction: (W - 1) x its own
+  (M, a) [forward] or delta [backward], whatever the sequence length.
+* :class:`Lasp1Chain` (LASP-1): the state walks the segments in global order, passed from the owner
+  of segment i to the owner of segment i + 1 (W - 1 sequential hops for the contiguous layout),
+  and its gradient walks back. Bidirectional: the running sum goes once around the ring.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_burst import comm
+
+
+@dataclass(frozen=True)
+class SegmentMap:
+    """Which global segment each of this rank's local segments is, for every rank.
+
+    ``order[r][j]`` is the global index of rank r's j-th local segment; all ranks hold the same
+    number of equally long segments.
+    """
+
+    group: Optional[dist.ProcessGroup]
+    rank: int
+    world_size: int
+    order: tuple[tuple[int, ...], ...]
+    causal: bool
+
+    @property
+    def per_rank(self) -> int:
+        return len(self.order[0])
+
+    @property
+    def total(self) -> int:
+        return self.world_size * self.per_rank
+
+    def owner(self, global_index: int) -> tuple[int, int]:
+        """(rank, local index) of a global segment."""
+        for r, mine in enumerate(self.order):
+            if global_index in mine:
+                return r, mine.index(global_index)
+        raise KeyError(global_index)
+
+
+def _decay_rows(a: torch.Tensor) -> torch.Tensor:
+    """a [..., dkg] -> broadcastable over states [..., dk, dv]."""
+    return a.unsqueeze(-1)
+
+
+def _prefix_states(M: torch.Tensor, a: Optional[torch.Tensor]) -> torch.Tensor:
+    """S_in for segments in global order. M [T, ...state], a [T, ..., dkg] or None -> [T, ...state]."""
+    S = [torch.zeros_like(M[0])]
+    for i in range(1, M.shape[0]):
+        prev = S[-1] if a is None else _decay_rows(a[i - 1]) * S[-1]
+        S.append(prev + M[i - 1])
+    return torch.stack(S)
+
+
+def local_entering_states(M: torch.Tensor, a: Optional[torch.Tensor]) -> torch.Tensor:
+    """S_in of segments that are all local and in global order (one process): the same scan,
+    differentiable by autograd."""
+    return _prefix_states(M, a)
+
+
+def _reverse_scan(delta: torch.Tensor, S_in: torch.Tensor, a: Optional[torch.Tensor]):
+    """(dM, da) in global order from delta = dL/dS_in (direct) -- see module docstring."""
+    T = delta.shape[0]
+    G = [None] * T
+    G[T - 1] = delta[T - 1]
+    for i in range(T - 2, -1, -1):
+        G[i] = delta[i] + (G[i + 1] if a is None else _decay_rows(a[i]) * G[i + 1])
+    zero = torch.zeros_like(delta[0])
+    dM = torch.stack([G[i + 1] if i + 1 < T else zero for i in range(T)])
+    if a is None:
+        return dM, None
+    prod = dM * S_in  # G_{i+1} * S_in(i)
+    da = prod.sum(-1) if a.shape[-1] != 1 else prod.sum((-1, -2)).unsqueeze(-1)
+    return dM, da
+
+
+def _pack(*tensors: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors if t is not None])
+
+
+def _unpack(flat: torch.Tensor, world_size: int, shapes: list) -> list:
+    """[W * n] gathered flat buffers -> per shape a tensor [W, *shape]."""
+    per_rank = flat.view(world_size, -1)
+    out, offset = [], 0
+    for shape in shapes:
+        n = 1
+        for s in shape:
+            n *= s
+        out.append(per_rank[:, offset:offset + n].reshape((world_size,) + tuple(shape)))
+        offset += n
+    return out
+
+
+def _to_global(per_rank: torch.Tensor, smap: SegmentMap) -> torch.Tensor:
+    """[W, nseg, ...] rank-major -> [T, ...] in global segment order."""
+    T = smap.total
+    index = [0] * T
+    for r, mine in enumerate(smap.order):
+        for j, gi in enumerate(mine):
+            index[gi] = r * smap.per_rank + j
+    flat = per_rank.reshape((T,) + tuple(per_rank.shape[2:]))
+    return flat[torch.tensor(index, device=flat.device)]
+
+
+def _mine(global_tensor: torch.Tensor, smap: SegmentMap) -> torch.Tensor:
+    return global_tensor[list(smap.order[smap.rank])]
+
+
+def _all_gather(local: torch.Tensor, smap: SegmentMap, phase: str, label: str) -> torch.Tensor:
+    out = local.new_empty(smap.world_size * local.numel())
+    comm.all_gather(out, local.reshape(-1), smap.group, phase, label=label).wait()
+    return out
+
+
+def post_state_gather(M: torch.Tensor, a: Optional[torch.Tensor], smap: SegmentMap):
+    """Post the forward all-gather of this rank's (M, a) (async; LASP-2 overlaps it with the
+    intra-segment work). Returns (buffer, pending); the buffer is valid after ``pending.wait()``."""
+    local = _pack(M.detach(), None if a is None else a.detach())
+    out = local.new_empty(smap.world_size * local.numel())
+    return out, comm.all_gather(out, local, smap.group, "forward", label="lasp2 state all-gather")
+
+
+class Lasp2Exchange(torch.autograd.Function):
+    """(M, a) of the local segments -> S_in of the local segments, by one all-gather each way.
+
+    ``gathered`` is the finished forward all-gather of every rank's (M, a) (see
+    :func:`post_state_gather`); M and a are inputs for autograd, so dM, da flow back to them.
+    """
+
+    @staticmethod
+    def forward(ctx, M: torch.Tensor, a: Optional[torch.Tensor], gathered: torch.Tensor, smap: SegmentMap):
+        shapes = [M.shape] + ([a.shape] if a is not None else [])
+        parts = _unpack(gathered, smap.world_size, shapes)
+        M_all = _to_global(parts[0], smap)
+        a_all = _to_global(parts[1], smap) if a is not None else None
+        ctx.smap, ctx.has_decay = smap, a is not None
+        if not smap.causal:
+            return M_all.sum(0).unsqueeze(0).expand_as(M).contiguous()
+        S_all = _prefix_states(M_all, a_all)
+        ctx.save_for_backward(S_all, *([a_all] if a_all is not None else []))
+        return _mine(S_all, smap)
+
+    @staticmethod
+    def backward(ctx, dS: torch.Tensor):
+        smap: SegmentMap = ctx.smap
+        gathered = _all_gather(dS.contiguous(), smap, "backward", "lasp2 dS all-gather")
+        delta_all = _to_global(gathered.view((smap.world_size,) + tuple(dS.shape)), smap)
+        if not smap.causal:
+            return delta_all.sum(0).unsqueeze(0).expand_as(dS).contiguous(), None, None, None
+        saved = ctx.saved_tensors
+        dM_all, da_all = _reverse_scan(delta_all, saved[0], saved[1] if ctx.has_decay else None)
+        return _mine(dM_all, smap), (_mine(da_all, smap) if da_all is not None else None), None, None
+
+
+class Lasp1Chain(torch.autograd.Function):
+    """(M, a) of the local segments -> S_in of the local segments, by passing the state from the
+    owner of each segment to the owner of the next (and the gradient back)."""
+
+    @staticmethod
+    def forward(ctx, M: torch.Tensor, a: Optional[torch.Tensor], smap: SegmentMap):
+        ring = comm.RingComm(smap.group)
+        ctx.smap, ctx.has_decay = smap, a is not None
+        if not smap.causal:
+            S = _ring_sum(ring, M.sum(0), "forward", "lasp1 state ring")
+            return S.unsqueeze(0).expand_as(M).contiguous()
+        S_in = torch.zeros_like(M)
+        pending = []
+        carry = None
+        for gi in range(smap.total):
+            r, j = smap.owner(gi)
+            if r != smap.rank:
+                continue
+            if gi > 0:
+                pr, _ = smap.owner(gi - 1)
+                S_in[j] = carry if pr == smap.rank else ring.exchange(
+                    [], [torch.empty_like(M[j])], "forward", recv_from=pr, label=f"lasp1 state {gi}").wait()[0]
+            out = (S_in[j] if a is None else _decay_rows(a[j]) * S_in[j]) + M[j]
+            carry = out
+            if gi + 1 < smap.total:
+                nr, _ = smap.owner(gi + 1)
+                if nr != smap.rank:
+                    pending.append(ring.exchange([out.contiguous()], [], "forward", send_to=nr,
+                                                 label=f"lasp1 state {gi + 1}"))
+        for p in pending:
+            p.wait()
+        ctx.save_for_backward(S_in, *([a] if a is not None else []))
+        return S_in
+
+    @staticmethod
+    def backward(ctx, dS: torch.Tensor):
+        smap: SegmentMap = ctx.smap
+        ring = comm.RingComm(smap.group)
+        if not smap.causal:
+            total = _ring_sum(ring, dS.sum(0), "backward", "lasp1 dS ring")
+            return total.unsqueeze(0).expand_as(dS).contiguous(), None, None
+        saved = ctx.saved_tensors
+        S_in, a = saved[0], (saved[1] if ctx.has_decay else None)
+        dM = torch.zeros_like(dS)
+        da = torch.zeros_like(a) if a is not None else None
+        pending = []
+        carry = None  # G of the next segment, when this rank owns it
+        for gi in range(smap.total - 1, -1, -1):
+            r, j = smap.owner(gi)
+            if r != smap.rank:
+                continue
+            G_next = None
+            if gi + 1 < smap.total:
+                nr, _ = smap.owner(gi + 1)
+                G_next = carry if nr == smap.rank else ring.exchange(
+                    [], [torch.empty_like(dS[j])], "backward", recv_from=nr, label=f"lasp1 dS {gi}").wait()[0]
+            G = dS[j] if G_next is None else dS[j] + (G_next if a is None else _decay_rows(a[j]) * G_next)
+            if G_next is not None:
+                dM[j] = G_next
+                if a is not None:
+                    prod = G_next * S_in[j]
+                    da[j] = prod.sum(-1) if a.shape[-1] != 1 else prod.sum((-1, -2)).unsqueeze(-1)
+            carry = G
+            if gi > 0:
+                pr, _ = smap.owner(gi - 1)
+                if pr != smap.rank:
+                    pending.append(ring.exchange([G.contiguous()], [], "backward", send_to=pr,
+                                                 label=f"lasp1 dS {gi - 1}"))
+        for p in pending:
+            p.wait()
+        return dM, da, None
+
+
+def _ring_sum(ring: comm.RingComm, local: torch.Tensor, phase: str, label: str) -> torch.Tensor:
+    """Sum of every rank's ``local`` by passing blocks once around the ring (W - 1 steps)."""
+    total, block = local.clone(), local.contiguous()
+    for step in range(ring.world_size - 1):
+        block = ring.exchange([block], [torch.empty_like(block)], phase, label=f"{label} step {step}").wait()[0]
+        total += block
+    return total
