@@ -122,15 +122,15 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         gathered, pending = post_state_gather(M, a, smap)  # overlaps with the intra-segment work below
     if causal:
         o = segment_output(qs, ks, vs, gs, scale)
+    q_in = qs if G is None else qs * torch.exp(G)  # the entering state S_in adds scale * q_in @ S_in
     if world_size == 1:  # the local segments are the global ones: no exchange
         S_in = local_entering_states(M, a) if causal else M.sum(0, keepdim=True).expand_as(M)
+        inter = scale * (q_in @ S_in)
     elif algo == "lasp2":
         pending.wait()
-        S_in = Lasp2Exchange.apply(M, a, gathered, smap)
-    else:
-        S_in = Lasp1Chain.apply(M, a, smap)
-    q_in = qs if G is None else qs * torch.exp(G)
-    inter = scale * (q_in @ S_in)
+        inter = scale * (q_in @ Lasp2Exchange.apply(M, a, gathered, smap))
+    else:  # LASP-1 computes the inter-segment term inside its chain, as the paper's Algorithm 6
+        inter = Lasp1Chain.apply(q_in, M, a, scale, smap)
     o = o + inter if causal else inter
     o = o.permute(1, 2, 0, 3, 4).reshape(b, h, s, dv)  # segments back in local order
     out = o.permute(2, 0, 1, 3) if sbhd else o.permute(0, 2, 1, 3)

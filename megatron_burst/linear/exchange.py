@@ -16,7 +16,8 @@ dM_i = sum of every segment's delta.
   (M, a) [forward] or delta [backward], whatever the sequence length.
 * :class:`Lasp1Chain` (LASP-1): the state walks the segments in global order, passed from the owner
   of segment i to the owner of segment i + 1 (W - 1 sequential hops for the contiguous layout),
-  and its gradient walks back. Bidirectional: the running sum goes once around the ring.
+  each owner computing its inter-segment output and update before sending on, and its gradient
+  walks back the same way. Bidirectional: the running sum goes once around the ring.
 """
 from __future__ import annotations
 
@@ -174,19 +175,28 @@ class Lasp2Exchange(torch.autograd.Function):
 
 
 class Lasp1Chain(torch.autograd.Function):
-    """(M, a) of the local segments -> S_in of the local segments, by passing the state from the
-    owner of each segment to the owner of the next (and the gradient back)."""
+    """LASP-1 (the LASP-2 paper's Algorithm 6): the state walks the segments in global order. The
+    owner of a segment receives the state entering it, computes the segment's inter-segment output
+    scale * q_in @ S_in, updates the state and sends it on -- so those steps run one rank after
+    another. The backward walks back the same way: receive the gradient of the state leaving the
+    segment, form this segment's dq_in, dM, da, send the gradient of the state entering it.
+
+    Takes q_in [nseg, b, h, L, dk] (q * exp(G)), M, a of the local segments; returns the
+    inter-segment output [nseg, b, h, L, dv]. Bidirectional: the state sum goes once around the ring.
+    """
 
     @staticmethod
-    def forward(ctx, M: torch.Tensor, a: Optional[torch.Tensor], smap: SegmentMap):
+    def forward(ctx, q_in: torch.Tensor, M: torch.Tensor, a: Optional[torch.Tensor], scale: float,
+                smap: SegmentMap):
         ring = comm.RingComm(smap.group)
-        ctx.smap, ctx.has_decay = smap, a is not None
+        ctx.smap, ctx.has_decay, ctx.scale = smap, a is not None, scale
         if not smap.causal:
             S = _ring_sum(ring, M.sum(0), "forward", "lasp1 state ring")
-            return S.unsqueeze(0).expand_as(M).contiguous()
+            ctx.save_for_backward(q_in, S)
+            return scale * (q_in @ S)
         S_in = torch.zeros_like(M)
-        pending = []
-        carry = None
+        o_inter = q_in.new_empty(q_in.shape[:-1] + (M.shape[-1],))
+        pending, carry = [], None
         for gi in range(smap.total):
             r, j = smap.owner(gi)
             if r != smap.rank:
@@ -195,31 +205,35 @@ class Lasp1Chain(torch.autograd.Function):
                 pr, _ = smap.owner(gi - 1)
                 S_in[j] = carry if pr == smap.rank else ring.exchange(
                     [], [torch.empty_like(M[j])], "forward", recv_from=pr, label=f"lasp1 state {gi}").wait()[0]
-            out = (S_in[j] if a is None else _decay_rows(a[j]) * S_in[j]) + M[j]
-            carry = out
+            o_inter[j] = scale * (q_in[j] @ S_in[j])
+            carry = (S_in[j] if a is None else _decay_rows(a[j]) * S_in[j]) + M[j]
             if gi + 1 < smap.total:
                 nr, _ = smap.owner(gi + 1)
                 if nr != smap.rank:
-                    pending.append(ring.exchange([out.contiguous()], [], "forward", send_to=nr,
+                    pending.append(ring.exchange([carry.contiguous()], [], "forward", send_to=nr,
                                                  label=f"lasp1 state {gi + 1}"))
         for p in pending:
             p.wait()
-        ctx.save_for_backward(S_in, *([a] if a is not None else []))
-        return S_in
+        ctx.save_for_backward(q_in, S_in, *([a] if a is not None else []))
+        return o_inter
 
     @staticmethod
-    def backward(ctx, dS: torch.Tensor):
+    def backward(ctx, d_inter: torch.Tensor):
         smap: SegmentMap = ctx.smap
+        scale = ctx.scale
         ring = comm.RingComm(smap.group)
         if not smap.causal:
-            total = _ring_sum(ring, dS.sum(0), "backward", "lasp1 dS ring")
-            return total.unsqueeze(0).expand_as(dS).contiguous(), None, None
+            q_in, S = ctx.saved_tensors
+            delta = scale * (q_in.transpose(-1, -2) @ d_inter).sum(0)
+            total = _ring_sum(ring, delta, "backward", "lasp1 dS ring")
+            return scale * (d_inter @ S.transpose(-1, -2)), total.unsqueeze(0).expand(
+                (q_in.shape[0],) + tuple(total.shape)).contiguous(), None, None, None
         saved = ctx.saved_tensors
-        S_in, a = saved[0], (saved[1] if ctx.has_decay else None)
-        dM = torch.zeros_like(dS)
+        q_in, S_in, a = saved[0], saved[1], (saved[2] if ctx.has_decay else None)
+        dq = torch.empty_like(q_in)
+        dM = torch.zeros_like(S_in)
         da = torch.zeros_like(a) if a is not None else None
-        pending = []
-        carry = None  # G of the next segment, when this rank owns it
+        pending, carry = [], None  # carry: G of the next segment, when this rank owns it
         for gi in range(smap.total - 1, -1, -1):
             r, j = smap.owner(gi)
             if r != smap.rank:
@@ -228,9 +242,11 @@ class Lasp1Chain(torch.autograd.Function):
             if gi + 1 < smap.total:
                 nr, _ = smap.owner(gi + 1)
                 G_next = carry if nr == smap.rank else ring.exchange(
-                    [], [torch.empty_like(dS[j])], "backward", recv_from=nr, label=f"lasp1 dS {gi}").wait()[0]
-            G = dS[j] if G_next is None else dS[j] + (G_next if a is None else _decay_rows(a[j]) * G_next)
+                    [], [torch.empty_like(S_in[j])], "backward", recv_from=nr, label=f"lasp1 dS {gi}").wait()[0]
+            dq[j] = scale * (d_inter[j] @ S_in[j].transpose(-1, -2))
+            G = scale * (q_in[j].transpose(-1, -2) @ d_inter[j])  # this segment's own use of S_in
             if G_next is not None:
+                G = G + (G_next if a is None else _decay_rows(a[j]) * G_next)
                 dM[j] = G_next
                 if a is not None:
                     prod = G_next * S_in[j]
@@ -243,7 +259,7 @@ class Lasp1Chain(torch.autograd.Function):
                                                  label=f"lasp1 dS {gi - 1}"))
         for p in pending:
             p.wait()
-        return dM, da, None
+        return dq, dM, da, None, None
 
 
 def _ring_sum(ring: comm.RingComm, local: torch.Tensor, phase: str, label: str) -> torch.Tensor:
