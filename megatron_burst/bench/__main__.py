@@ -1,4 +1,4 @@
-"""``python -m megatron_burst.bench <name> [options]``: attention | kernels | multinode | loss | ckpt."""
+"""``python -m megatron_burst.bench <name> [options]``: attention | kernels | multinode | loss | ckpt | linear."""
 import importlib
 import sys
 
@@ -8,6 +8,7 @@ BENCHES = {
     "multinode": "megatron_burst.bench.multinode",
     "loss": "megatron_burst.bench.loss",
     "ckpt": "megatron_burst.bench.ckpt",
+    "linear": "megatron_burst.bench.linear",
 }
 
 

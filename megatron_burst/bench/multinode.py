@@ -19,9 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import textwrap
 import time
 
@@ -144,35 +141,11 @@ def main(argv=None) -> None:
     if args.worker:
         return _worker(args)
 
-    from megatron_burst.bench.netns import EmulatedNodes, NetnsError
+    from megatron_burst.bench.emulated import run_on_emulated_nodes
 
-    W = args.nodes * args.ranks_per_node
     intra = args.inter_mbit * args.ratio
-    out_dir = tempfile.mkdtemp(prefix="mb_multinode_")
-    try:
-        nodes = EmulatedNodes(args.nodes, args.inter_mbit, intra, nics=args.ranks_per_node)
-        with nodes:
-            port = 29500 + os.getpid() % 1000
-            procs = []
-            for r in range(W):
-                node, local = divmod(r, args.ranks_per_node)
-                # each rank drives its own NIC (rail), as GPUs do in the paper's cluster
-                env = dict(os.environ, MASTER_ADDR=nodes.address(0, 0), MASTER_PORT=str(port),
-                           GLOO_SOCKET_IFNAME=nodes.iface(local), OMP_NUM_THREADS="1")
-                cmd = nodes.exec_prefix(node) + [
-                    sys.executable, "-m", "megatron_burst.bench", "multinode", "--worker", "--rank", str(r),
-                    "--world-size", str(W), "--out", out_dir] + _forwarded(args)
-                procs.append(subprocess.Popen(cmd, env=env))
-            deadline = time.time() + args.timeout
-            while any(pr.poll() is None for pr in procs):
-                if time.time() > deadline or any(pr.poll() not in (None, 0) for pr in procs):
-                    for pr in procs:
-                        pr.kill()
-                    raise SystemExit(f"benchmark ranks failed or timed out: exit codes {[pr.poll() for pr in procs]}")
-                time.sleep(0.5)
-    except NetnsError as e:
-        raise SystemExit(f"cannot emulate nodes here: {e}")
-    per_rank = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(W)]
+    per_rank = run_on_emulated_nodes("multinode", _forwarded(args), args.nodes, args.ranks_per_node,
+                                     args.inter_mbit, intra, args.timeout)
     summary = _summarize(per_rank, args.repeats)
     base = summary["ring/flat"]["total"]
     rate = statistics.median(pr["rate"] for pr in per_rank if pr["rate"])
