@@ -260,6 +260,8 @@ def hybrid_block_spec(spec: Any, config: Any, pattern: Sequence[int], *, linear_
     if len(pattern) != config.num_layers:
         raise ValueError(f"the linear-attention pattern has {len(pattern)} entries for {config.num_layers} layers "
                          "(--linear-attention-freq)")
+    if pp_rank is None and config.pipeline_model_parallel_size == 1:
+        pp_rank = 0  # Megatron's stage helpers would otherwise ask an initialized parallel_state
     block = _get_block_submodules(config, spec, vp_stage, pp_rank)
     layer_ids = _global_layer_ids(config, len(block.layer_specs), vp_stage, pp_rank)
     make_linear_cp_options(linear_cp_algo, options.get("cp_layout"), options.get("cp_stripe"))
