@@ -19,6 +19,9 @@ It drives the patched ``pretrain_gpt.py``'s own pieces: Megatron-LM's ``parse_ar
   because Megatron's own DotProductAttention and RotaryEmbedding need CUDA (its MoE router and MTP
   loss logging too); it has the unpatched parameters (checked above), and our attention at
   CP = 1 is plain softmax attention (tests/test_megatron_model.py).
+* **hybrid model**: with --linear-attention-type (and Megatron-LM's own --linear-attention-freq)
+  the patched builder makes the LASP-2H model, linear layers where the pattern says, and it trains
+  a step at CP = 1 (CP > 1 runs the LASP-2 op).
 * **refused at startup**: flag sets megatron-burst cannot honour raise a ValueError naming the flag
   before anything is built.
 
@@ -73,6 +76,11 @@ SAME_TRAINING = [  # (CP size, flags): patched vs unpatched CP = 1 with the mode
     (2, ["--bf16", "--cp-layout", "striped", "--fused-lm-loss"]),
     (2, HETEROGENEOUS + ["--cp-layout", "striped"]),
 ]
+HYBRID = [  # (flags, the decoder layers' attention): CP = 1
+    (["--num-layers", "4", "--linear-attention-type", "gla", "--linear-attention-freq", "([1]+[0])*2"],
+     ["LinearSelfAttention", "SelfAttention"] * 2),
+    (["--linear-attention-type", "retention", "--bf16"], ["LinearSelfAttention"] * 2),
+]
 REFUSED = [  # (CP size, flags, the flag the error must name)
     (2, ["--reset-attention-mask"], "--reset-attention-mask"),
     (2, ["--multi-latent-attention"], "--multi-latent-attention"),
@@ -80,6 +88,8 @@ REFUSED = [  # (CP size, flags, the flag the error must name)
     (2, ["--seq-selective-ckpt-ratio", "0.5", "--recompute-granularity", "selective", "--recompute-modules",
          "mlp"], "--recompute-modules"),
     (1, ["--cp-ring", "double"], "--cp-ring double"),
+    (1, ["--linear-attention-type", "gla", "--experimental-attention-variant", "gated_delta_net",
+         "--linear-attention-freq", "2"], "--experimental-attention-variant"),
 ]
 # flags that change the computation's precision: compared with a looser tolerance
 LOSS_RTOL, GRAD_RTOL, BF16_LOSS_RTOL, BF16_GRAD_RTOL = 1e-5, 1e-4, 2e-2, 1e-1
@@ -128,8 +138,10 @@ def _rank(extra: list[str], patched: bool, step: bool) -> dict:
             model = provider(pretrain_gpt.gpt_builder, True, True)
     except ValueError as exc:
         return {"error": str(exc)}
+    layers = [layer.self_attention for layer in model.decoder.layers]
     out = {"cls": type(model).__name__, "params": [(n, tuple(p.shape)) for n, p in model.named_parameters()],
-           "core": type(model.decoder.layers[0].self_attention.core_attention).__name__}
+           "core": type(getattr(layers[0], "core_attention", None)).__name__,
+           "layers": [type(attention).__name__ for attention in layers]}
     if not step:
         return out
     g = torch.Generator().manual_seed(0)
@@ -226,6 +238,12 @@ def main() -> int:
         report(ok, f"same training: CP={cp} {_show(extra)}: loss {got['loss']:.6f} (CP=1 reference "
                    f"{ref['loss']:.6f}), max relative gradient difference {grad_err:.2e}"
                    + (f", {got['hits']} selective-checkpoint hits" if got["hits"] else ""))
+    for extra, layers in HYBRID:
+        got = run(1, extra)
+        ok = "error" not in got and got["layers"] == layers and got["cls"] == "BurstGPTModel"
+        ok = ok and torch.isfinite(torch.tensor(got["loss"])).item()
+        report(ok, f"hybrid model: CP=1 {' '.join(extra)}: {got.get('error') or ', '.join(got['layers'])}, "
+                   f"loss {got.get('loss', float('nan')):.6f}")
     for cp, extra, flag in REFUSED:
         got = run(cp, extra, step=False)
         ok = "error" in got and flag in got["error"]

@@ -1,8 +1,10 @@
-"""GPT layer specs whose core attention is megatron-burst's context-parallel attention.
+"""GPT layer specs whose core attention is megatron-burst's context-parallel attention, and
+hybrid (LASP-2H) decoder blocks mixing it with linear attention.
 
-    from megatron_burst.specs import get_gpt_layer_spec, swap_core_attention
+    from megatron_burst.specs import get_gpt_layer_spec, swap_core_attention, get_gpt_decoder_block_spec
     spec = get_gpt_layer_spec(cp_algo="burst")             # Megatron's local/TE layer spec, our attention
     spec = swap_core_attention(any_megatron_spec)          # any spec Megatron built: dense, MoE block, MTP...
+    block = get_gpt_decoder_block_spec(config, linear_attention="gla", linear_attention_freq=4)
 
 :func:`swap_core_attention` is what the Megatron-LM patch uses: Megatron builds its own spec from
 its own flags (qk-layernorm, MoE, MTP, heterogeneous layers, TE or local ...) and only the softmax
@@ -21,15 +23,24 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Optional
+from typing import Any, List, Optional, Sequence, Union
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType, LayerType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_burst.megatron.args import make_cp_options
+from megatron_burst.megatron.args import linear_attention_pattern, make_cp_options, make_linear_cp_options
 from megatron_burst.megatron.attention import BurstCoreAttention
+from megatron_burst.megatron.linear_attention import LinearSelfAttention, LinearSelfAttentionSubmodules
+from megatron_burst.megatron.linear_variants import get_variant
 
-__all__ = ["get_gpt_layer_spec", "gpt_layer_spec", "swap_core_attention", "transformer_engine_available"]
+__all__ = ["get_gpt_layer_spec", "gpt_layer_spec", "swap_core_attention", "transformer_engine_available",
+           "get_gpt_decoder_block_spec", "linear_attention_spec", "hybrid_block_spec"]
+
+# swap_core_attention's options (the softmax layers'); get_gpt_decoder_block_spec passes the rest to Megatron
+_SOFTMAX_OPTIONS = ("cp_ring", "cp_ranks_per_node", "seq_selective_ckpt_ratio")
 
 # Megatron's softmax core attentions, by class name (importing TE's class would need TE): these are
 # what swap_core_attention replaces. Anything else in a core_attention slot is refused.
@@ -158,6 +169,138 @@ def _visit(node: Any, fn, parent_module: Any = None) -> None:
                 fn(node, f.name, value, parent_module)
             else:
                 _visit(value, fn, parent_module)
+
+
+def linear_attention_spec(linear_attention: str, *, use_te: bool = False, cp_layout: Optional[str] = None,
+                          cp_stripe: Optional[int] = None, linear_cp_algo: Optional[str] = None) -> ModuleSpec:
+    """The ``self_attention`` spec of a linear layer: :class:`LinearSelfAttention` of the variant
+    ``linear_attention`` (basic, lightning, retention, gla) with the backend's column/row-parallel
+    linears (Transformer Engine's when ``use_te``). Options left None resolve at construction
+    (Megatron-LM's flags, else the model's layout, else the defaults)."""
+    get_variant(linear_attention)
+    make_linear_cp_options(linear_cp_algo, cp_layout, cp_stripe)  # validate now, not at construction
+    backend = _backend(use_te)
+    return ModuleSpec(
+        module=LinearSelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal, "linear_attention": linear_attention, "cp_layout": cp_layout,
+                "cp_stripe": cp_stripe, "linear_cp_algo": linear_cp_algo},
+        submodules=LinearSelfAttentionSubmodules(linear_qkv=backend.column_parallel_linear(),
+                                                 linear_proj=backend.row_parallel_linear(),
+                                                 linear_low_rank=backend.column_parallel_linear()))
+
+
+def _backend(use_te: bool):
+    if use_te:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        return TESpecProvider()
+    from megatron.core.models.backends import LocalSpecProvider
+
+    return LocalSpecProvider()
+
+
+def get_gpt_decoder_block_spec(config: Any, *, linear_attention: str = "lightning",
+                               linear_attention_freq: Union[int, Sequence[int], None] = None,
+                               cp_algo: Optional[str] = "burst", cp_layout: Optional[str] = "zigzag",
+                               cp_stripe: Optional[int] = None, linear_cp_algo: Optional[str] = None,
+                               use_te: Optional[bool] = None, vp_stage: Optional[int] = None,
+                               pp_rank: Optional[int] = None, **spec_options: Any) -> TransformerBlockSubmodules:
+    """A hybrid (LASP-2H) GPT decoder block for ``GPTModel(transformer_layer_spec=...)``.
+
+    Megatron's own block spec for ``config`` (``get_gpt_decoder_block_spec``: dense or MoE layers
+    by ``config.moe_layer_freq``, this pipeline stage's layers) with, per layer, either
+    megatron-burst's softmax CP attention and RoPE (:func:`swap_core_attention` with ``cp_algo``,
+    ``cp_layout``, ``cp_stripe`` and the ``cp_ring``/``cp_ranks_per_node``/
+    ``seq_selective_ckpt_ratio`` options) or linear attention of the variant ``linear_attention``
+    in the same layout (``linear_cp_algo``: lasp2 or lasp1).
+
+    ``linear_attention_freq`` has Megatron-Core's meaning: int N -> every N-th layer softmax, the
+    rest linear; a list -> 1 = linear, 0 = softmax per layer; None -> ``config.linear_attention_freq``
+    when set, else every layer linear. Other ``spec_options`` (normalization, qk_l2_norm) go to
+    Megatron's spec function; ``use_te`` None: Transformer Engine when installed.
+    """
+    softmax = {key: spec_options.pop(key) for key in _SOFTMAX_OPTIONS if key in spec_options}
+    freq = _resolve_freq(linear_attention_freq, getattr(config, "linear_attention_freq", None))
+    pattern = linear_attention_pattern(config.num_layers, freq)
+    if use_te is None:
+        use_te = transformer_engine_available()
+    if pp_rank is None and config.pipeline_model_parallel_size == 1:
+        pp_rank = 0  # Megatron's stage helpers would otherwise ask an initialized parallel_state
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, vp_stage=vp_stage,
+                                                       pp_rank=pp_rank, **spec_options)
+    return hybrid_block_spec(block, config, pattern, linear_attention=linear_attention, use_te=use_te,
+                             linear_cp_algo=linear_cp_algo, vp_stage=vp_stage, pp_rank=pp_rank,
+                             cp_algo=cp_algo, cp_layout=cp_layout, cp_stripe=cp_stripe, **softmax)
+
+
+def _resolve_freq(given, from_config):
+    if given is not None and from_config is not None and given != from_config:
+        raise ValueError(f"linear_attention_freq={given!r} but config.linear_attention_freq={from_config!r}: "
+                         "set one of them (--linear-attention-freq)")
+    return given if given is not None else from_config
+
+
+def hybrid_block_spec(spec: Any, config: Any, pattern: Sequence[int], *, linear_attention: str, use_te: bool = False,
+                      linear_cp_algo: Optional[str] = None, vp_stage: Optional[int] = None,
+                      pp_rank: Optional[int] = None, **options: Any) -> TransformerBlockSubmodules:
+    """``spec`` (a layer spec or a block spec Megatron built for this pipeline stage) as a block
+    whose layer with global index i has linear attention where ``pattern[i]`` is 1 and
+    megatron-burst's softmax attention (:func:`swap_core_attention` with ``options``) where it is 0.
+
+    A linear layer keeps everything of Megatron's layer but the attention: its ``self_attention``
+    becomes :func:`linear_attention_spec`, and an input norm fused into Transformer Engine's qkv
+    projection becomes a separate norm (the linear layer's gates read the normed input too).
+    Raises ValueError for a layer whose attention is not Megatron's SelfAttention (MLA,
+    heterogeneous no-op or linear-replaced attention).
+    """
+    from megatron.core.transformer.transformer_block import _get_block_submodules
+
+    if len(pattern) != config.num_layers:
+        raise ValueError(f"the linear-attention pattern has {len(pattern)} entries for {config.num_layers} layers "
+                         "(--linear-attention-freq)")
+    if pp_rank is None and config.pipeline_model_parallel_size == 1:
+        pp_rank = 0  # Megatron's stage helpers would otherwise ask an initialized parallel_state
+    block = _get_block_submodules(config, spec, vp_stage, pp_rank)
+    layer_ids = _global_layer_ids(config, len(block.layer_specs), vp_stage, pp_rank)
+    make_linear_cp_options(linear_cp_algo, options.get("cp_layout"), options.get("cp_stripe"))
+    linear = linear_attention_spec(linear_attention, use_te=use_te, cp_layout=options.get("cp_layout"),
+                                   cp_stripe=options.get("cp_stripe"), linear_cp_algo=linear_cp_algo)
+    layers = [_as_linear_layer(layer, linear, config, use_te, i) if pattern[i]
+              else swap_core_attention(layer, **options) for layer, i in zip(block.layer_specs, layer_ids)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=block.layer_norm)
+
+
+def _global_layer_ids(config: Any, count: int, vp_stage: Optional[int], pp_rank: Optional[int]) -> List[int]:
+    """Global decoder-layer indices of this pipeline stage's ``count`` layers."""
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is not None:
+        return list(layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank))
+    if config.pipeline_model_parallel_size == 1:
+        return list(range(count))
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return list(range(offset, offset + count))
+
+
+def _as_linear_layer(layer: Any, linear: ModuleSpec, config: Any, use_te: bool, index: int) -> ModuleSpec:
+    attention = layer.submodules.self_attention if isinstance(layer, ModuleSpec) else None
+    if _module_name(_module_of(attention)) != "SelfAttention":
+        name = _module_name(_module_of(attention)) if attention is not None else type(layer).__name__
+        raise ValueError(f"layer {index + 1}'s attention is {name} (from --multi-latent-attention, "
+                         "--heterogeneous-layers-config-path or a custom --spec), which --linear-attention-type "
+                         "cannot replace with linear attention: use Megatron's SelfAttention layers")
+    sub = layer.submodules
+    norm = sub.input_layernorm
+    if norm is IdentityOp or _module_of(norm) is IdentityOp:  # fused into TE's LayerNorm+qkv linear
+        norm = _backend(use_te).layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=False)
+    # The input norm is the layer's own here, under that name, in every backend.
+    keys_map = {k: v for k, v in (sub.sharded_state_dict_keys_map or {}).items() if not k.startswith("input_layernorm")}
+    sub = dataclasses.replace(sub, input_layernorm=norm, self_attention=copy.deepcopy(linear),
+                              sharded_state_dict_keys_map=keys_map)
+    return dataclasses.replace(layer, submodules=sub)
 
 
 # For Megatron-LM's `--spec megatron_burst.specs gpt_layer_spec` (it must be a spec, not a

@@ -14,12 +14,18 @@ from typing import Optional, Sequence, Union
 
 from megatron_burst.algorithms import CP_ALGOS
 from megatron_burst.layout import LAYOUTS, check_layout, check_seq_len
+from megatron_burst.megatron.linear_variants import LINEAR_ATTENTION_TYPES, get_variant
 from megatron_burst.topology import RING_SHAPES, check_ranks_per_node
 
 DEFAULT_CP_ALGO = "burst"
 # --cp-algo none: keep Megatron's own core attention (and its zigzag slicing); the opt-out
 STOCK_ATTENTION = "none"
 DEFAULT_CP_LAYOUT = "zigzag"  # what stock Megatron-LM slices batches and RoPE in
+# Linear attention's CP algorithms (megatron_burst.linear_attention's ``algo``) and the narrowest
+# stripe its chunked op accepts for --cp-layout striped.
+LINEAR_CP_ALGOS = ("lasp2", "lasp1")
+DEFAULT_LINEAR_CP_ALGO = "lasp2"
+LINEAR_MIN_STRIPE = 64
 
 # Megatron-LM's --cp-comm-type values that select Transformer Engine's CP implementations.
 # "p2p" (Megatron-LM's default, also what you get when you never typed the flag) is TE's ring
@@ -104,12 +110,83 @@ def make_cp_options(cp_algo: Optional[str] = None, cp_layout: Optional[str] = No
                      selective_ckpt_ratio=seq_selective_ckpt_ratio)
 
 
+@dataclass(frozen=True)
+class LinearCPOptions:
+    """Resolved options of a linear-attention layer under context parallelism."""
+
+    algo: str  # lasp2 | lasp1
+    layout: str
+    stripe: int = 1
+
+
+def make_linear_cp_options(linear_cp_algo: Optional[str] = None, cp_layout: Optional[str] = None,
+                           cp_stripe: Optional[int] = None) -> LinearCPOptions:
+    """Validate and resolve a linear layer's CP options; ``None`` means "the default"."""
+    algo = DEFAULT_LINEAR_CP_ALGO if linear_cp_algo is None else linear_cp_algo
+    if algo not in LINEAR_CP_ALGOS:
+        raise ValueError(f"linear_cp_algo={algo!r}: choose one of {', '.join(LINEAR_CP_ALGOS)} (--linear-cp-algo)")
+    opts = make_cp_options(None, cp_layout, cp_stripe)  # the layout rules are the softmax layers'
+    return LinearCPOptions(algo=algo, layout=opts.layout, stripe=opts.stripe)
+
+
+def linear_attention_freq_type(value: Union[int, str, None]) -> Union[int, list, None]:
+    """``--linear-attention-freq`` as Megatron-LM parses it: an int N, "N", or a list expression of
+    0/1 such as "([1]*3+[0])*2" (evaluated safely: list literals, + and * only)."""
+    if value is None or isinstance(value, int):
+        return value
+    text = str(value).strip()
+    if "[" not in text:
+        return int(text)
+    import ast
+
+    def evaluate(node):
+        if isinstance(node, ast.List):
+            return [evaluate(item) for item in node.elts]
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = evaluate(node.left), evaluate(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(f"--linear-attention-freq {text!r}: only list literals of 0/1 with + and * are "
+                         "accepted, e.g. \"([1]*3+[0])*2\"")
+
+    try:
+        pattern = evaluate(ast.parse(text, mode="eval").body)
+    except (SyntaxError, TypeError) as exc:
+        raise ValueError(f"--linear-attention-freq {text!r} is not a list expression ({exc})") from None
+    if not isinstance(pattern, list):
+        raise ValueError(f"--linear-attention-freq {text!r} does not evaluate to a list")
+    return pattern
+
+
+def linear_attention_pattern(num_layers: int, freq: Union[int, Sequence[int], None]) -> list:
+    """Per-layer pattern, 1 = linear attention, 0 = softmax, from ``linear_attention_freq`` with
+    Megatron-Core's meaning (``get_linear_attention_pattern``): int N -> every N-th layer softmax
+    ([1,1,1,0,...] for N = 4); a list -> itself (one entry per layer); None -> every layer linear."""
+    if freq is None:
+        return [1] * num_layers
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ValueError(f"--linear-attention-freq {freq}: N must be >= 1 (every N-th layer is softmax "
+                             "attention; 1 means none is linear)")
+        return [0 if (i + 1) % freq == 0 else 1 for i in range(num_layers)]
+    pattern = list(freq)
+    if len(pattern) != num_layers:
+        raise ValueError(f"--linear-attention-freq has {len(pattern)} entries but the model has --num-layers "
+                         f"{num_layers}: give one 0 (softmax) or 1 (linear) per layer")
+    if any(p not in (0, 1) for p in pattern):
+        raise ValueError(f"--linear-attention-freq {pattern}: entries must be 0 (softmax) or 1 (linear)")
+    return pattern
+
+
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add megatron-burst's flags to ``parser`` (one argument group) and return it.
 
     ``--cp-algo`` (ring/burst/auto), ``--cp-layout`` (contiguous/zigzag/striped), ``--cp-stripe``,
     ``--cp-ring`` (flat/double), ``--cp-ranks-per-node``, ``--seq-selective-ckpt-ratio`` and
-    ``--fused-lm-loss``; see each flag's help. Usable as Megatron-LM's ``extra_args_provider``
+    ``--fused-lm-loss``; and, in a second group, ``--linear-attention-type``,
+    ``--linear-attention-freq`` (Megatron-LM's own flag: added only when the parser lacks it) and
+    ``--linear-cp-algo``; see each flag's help. Usable as Megatron-LM's ``extra_args_provider``
     (which must return the parser).
     """
     group = parser.add_argument_group("megatron-burst", "context-parallel attention")
@@ -141,6 +218,20 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="while training, compute the LM head and vocab-parallel cross-entropy in "
                             "one fused op that never builds the [s, b, V/tp] logits "
                             "(megatron_burst.fused_linear_cross_entropy)")
+    group = parser.add_argument_group("megatron-burst linear attention",
+                                      "LASP-2 linear attention and LASP-2H hybrid models")
+    group.add_argument("--linear-attention-type", type=str, default=None, choices=list(LINEAR_ATTENTION_TYPES),
+                       help="build linear-attention layers of this variant (basic: elu+1 feature map; "
+                            "lightning: Lightning Attention's per-head decay; retention: RetNet; gla: gated "
+                            "linear attention); which layers follows --linear-attention-freq (default: all)")
+    if "--linear-attention-freq" not in parser._option_string_actions:  # Megatron-LM defines it itself
+        group.add_argument("--linear-attention-freq", type=linear_attention_freq_type, default=None,
+                           help="Megatron-LM's flag: an integer N makes every N-th layer softmax attention and "
+                                "the others linear; a list expression such as \"([1]*3+[0])*2\" gives one "
+                                "entry per layer, 1 = linear, 0 = softmax (default: every layer linear)")
+    group.add_argument("--linear-cp-algo", type=str, default=DEFAULT_LINEAR_CP_ALGO, choices=list(LINEAR_CP_ALGOS),
+                       help="context-parallel algorithm of the linear layers: lasp2 (one all-gather of the "
+                            f"per-rank states) or lasp1 (a ring of states) (default {DEFAULT_LINEAR_CP_ALGO})")
     return parser
 
 
@@ -176,6 +267,60 @@ def cp_options_from_args(args: argparse.Namespace) -> CPOptions:
             raise ValueError(f"--seq-length {seq_length} with --context-parallel-size {cp} and "
                              f"--cp-layout {opts.layout}: {exc}") from None
     return opts
+
+
+@dataclass(frozen=True)
+class LinearAttentionOptions:
+    """Resolved linear-attention flags (``--linear-attention-type/-freq``, ``--linear-cp-algo``)."""
+
+    type: str  # a variant of megatron_burst.megatron.linear_variants
+    pattern: tuple  # one entry per decoder layer: 1 = linear attention, 0 = softmax
+    cp_algo: str  # lasp2 | lasp1
+
+
+def linear_options_from_args(args: argparse.Namespace, cp_opts: CPOptions,
+                             num_query_groups: Optional[int]) -> Optional[LinearAttentionOptions]:
+    """The linear-attention options these flags ask for (None: no linear layers), refusing what the
+    linear layers cannot honour, each error naming its flag. ``num_query_groups`` is the model's
+    key/value head count (None: one per attention head)."""
+    kind = getattr(args, "linear_attention_type", None)
+    freq = getattr(args, "linear_attention_freq", None)
+    megatron_variant = getattr(args, "experimental_attention_variant", None)
+    if kind is None:
+        if freq is not None and megatron_variant is None:
+            raise ValueError(f"--linear-attention-freq {freq} has no linear layers to place: add "
+                             f"--linear-attention-type ({', '.join(LINEAR_ATTENTION_TYPES)}), or drop it")
+        return None
+    variant = get_variant(kind)
+    if megatron_variant is not None:
+        raise ValueError(f"--linear-attention-type {kind} and --experimental-attention-variant {megatron_variant} "
+                         "both replace attention layers: pass one of them")
+    if cp_opts.algo == STOCK_ATTENTION:
+        raise ValueError(f"--linear-attention-type {kind} builds megatron-burst's hybrid model, but --cp-algo none "
+                         "keeps Megatron's model untouched: drop one of them")
+    pattern = tuple(linear_attention_pattern(args.num_layers, freq))
+    tp = getattr(args, "tensor_model_parallel_size", None) or 1
+    cp = getattr(args, "context_parallel_size", None) or 1
+    head_dim = getattr(args, "kv_channels", None) or args.hidden_size // args.num_attention_heads
+    if variant.shared_kv_heads and num_query_groups is not None and num_query_groups % tp:
+        raise ValueError(f"--linear-attention-type {kind} shares key/value heads over --num-query-groups "
+                         f"{num_query_groups}, which --tensor-model-parallel-size {tp} does not divide: use a "
+                         "multiple of the TP size")
+    low_rank = variant.low_rank_dim(head_dim)
+    if low_rank is not None and low_rank % tp:
+        raise ValueError(f"--linear-attention-type {kind}'s low-rank projection has {low_rank} outputs (the head "
+                         f"dim --kv-channels for lightning, 16 for gla), which --tensor-model-parallel-size {tp} "
+                         "does not divide")
+    if variant.rotary and getattr(args, "position_embedding_type", "rope") != "rope":
+        raise ValueError(f"--linear-attention-type {kind} rotates queries and keys (RetNet's Theta), but "
+                         f"--position-embedding-type is {args.position_embedding_type}: pass "
+                         "--position-embedding-type rope")
+    if cp > 1 and 1 in pattern and cp_opts.layout == "striped" and cp_opts.stripe < LINEAR_MIN_STRIPE:
+        raise ValueError(f"--cp-layout striped with --cp-stripe {cp_opts.stripe}: linear attention runs in chunks "
+                         f"of at least {LINEAR_MIN_STRIPE} tokens per stripe under context parallelism; pass "
+                         f"--cp-stripe {LINEAR_MIN_STRIPE} or more, or --cp-layout zigzag/contiguous")
+    return LinearAttentionOptions(type=kind, pattern=pattern, cp_algo=getattr(args, "linear_cp_algo", None)
+                                  or DEFAULT_LINEAR_CP_ALGO)
 
 
 def cp_ranks_per_node_from_args(args: argparse.Namespace) -> Optional[int]:

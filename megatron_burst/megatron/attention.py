@@ -76,7 +76,44 @@ def _mask_is_causal(mask_type: AttnMaskType) -> bool:
     return _SUPPORTED_MASKS[mask_type]
 
 
-class BurstCoreAttention(MegatronModule):
+class FollowsModelLayout:
+    """Mixin of the layers that slice the sequence in a CP layout (softmax core attention, linear
+    attention): the layout may be left free at construction and bound to the model's later.
+
+    The class sets ``options`` (a frozen dataclass with ``layout`` and ``stripe``),
+    ``_layout_fixed`` (the spec or the flags fixed it) and ``layer_number``.
+    """
+
+    _layout_noun = "attention"
+
+    def bind_layout(self, layout: str, stripe: int = 1) -> None:
+        """Follow the model's sequence layout (what its RoPE and the batch slicing use).
+
+        A layout the spec or the flags fixed must already be the model's: a disagreement is a
+        ValueError naming both, never a silent mismatch between attention, RoPE and batches.
+        """
+        if (self.options.layout, self.options.stripe) == (layout, stripe):
+            return
+        if self._layout_fixed:
+            raise ValueError(f"layer {self.layer_number}: {self._layout_noun} slices the sequence as "
+                             f"cp_layout={self.options.layout!r} (stripe {self.options.stripe}) but the model's RoPE "
+                             f"and batches use {layout!r} (stripe {stripe}): build the layer spec without cp_layout "
+                             "(it then follows the model), or use one --cp-layout everywhere")
+        self.options = dataclasses.replace(self.options, layout=layout, stripe=stripe)
+
+
+def resolve_layout_from_flags(cp_layout: Optional[str], cp_stripe: Optional[int]) -> tuple:
+    """(cp_layout, cp_stripe, fixed): options left None take Megatron-LM's --cp-layout/--cp-stripe
+    when it runs with our flags; ``fixed`` tells whether the layout is now fixed (else it follows
+    the model's, see :meth:`FollowsModelLayout.bind_layout`)."""
+    flags = megatron_lm_cp_flags()
+    if flags is not None:
+        cp_layout = cp_layout if cp_layout is not None else flags.cp_layout
+        cp_stripe = cp_stripe if cp_stripe is not None else flags.cp_stripe
+    return cp_layout, cp_stripe, cp_layout is not None or cp_stripe is not None
+
+
+class BurstCoreAttention(FollowsModelLayout, MegatronModule):
     """Context-parallel core attention with Megatron's constructor and forward signatures.
 
     Extra keyword arguments (set through the layer spec's params, see
@@ -87,6 +124,8 @@ class BurstCoreAttention(MegatronModule):
     activation recompute). None values are taken from Megatron-LM's flags when it runs with
     :func:`megatron_burst.add_args`.
     """
+
+    _layout_noun = "core attention"
 
     def __init__(
         self,
@@ -117,15 +156,13 @@ class BurstCoreAttention(MegatronModule):
         if flags is not None:  # Megatron-LM with our flags: they are the one source of truth
             _check_against_flags(flags, cp_algo, cp_layout, cp_stripe)
             cp_algo = cp_algo if cp_algo is not None else flags.cp_algo
-            cp_layout = cp_layout if cp_layout is not None else flags.cp_layout
-            cp_stripe = cp_stripe if cp_stripe is not None else flags.cp_stripe
             cp_ring = cp_ring if cp_ring is not None else getattr(flags, "cp_ring", None)
             cp_ranks_per_node = cp_ranks_per_node or cp_ranks_per_node_from_args(flags)
             if seq_selective_ckpt_ratio is None:
                 seq_selective_ckpt_ratio = getattr(flags, "seq_selective_ckpt_ratio", None)
         # The layout is fixed (by the spec or the flags) or still free to follow the model's
         # (BurstGPTModel binds it: see bind_layout).
-        self._layout_fixed = cp_layout is not None or cp_stripe is not None
+        cp_layout, cp_stripe, self._layout_fixed = resolve_layout_from_flags(cp_layout, cp_stripe)
         self.options: CPOptions = make_cp_options(cp_algo, cp_layout, cp_stripe, cp_comm_type, cp_ring,
                                                   cp_ranks_per_node, seq_selective_ckpt_ratio)
         if self.options.algo == STOCK_ATTENTION:
@@ -191,21 +228,6 @@ class BurstCoreAttention(MegatronModule):
         # the scores back by it inside the softmax (an fp16 overflow guard): the net scale is
         # unchanged, so it is deliberately not applied here.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-
-    def bind_layout(self, layout: str, stripe: int = 1) -> None:
-        """Follow the model's sequence layout (what its RoPE and the batch slicing use).
-
-        A layout the spec or the flags fixed must already be the model's: a disagreement is a
-        ValueError naming both, never a silent mismatch between attention, RoPE and batches.
-        """
-        if (self.options.layout, self.options.stripe) == (layout, stripe):
-            return
-        if self._layout_fixed:
-            raise ValueError(f"layer {self.layer_number}: core attention slices the sequence as "
-                             f"cp_layout={self.options.layout!r} (stripe {self.options.stripe}) but the model's RoPE "
-                             f"and batches use {layout!r} (stripe {stripe}): build the layer spec without cp_layout "
-                             "(it then follows the model), or use one --cp-layout everywhere")
-        self.options = dataclasses.replace(self.options, layout=layout, stripe=stripe)
 
     def forward(
         self,

@@ -9,8 +9,10 @@ own flags (dense, MoE, MTP, heterogeneous, TE or local, qk-layernorm ...); only 
 attention inside it becomes :class:`~megatron_burst.megatron.attention.BurstCoreAttention`
 (:func:`megatron_burst.specs.swap_core_attention`), so parameter names and counts are the
 unpatched model's. RoPE follows ``--cp-layout`` and batches are sliced in it. ``--cp-algo none``
-keeps Megatron's attention and slicing. Anything that cannot be honoured is refused at startup,
-naming its flag (:func:`check_args`).
+keeps Megatron's attention and slicing. With ``--linear-attention-type`` the model is the hybrid
+(LASP-2H) one instead: the layers ``--linear-attention-freq`` selects get linear attention in the
+same layout (their other modules stay Megatron's). Anything that cannot be honoured is refused at
+startup, naming its flag (:func:`check_args`).
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
-from megatron_burst.megatron.args import STOCK_ATTENTION, CPOptions, add_args, cp_options_from_args
+from megatron_burst.megatron.args import (STOCK_ATTENTION, CPOptions, LinearAttentionOptions, add_args,
+                                          cp_options_from_args, linear_options_from_args)
 from megatron_burst.megatron.batch import get_batch_on_this_cp_rank
 
 BURST_SPEC = ["megatron_burst.specs", "gpt_layer_spec"]
@@ -42,6 +45,7 @@ def check_args(args: argparse.Namespace) -> CPOptions:
     of ours). Returns the resolved options.
     """
     opts = cp_options_from_args(args)  # also: layout vs --seq-length, selective ckpt vs recompute
+    linear_options(args, opts)  # --linear-attention-*: refused with --cp-algo none, among others
     if getattr(args, "use_legacy_models", False):
         raise ValueError("--use-legacy-models: megatron-burst works with megatron.core's GPTModel; drop the flag")
     if getattr(args, "fused_lm_loss", False) and getattr(args, "fp16", False):
@@ -59,6 +63,13 @@ def check_args(args: argparse.Namespace) -> CPOptions:
                          "KV-head all-gather, which runs on CUDA only: use at least as many query groups as TP "
                          "ranks on CPU")
     return opts
+
+
+def linear_options(args: argparse.Namespace, opts: CPOptions) -> Optional[LinearAttentionOptions]:
+    """``--linear-attention-type/-freq`` and ``--linear-cp-algo`` resolved against Megatron-LM's
+    args (None: no linear layers)."""
+    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
+    return linear_options_from_args(args, opts, groups)
 
 
 def wrap_model_provider(model_provider: Callable[..., Any]) -> Callable[..., Any]:
@@ -85,14 +96,18 @@ def wrap_model_provider(model_provider: Callable[..., Any]) -> Callable[..., Any
 
 
 @contextlib.contextmanager
-def _attention_swapped_in(gpt_builder: Callable[..., Any], options: Dict[str, Any]) -> Iterator[None]:
+def _attention_swapped_in(gpt_builder: Callable[..., Any], options: Dict[str, Any],
+                          linear: Optional[LinearAttentionOptions] = None, use_te: bool = False) -> Iterator[None]:
     """While ``gpt_builder`` runs, every GPTModel it constructs gets its specs' softmax core
     attention swapped for ours (the specs Megatron built from its flags are otherwise untouched).
+    With ``linear``, the decoder's layers where its pattern says 1 get linear attention instead
+    (:func:`megatron_burst.specs.hybrid_block_spec`; MoE, norms and MLPs stay Megatron's); MTP
+    layers keep softmax attention.
 
     gpt_builder constructs ``GPTModel(..., transformer_layer_spec=..., mtp_block_spec=...)`` from its
     module's namespace; that name is what is replaced, for the duration of the call only.
     """
-    from megatron_burst.specs import swap_core_attention
+    from megatron_burst.specs import hybrid_block_spec, swap_core_attention
 
     namespace = getattr(gpt_builder, "__globals__", None)
     real = namespace.get("GPTModel") if namespace is not None else None
@@ -102,6 +117,10 @@ def _attention_swapped_in(gpt_builder: Callable[..., Any], options: Dict[str, An
                         "megatron_burst.specs.swap_core_attention on its layer spec instead")
 
     def gpt_model_with_our_attention(*args: Any, **kwargs: Any):
+        if linear is not None:
+            kwargs["transformer_layer_spec"] = hybrid_block_spec(
+                kwargs["transformer_layer_spec"], kwargs["config"], linear.pattern, linear_attention=linear.type,
+                use_te=use_te, linear_cp_algo=linear.cp_algo, vp_stage=kwargs.get("vp_stage"), **options)
         for key in ("transformer_layer_spec", "mtp_block_spec"):
             if kwargs.get(key) is not None:
                 kwargs[key] = swap_core_attention(kwargs[key], **options)
@@ -142,7 +161,8 @@ def wrap_gpt_builder(gpt_builder: Callable[..., Any]) -> Callable[..., Any]:
         setup_cp_topology(opts, parallel_state.get_context_parallel_group() if cp > 1 else None, cp, tp)
         options = dict(cp_algo=opts.algo, cp_layout=opts.layout, cp_stripe=opts.stripe, cp_ring=opts.ring,
                        cp_ranks_per_node=opts.ranks_per_node, seq_selective_ckpt_ratio=opts.selective_ckpt_ratio)
-        with _attention_swapped_in(gpt_builder, options):
+        use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
+        with _attention_swapped_in(gpt_builder, options, linear_options(args, opts), use_te):
             model = gpt_builder(args, pre_process, post_process, *rest, **kwargs)
         return as_burst_gpt_model(model, cp_layout=opts.layout, cp_stripe=opts.stripe, fused_lm_loss=fused)
 

@@ -8,7 +8,7 @@ import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from megatron_burst.checkpoint import release_before_optimizer_steps
-from megatron_burst.megatron.attention import BurstCoreAttention
+from megatron_burst.megatron.attention import BurstCoreAttention, FollowsModelLayout
 from megatron_burst.megatron.rope import use_layout_rope
 
 
@@ -34,8 +34,9 @@ class BurstGPTModel(GPTModel):
     def _setup_burst(self, cp_layout: Optional[str], cp_stripe: int, fused_lm_loss: bool) -> None:
         """Everything BurstGPTModel adds to a built GPTModel -- no parameters:
 
-        * RoPE rows follow ``cp_layout``, and every megatron-burst core attention uses that same
-          layout (one whose spec left it unset adopts it; a disagreeing one is a ValueError).
+        * RoPE rows follow ``cp_layout``, and every megatron-burst core attention and linear
+          attention layer uses that same layout (one whose spec left it unset adopts it; a
+          disagreeing one is a ValueError).
           ``cp_layout=None``: Megatron's RoPE and attention are left as they are (``--cp-algo none``).
         * A forward pre-hook tells each core attention whether this pass will be recomputed
           (training with grad), so sequence-level selective checkpointing stores only then.
@@ -57,9 +58,10 @@ class BurstGPTModel(GPTModel):
         if cp_layout is None:
             return
         use_layout_rope(self, cp_layout, self.pg_collection.cp, cp_stripe)
+        for layer in self.modules():  # softmax core attention and linear attention alike
+            if isinstance(layer, FollowsModelLayout):
+                layer.bind_layout(cp_layout, cp_stripe)
         attentions = [m for m in self.modules() if isinstance(m, BurstCoreAttention)]
-        for attention in attentions:
-            attention.bind_layout(cp_layout, cp_stripe)
         if attentions and not getattr(self, "_burst_pass_hook", None):
             self._burst_pass_hook = self.register_forward_pre_hook(_tell_attention_whether_recompute_follows)
         release_before_optimizer_steps(self)

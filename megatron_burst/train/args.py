@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_burst.megatron.args import CPOptions, add_args, check_cp_dropout, cp_options_from_args
+from megatron_burst.megatron.args import (CPOptions, add_args, check_cp_dropout, cp_options_from_args,
+                                          linear_options_from_args)
 
 USAGE_EXAMPLE = """\
 example (4 CPU ranks, CP = 4):
@@ -236,5 +237,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> tuple[CPOptions,
     if args.save_interval is not None and args.save_interval < 1:
         raise ValueError(f"--save-interval {args.save_interval} must be >= 1")
     opts = cp_options_from_args(args)  # checks --seq-length against the layout and CP size
+    linear_options_from_args(args, opts, args.num_query_groups)  # --linear-attention-* against the model
     return opts, ParallelSizes(world_size, tp, cp, dp,
                                args.global_batch_size // (args.micro_batch_size * dp))

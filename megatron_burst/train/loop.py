@@ -36,14 +36,35 @@ def run(argv: Optional[Sequence[str]] = None) -> List[Dict[str, float]]:
         ps.destroy_model_parallel()
 
 
+def _softmax_attention(model: torch.nn.Module):
+    """The first softmax core attention of the model (None: every layer is linear attention)."""
+    from megatron_burst.megatron.attention import BurstCoreAttention
+
+    return next((m for m in model.modules() if isinstance(m, BurstCoreAttention)), None)
+
+
 def attention_summary(model: torch.nn.Module, args, sizes: ParallelSizes) -> str:
     """What the attention will run: the algorithm (what ``auto`` resolves to for this model's
     per-rank shape) and the ring shape, e.g. "cp-algo auto -> ring (backward), ring double
-    (2 nodes x 4)"."""
+    (2 nodes x 4)"; with linear layers, which ones and their CP algorithm, e.g.
+    "linear attention lightning (lasp2) in layers 1,2,3 of 4"."""
+    from megatron_burst.megatron.linear_attention import LinearSelfAttention
+
+    linear = [m for m in model.modules() if isinstance(m, LinearSelfAttention)]
+    parts = [_softmax_summary(model, args, sizes)]
+    if linear:
+        parts.append(f"linear attention {linear[0].variant.name} ({linear[0].options.algo}) in layers "
+                     f"{','.join(str(m.layer_number) for m in linear)} of {args.num_layers}")
+    return "; ".join(part for part in parts if part)
+
+
+def _softmax_summary(model: torch.nn.Module, args, sizes: ParallelSizes) -> str:
     from megatron_burst.algorithms import resolve_algo
     from megatron_burst.topology import CPTopology
 
-    attention = model.decoder.layers[0].self_attention.core_attention
+    attention = _softmax_attention(model)
+    if attention is None:
+        return ""
     algo = attention.options.algo
     target = attention.cp_target
     nodes = target.num_nodes if isinstance(target, CPTopology) else 1
@@ -118,9 +139,10 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
     if args.save and metrics and (not args.save_interval or args.train_iters % args.save_interval):
         save_checkpoint(args.save, args.train_iters, consumed, model, optimizer, scheduler, args, groups)
     if args.metrics_file and dist.get_rank() == 0:
+        softmax = _softmax_attention(model)
         with open(args.metrics_file, "w") as f:
             json.dump({"cp": sizes.cp, "tp": sizes.tp, "dp": sizes.dp, "layout": opts.layout,
-                       "algo": model.decoder.layers[0].self_attention.core_attention.options.algo,
+                       "algo": softmax.options.algo if softmax is not None else None,
                        "metrics": metrics}, f, indent=1)
     return metrics
 

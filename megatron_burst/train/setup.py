@@ -94,15 +94,24 @@ def model_config(args: argparse.Namespace, sizes: ParallelSizes, device: torch.d
 
 def gpt_model_kwargs(args: argparse.Namespace, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
                      device: torch.device, pre_process: bool = True, post_process: bool = True) -> dict:
-    """GPTModel's constructor arguments for these flags, with megatron-burst's layer spec."""
-    from megatron_burst.specs import get_gpt_layer_spec
+    """GPTModel's constructor arguments for these flags, with megatron-burst's layer spec, or with
+    --linear-attention-type its hybrid decoder block (linear layers where --linear-attention-freq
+    says, megatron-burst's softmax attention in the others)."""
+    from megatron_burst.megatron.args import linear_options_from_args
+    from megatron_burst.specs import get_gpt_decoder_block_spec, get_gpt_layer_spec
 
-    spec = get_gpt_layer_spec(cp_algo=args.cp_algo, cp_layout=opts.layout, cp_stripe=opts.stripe,
-                              cp_ring=opts.ring, cp_ranks_per_node=opts.ranks_per_node,
-                              seq_selective_ckpt_ratio=opts.selective_ckpt_ratio,
-                              use_te=False, normalization=args.normalization)
+    config = model_config(args, sizes, device)
+    softmax = dict(cp_algo=args.cp_algo, cp_layout=opts.layout, cp_stripe=opts.stripe, cp_ring=opts.ring,
+                   cp_ranks_per_node=opts.ranks_per_node, seq_selective_ckpt_ratio=opts.selective_ckpt_ratio,
+                   use_te=False, normalization=args.normalization)
+    linear = linear_options_from_args(args, opts, args.num_query_groups)
+    if linear is None:
+        spec = get_gpt_layer_spec(**softmax)
+    else:
+        spec = get_gpt_decoder_block_spec(config, linear_attention=linear.type, linear_cp_algo=linear.cp_algo,
+                                          linear_attention_freq=list(linear.pattern), **softmax)
     return dict(
-        config=model_config(args, sizes, device), transformer_layer_spec=spec,
+        config=config, transformer_layer_spec=spec,
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
