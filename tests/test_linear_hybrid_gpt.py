@@ -1,4 +1,5 @@
-"""Hybrid (LASP-2H) GPTs at CP = 1: megatron_burst.train builds and trains them from
+"""Hybrid (LASP-2H) GPTs: at CP = 2 and 4 (every variant, layouts, TP x CP, LASP-1) the loss and
+every parameter's gradient equal CP = 1's; megatron_burst.train builds and trains them from
 --linear-attention-*, its CLI runs them, and the Megatron-LM glue builds the same model from the
 same flags (MoE layers kept), with the layout bound like the softmax layers'."""
 from __future__ import annotations
@@ -55,6 +56,57 @@ def test_hybrid_gpt_trains(variant):
     assert all(math.isfinite(x) for x in res["losses"])
     assert res["losses"][-1] < res["losses"][0] - 0.05, res["losses"]
     assert res["summary"] == f"cp-algo burst; linear attention {variant} (lasp2) in layers 1,3 of 4"
+
+
+# ----------------------------------------------------------------------------- CP > 1 equals CP = 1
+
+def hybrid_loss_and_grads(tp: int, cp: int, variant: str, extra: list, seq: int) -> dict:
+    """One forward/backward of the hybrid GPT (linear layers 1 and 3 of 4) at TP x CP: the global
+    loss, every parameter's full gradient, and what each layer ran."""
+    from test_megatron_model import build_and_step, full_grads
+
+    loss, model, groups = build_and_step(tp, cp, HYBRID + ["--linear-attention-type", variant] + list(extra), seq)
+    linear = [layer.self_attention for layer in model.decoder.layers
+              if type(layer.self_attention).__name__ == "LinearSelfAttention"]
+    return {"loss": loss, "grads": full_grads(model, groups),
+            "linear": sorted({(a.options.layout, a.options.algo, a.cp_size) for a in linear})}
+
+
+HYBRID_CP_CASES = [  # (variant, tp, cp, extra flags, seq)
+    ("basic", 1, 2, ["--cp-layout", "zigzag"], 40),
+    ("lightning", 1, 2, ["--cp-layout", "contiguous"], 40),
+    ("retention", 1, 2, ["--cp-layout", "zigzag"], 40),
+    ("gla", 1, 2, ["--cp-layout", "zigzag"], 40),
+    ("lightning", 1, 4, ["--cp-layout", "zigzag"], 40),
+    ("gla", 1, 4, ["--cp-layout", "zigzag", "--cp-algo", "ring"], 40),
+    ("retention", 1, 4, ["--cp-layout", "zigzag", "--linear-cp-algo", "lasp1"], 40),
+    ("gla", 1, 2, ["--cp-layout", "striped", "--cp-stripe", "64"], 256),
+    ("lightning", 2, 2, ["--cp-layout", "zigzag"], 40),
+]
+
+
+@pytest.fixture(scope="module")
+def hybrid_reference():
+    cache = {}
+
+    def get(variant: str, seq: int) -> dict:
+        if (variant, seq) not in cache:
+            cache[variant, seq] = run_ranks(1, hybrid_loss_and_grads, 1, 1, variant, [], seq)[0]
+        return cache[variant, seq]
+    return get
+
+
+@pytest.mark.parametrize("variant,tp,cp,extra,seq", HYBRID_CP_CASES,
+                         ids=[f"{c[0]}-tp{c[1]}-cp{c[2]}-{'-'.join(x.lstrip('-') for x in c[3])}" for c in HYBRID_CP_CASES])
+def test_hybrid_gpt_under_cp_equals_cp1(hybrid_reference, variant, tp, cp, extra, seq):
+    from test_megatron_model import _assert_matches
+
+    ref = hybrid_reference(variant, seq)
+    layout = extra[extra.index("--cp-layout") + 1]
+    algo = extra[extra.index("--linear-cp-algo") + 1] if "--linear-cp-algo" in extra else "lasp2"
+    for rank, res in enumerate(run_ranks(tp * cp, hybrid_loss_and_grads, tp, cp, variant, extra, seq)):
+        assert res["linear"] == [(layout, algo, cp)], res["linear"]
+        _assert_matches(res, ref, f"{variant} TP={tp} CP={cp} {' '.join(extra)} rank {rank}")
 
 
 def test_cli_trains_a_hybrid_model_single_process(tmp_path):
@@ -128,7 +180,7 @@ def test_megatron_lm_hybrid_keeps_moe_layers():
 
 def hybrid_layout_binding(spec_layout, model_layout: str) -> list:
     """megatron-core at CP = 2: an all-linear block whose spec leaves the layout unset follows
-    BurstGPTModel's; one that fixes another is refused (construction only: forward needs the op)."""
+    BurstGPTModel's; one that fixes another is refused."""
     from megatron_burst import train
     from megatron_burst.megatron.model import BurstGPTModel
     from megatron_burst.specs import get_gpt_decoder_block_spec

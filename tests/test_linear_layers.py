@@ -2,7 +2,7 @@
 math (forward and every gradient) at CP = 1, TP = 2 equals TP = 1, the hybrid block puts linear and
 softmax layers where --linear-attention-freq says, and the flags parse and refuse like Megatron-LM.
 
-CP > 1 equivalence needs the LASP-2 op (megatron_burst.linear_attention) and is added with it.
+CP > 1 equivalence is in test_linear_hybrid_gpt.py.
 """
 from __future__ import annotations
 

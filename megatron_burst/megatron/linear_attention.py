@@ -30,8 +30,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
-import megatron_burst  # noqa: F401  (megatron_burst.linear_attention: see _linear_attention_op)
-from megatron_burst.linear.reference import naive_linear_attention
+import megatron_burst
 from megatron_burst.megatron.args import (LinearCPOptions, make_linear_cp_options, megatron_lm_cp_flags)
 from megatron_burst.megatron.attention import FollowsModelLayout, _check_against_flags, resolve_layout_from_flags
 from megatron_burst.megatron.linear_variants import (GLA_GATE_TEMPERATURE, LinearAttentionVariant, get_variant,
@@ -45,20 +44,7 @@ _FEATURE_MAPS = {None: lambda x: x, "elu+1": lambda x: F.elu(x) + 1.0, "silu": F
 def _linear_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
     """The one call into the linear-attention op: q, k [s, b, h, dk], v [s, b, h, dv] (this CP
     rank's tokens in the layout's order) -> [s, b, h, dv]; every CP transfer happens inside."""
-    # SWITCH: once megatron_burst.linear_attention is on main, the next line becomes
-    #     return megatron_burst.linear_attention(q, k, v, **kw)
-    return _whole_sequence_stand_in(q, k, v, **kw)
-
-
-def _whole_sequence_stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, g, causal: bool,
-                             layout: str, stripe: int, algo: str, scale: Optional[float],
-                             qkv_format: str) -> torch.Tensor:
-    """Development stand-in for megatron_burst.linear_attention: the token-by-token reference,
-    exact at CP = 1 only. Goes away with the switch above."""
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        raise NotImplementedError("linear attention under context parallelism needs megatron_burst.linear_attention "
-                                  "(the LASP-2 op), which this build does not call yet")
-    return naive_linear_attention(q, k, v, g=g, causal=causal, scale=scale)
+    return megatron_burst.linear_attention(q, k, v, **kw)
 
 
 @dataclass
