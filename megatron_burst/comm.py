@@ -371,3 +371,20 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.Proces
     return _collective("all_to_all", group, phase, link, moved, moved, nbytes(inp),
                        lambda: dist.all_to_all_single(out, inp.contiguous(), group=group, async_op=True),
                        inp.device, label)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup], phase: str,
+                   link: str = "intra", label: str = "") -> PendingExchange:
+    """Post ``reduce_scatter_tensor(out, inp)`` (sum): inp [W * n, ...] rank-major, out [n, ...] this
+    rank's part of the sum over ranks.
+
+    Counted as a ring reduce-scatter: each rank sends (and receives) (W - 1) x out's bytes.
+    """
+    W = dist.get_world_size(group)
+    if inp.numel() != W * out.numel() or out.dtype != inp.dtype:
+        raise ValueError(f"reduce_scatter: inp {tuple(inp.shape)} {inp.dtype} must hold {W} x out "
+                         f"{tuple(out.shape)} {out.dtype}")
+    moved = (W - 1) * nbytes(out)
+    return _collective("reduce_scatter", group, phase, link, moved, moved, nbytes(inp),
+                       lambda: dist.reduce_scatter_tensor(out, inp.contiguous(), group=group, async_op=True),
+                       inp.device, label)

@@ -154,6 +154,33 @@ class BlockMask:
             kv_stop = self.kv_stop
         return BlockMask(self.kind, self.q_start, rows, self.kv_start, kv_stop, self.block)
 
+    def shifted(self, q_offset: int, kv_offset: int) -> "BlockMask":
+        """The same region placed at (q_offset, kv_offset) inside a larger block (a block of blocks)."""
+        if self.kind == "empty":
+            return self
+        return BlockMask(self.kind, self.q_start + q_offset, self.q_stop + q_offset,
+                         self.kv_start + kv_offset, self.kv_stop + kv_offset, self.block)
+
+    def restrict_kv(self, kv_start: int, kv_stop: int) -> "BlockMask":
+        """The same region restricted to kv rows [kv_start, kv_stop) (a piece of the kv block).
+
+        A causal rectangle keeps its diagonal: cutting off leading columns moves its first visible
+        row down by as many rows (for block_causal, ``kv_start`` must sit on a stripe boundary).
+        """
+        if self.kind == "empty":
+            return self
+        lo, hi = max(self.kv_start, kv_start), min(self.kv_stop, kv_stop)
+        if lo >= hi:
+            return BlockMask("empty")
+        q_start = self.q_start
+        if self.kind != "full":
+            if self.kind == "block_causal" and (lo - self.kv_start) % self.block:
+                raise ValueError(f"restrict_kv({kv_start}, {kv_stop}) cuts a stripe of {self.block}")
+            q_start += lo - self.kv_start
+        if q_start >= self.q_stop:
+            return BlockMask("empty")
+        return BlockMask(self.kind, q_start, self.q_stop, lo, hi, self.block)
+
     def dense(self, q_len: int, kv_len: int) -> torch.Tensor:
         """Boolean [q_len, kv_len] visibility matrix (tests and fallback kernels)."""
         m = torch.zeros(q_len, kv_len, dtype=torch.bool)

@@ -38,12 +38,12 @@ def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: CPCo
     lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
 
     def visit(owner, kv):
-        mask = block_mask(cfg.layout, cfg.rank, owner, cfg.world_size, n, cfg.causal, cfg.stripe)
-        if q_rows is not None:
-            mask = mask.clip_rows(q_rows)
-        if mask.kind != "empty":
-            o, l = block_forward(q, kv[0], kv[1], mask, cfg.scale, cfg.kernel)
-            merge_into(out[:, :, mask.q_slice], lse[:, :, mask.q_slice], o, l)
+        for mask in cfg.visible(cfg.rank, owner, n):
+            if q_rows is not None:
+                mask = mask.clip_rows(q_rows)
+            if mask.kind != "empty":
+                o, l = block_forward(q, kv[0], kv[1], mask, cfg.scale, cfg.kernel)
+                merge_into(out[:, :, mask.q_slice], lse[:, :, mask.q_slice], o, l)
 
     if q_rows == 0:  # every row comes from the selective-checkpoint store: nothing to compute or send
         return out, lse
@@ -75,8 +75,7 @@ def ring_backward(dout, q, k, v, D, lse, cfg: CPConfig):
     def visit(owner, travel):
         kv = travel[0]
         dkv = torch.zeros_like(dkv_like)
-        mask = block_mask(cfg.layout, cfg.rank, owner, cfg.world_size, n, cfg.causal, cfg.stripe)
-        if mask.kind != "empty":
+        for mask in cfg.visible(cfg.rank, owner, n):
             dqb, dkb, dvb = block_backward(dout, q, kv[0], kv[1], D, lse, mask, cfg.scale, cfg.kernel)
             dq[:, :, mask.q_slice] += dqb
             dkv[0][:, :, mask.kv_slice] += dkb

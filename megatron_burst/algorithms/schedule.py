@@ -30,6 +30,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from megatron_burst.comm import PendingExchange
+from megatron_burst.layout import BlockMask, block_mask
 from megatron_burst.topology import CPTopology, Ring
 
 # gloo tags of the two rings when they share no batch (separate communicators); NCCL ignores tags
@@ -48,6 +49,9 @@ class CPConfig:
     causal: bool
     scale: float
     kernel: Optional[str] = None
+    # >1 under USP/Ulysses: each ring member holds the sequences of ``ulysses_size`` consecutive CP
+    # ranks (after the all-to-all), so a block of the ring is a U x U grid of CP-rank blocks
+    ulysses_size: int = 1
 
     @property
     def rank(self) -> int:
@@ -56,6 +60,25 @@ class CPConfig:
     @property
     def world_size(self) -> int:
         return self.topology.world_size
+
+    def visible(self, q_member: int, kv_member: int, member_len: int) -> list[BlockMask]:
+        """Non-empty visible regions of (queries of ring member ``q_member``) x (keys of ``kv_member``).
+
+        Each member's block is ``member_len`` tokens: U = ``ulysses_size`` CP-rank shards of
+        member_len / U tokens, in CP-rank order. Without Ulysses (U = 1) this is the one
+        :func:`block_mask` of the two CP ranks; with it, the U x U shard pairs, shifted into place.
+        """
+        U = self.ulysses_size
+        n = member_len // U
+        cp_world = self.world_size * U
+        masks = []
+        for a in range(U):
+            for b in range(U):
+                m = block_mask(self.layout, q_member * U + a, kv_member * U + b, cp_world, n, self.causal,
+                               self.stripe)
+                if m.kind != "empty":
+                    masks.append(m.shifted(a * n, b * n))
+        return masks
 
 
 Visit = Callable[[int, Sequence[torch.Tensor]], Optional[torch.Tensor]]
