@@ -161,3 +161,96 @@ def registered_cp_topology(cp_group: Optional[dist.ProcessGroup]) -> Optional[CP
 def clear_registered_cp_topologies() -> None:
     """Forget every registered topology (their process groups stay; for tests and re-initialization)."""
     _REGISTERED.clear()
+    _REGISTERED_USP.clear()
+
+
+# ------------------------------------------------------------------------- 2-D (Ulysses x ring)
+
+
+@dataclass
+class USPTopology:
+    """The CP group as a 2-D grid for USP: ``ulysses_size`` (U) consecutive CP ranks form a Ulysses
+    group (all-to-all of heads, usually inside a node); the ranks with the same index in every
+    Ulysses group form a ring over the W / U groups (``ring``: flat, or double across nodes).
+
+    CP rank g sits in Ulysses group g // U at index g % U; ``ring.rank`` is g // U.
+    """
+
+    cp_group: Optional[dist.ProcessGroup]
+    rank: int
+    world_size: int
+    ulysses_size: int
+    ulysses_group: Optional[dist.ProcessGroup]
+    ring: CPTopology
+    ranks_per_node: int  # of the CP group (the ring's nodes hold ranks_per_node / U groups)
+
+    @property
+    def ulysses_link(self) -> str:
+        """Link class of the all-to-all: intra while a Ulysses group fits in a node."""
+        return "intra" if self.ulysses_size <= self.ranks_per_node else "inter"
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+
+def check_ulysses_size(world_size: int, ulysses_size: int, ranks_per_node: Optional[int] = None) -> None:
+    """Raise ValueError unless U divides the CP size (and nests with the node size, when given)."""
+    if not isinstance(ulysses_size, int) or isinstance(ulysses_size, bool) or ulysses_size < 1:
+        raise ValueError(f"ulysses_size={ulysses_size!r} must be a positive int")
+    if world_size % ulysses_size:
+        raise ValueError(f"ulysses_size={ulysses_size} does not divide the CP size {world_size}: choose a divisor "
+                         f"of {world_size} (Megatron: --hierarchical-context-parallel-sizes U {world_size}/U)")
+    if ranks_per_node is not None and ranks_per_node % ulysses_size and ulysses_size % ranks_per_node:
+        raise ValueError(f"ulysses_size={ulysses_size} and ranks_per_node={ranks_per_node} do not nest: a Ulysses "
+                         "group must fit in a node (U divides ranks_per_node) or span whole nodes")
+
+
+def build_usp_topology(cp_group: Optional[dist.ProcessGroup], ulysses_size: int,
+                       ranks_per_node: Optional[int] = None) -> USPTopology:
+    """Build (collectively, over the world group) the Ulysses groups and the rings across them.
+
+    Every rank of the job calls it once with the same arguments; the result is registered
+    (:func:`registered_usp_topology`) so layers look it up without a collective. Raises
+    ValueError before any collective when U does not divide the CP size.
+    """
+    world = dist.get_world_size(cp_group)
+    check_ulysses_size(world, ulysses_size, ranks_per_node)
+    if ranks_per_node is not None:
+        check_ranks_per_node(world, ranks_per_node)
+    U = ulysses_size
+    rank = dist.get_rank(cp_group)
+    mine = [dist.get_global_rank(cp_group, r) if cp_group is not None else r for r in range(world)]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (mine, U, ranks_per_node))
+    if len({(len(m), u, r) for m, u, r in everyone}) != 1:
+        raise ValueError(f"build_usp_topology needs equal CP sizes, ulysses_size and ranks_per_node on every "
+                         f"rank; got {sorted({(len(m), u, r) for m, u, r in everyone})}")
+    ulysses_group = ring_group = None
+    for ranks in sorted({tuple(m) for m, _, _ in everyone}):
+        for g in range(world // U):
+            pg = dist.new_group(list(ranks[g * U:(g + 1) * U]))
+            if ranks == tuple(mine) and g == rank // U:
+                ulysses_group = pg
+        for j in range(U):
+            pg = dist.new_group(list(ranks[j::U]))
+            if ranks == tuple(mine) and j == rank % U:
+                ring_group = pg
+    R = ranks_per_node or world
+    if U == world:
+        ring = CPTopology(None, 0, 1, 1, None)
+    elif ranks_per_node is None or R >= world:
+        ring = single_node_topology(ring_group)
+    else:
+        ring = build_cp_topology(ring_group, max(1, R // U))
+    topo = USPTopology(cp_group, rank, world, U, ulysses_group, ring, R)
+    _REGISTERED_USP[(_group_key(cp_group), U)] = topo
+    return topo
+
+
+_REGISTERED_USP: dict[tuple, USPTopology] = {}
+
+
+def registered_usp_topology(cp_group: Optional[dist.ProcessGroup], ulysses_size: int) -> Optional[USPTopology]:
+    """The USP topology built for ``cp_group`` with ``ulysses_size``, or None. No collective."""
+    return _REGISTERED_USP.get((_group_key(cp_group), ulysses_size))

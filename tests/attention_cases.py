@@ -32,12 +32,14 @@ def reference_attention(q, k, v, dout, causal, scale):
 
 
 def run_case(algo, layout, causal, heads, local_len=6, b=2, d=8, dtype=torch.float32, stripe=1, seed=0,
-             kernel=None, group=None, ring=None):
+             kernel=None, group=None, ring=None, **cp_kw):
     """Errors (max abs) of cp_attention vs the reference for one configuration, on this rank.
 
-    ``group`` may be a process group or a CPTopology (then ``ring`` picks flat/double).
+    ``group`` may be a process group, a CPTopology (then ``ring`` picks flat/double) or a
+    USPTopology; ``cp_kw`` go to cp_attention (ulysses_size, ring_backward).
     """
     pg = group.group if isinstance(group, mb.topology.CPTopology) else group
+    pg = group.cp_group if isinstance(group, mb.topology.USPTopology) else pg
     W, r = dist.get_world_size(pg), dist.get_rank(pg)
     hq, hkv = HEADS[heads] if isinstance(heads, str) else heads
     seq = local_len * W
@@ -48,7 +50,7 @@ def run_case(algo, layout, causal, heads, local_len=6, b=2, d=8, dtype=torch.flo
     ql, kl, vl = (sh(t).clone().requires_grad_() for t in (q, k, v))
     with mb.comm_counter() as counter:
         out = mb.cp_attention(ql, kl, vl, group=group, algo=algo, layout=layout, causal=causal,
-                              softmax_scale=scale, kernel=kernel, stripe=stripe, ring=ring)
+                              softmax_scale=scale, kernel=kernel, stripe=stripe, ring=ring, **cp_kw)
         out.backward(sh(dout))
     got = (out, ql.grad, kl.grad, vl.grad)
     errs = {name: (g.float() - sh(e)).abs().max().item() for name, g, e in zip(("out", "dq", "dk", "dv"), got, ref)}

@@ -1,13 +1,16 @@
 """Context-parallel attention: the functional API and the autograd Function behind it.
 
 ``cp_attention`` takes this rank's tokens (in the layout's order) and returns this rank's output.
-Algorithms differ in their backward (the forward always circulates K,V):
 
-* ``ring``: K,V,dK,dV circulate (TransformerEngine's p2p scheme).
-* ``burst``: Q,dO,D,lse,dQ circulate (BurstAttention).
-* ``auto``: per call shape, dtype and topology, the backward the cost model (megatron_burst.plan)
-  predicts faster, which is the one sending fewer bytes. For multi-head attention that is burst;
-  with GQA at hq/hkv >= 2 ring is cheaper (in bf16 already from hq/hkv > 1.5, in fp32 > 4/3).
+* ``ring``: K,V circulate; in the backward K,V,dK,dV circulate (TransformerEngine's p2p scheme).
+* ``burst``: K,V circulate; in the backward Q,dO,D,lse,dQ circulate (BurstAttention).
+* ``allgather``: K,V all-gathered in pieces, dK,dV reduce-scattered (Llama 3; allgather.py).
+* ``ulysses``: all-to-all to head sharding, local attention, all-to-all back (ulysses.py).
+* ``usp``: Ulysses inside groups of ``ulysses_size`` ranks, the ring (``ring_backward``: ring,
+  burst or auto; flat or double) across the groups.
+* ``auto``: per call shape, dtype and topology, the algorithm the cost model (megatron_burst.plan)
+  predicts fastest. When the ring family wins, the backward is the one sending fewer bytes: for
+  multi-head attention burst; with GQA at hq/hkv >= 2 ring (in bf16 already from hq/hkv > 1.5).
 """
 from __future__ import annotations
 
@@ -18,17 +21,21 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_burst.algorithms import burst, ring
+from megatron_burst.algorithms import allgather, burst, ring, ulysses
 from megatron_burst.algorithms.schedule import CPConfig
 from megatron_burst.kernels import row_dot
 from megatron_burst.layout import check_layout, check_local_len
-from megatron_burst.topology import RING_SHAPES, CPTopology, single_node_topology
+from megatron_burst.topology import (RING_SHAPES, CPTopology, USPTopology, check_ulysses_size,
+                                     registered_usp_topology, single_node_topology)
 
-CP_ALGOS = ("ring", "burst", "auto")
+CP_ALGOS = ("ring", "burst", "auto", "allgather", "ulysses", "usp")
+RING_BACKWARDS = ("ring", "burst", "auto")
 QKV_FORMATS = ("sbhd", "bshd")
 
-_BACKWARD = {"ring": ring.ring_backward, "burst": burst.burst_backward}
-_BACKWARD_BYTES = {"ring": ring.backward_bytes, "burst": burst.backward_bytes}
+_FORWARD = {"ring": ring.kv_ring_forward, "burst": ring.kv_ring_forward, "allgather": allgather.allgather_forward}
+_BACKWARD = {"ring": ring.ring_backward, "burst": burst.burst_backward, "allgather": allgather.allgather_backward}
+_BACKWARD_BYTES = {"ring": ring.backward_bytes, "burst": burst.backward_bytes,
+                   "allgather": allgather.backward_bytes}
 
 
 def resolve_algo(algo: str, b: int, hq: int, hkv: int, n: int, d: int, elem: int, world_size: int,
@@ -67,7 +74,7 @@ class _CPAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cfg: CPConfig, backward_algo: str, qkv_format: str, q_rows: Optional[int] = None,
                 out_tail: Optional[torch.Tensor] = None, lse_tail: Optional[torch.Tensor] = None):
         qh, kh, vh = (to_bhsd(t, qkv_format).contiguous() for t in (q, k, v))
-        out, _, lse = attention_forward(qh, kh, vh, cfg, qkv_format, q_rows, out_tail, lse_tail)
+        out, _, lse = attention_forward(qh, kh, vh, cfg, qkv_format, q_rows, out_tail, lse_tail, backward_algo)
         ctx.save_for_backward(qh, kh, vh, out, lse)
         ctx.cfg, ctx.backward_algo, ctx.qkv_format = cfg, backward_algo, qkv_format
         return out
@@ -95,12 +102,14 @@ def from_bhsd(t: torch.Tensor, qkv_format: str) -> torch.Tensor:
 
 def attention_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, cfg: CPConfig, qkv_format: str,
                       q_rows: Optional[int] = None, out_tail: Optional[torch.Tensor] = None,
-                      lse_tail: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      lse_tail: Optional[torch.Tensor] = None, scheme: str = "ring"
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The CP forward on contiguous [b, h, s, d] q/k/v.
 
     Returns (out in the caller's format, contiguous; the same storage viewed [b, h, s, d];
     lse [b, h, s] fp32). Blocks merge in fp32; the output is rounded to q's dtype once, at the end.
     ``q_rows``/``out_tail``/``lse_tail``: rows [q_rows, s) come from a selective-checkpoint store.
+    ``scheme``: "allgather" gathers K,V; ring and burst circulate them.
     """
     b, h, s, d = qh.shape
     shape = (s, b, h, vh.shape[-1]) if qkv_format == "sbhd" else (b, s, h, vh.shape[-1])
@@ -108,7 +117,7 @@ def attention_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, cfg:
     out_h = to_bhsd(out, qkv_format)
     # fp32 inputs accumulate straight into the output; others through one fp32 buffer
     acc = out_h if qh.dtype == torch.float32 else None
-    acc, lse = ring.kv_ring_forward(qh, kh, vh, cfg, q_rows=q_rows, out=acc)
+    acc, lse = _FORWARD[scheme](qh, kh, vh, cfg, q_rows=q_rows, out=acc)
     if q_rows is not None:
         acc[:, :, q_rows:] = out_tail
         lse[:, :, q_rows:] = lse_tail
@@ -118,10 +127,13 @@ def attention_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, cfg:
 
 
 def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: int, algo: str, layout: str,
-             qkv_format: str, stripe: int, dropout_p: float, attn_bias: Optional[torch.Tensor]) -> None:
+             qkv_format: str, stripe: int, dropout_p: float, attn_bias: Optional[torch.Tensor],
+             ulysses_size: Optional[int] = None, ring_backward: str = "auto") -> None:
     """Raise ValueError for anything cp_attention cannot do. Local checks only: safe before collectives."""
     if algo not in CP_ALGOS:
         raise ValueError(f"unknown algo {algo!r}: choose one of {', '.join(CP_ALGOS)}")
+    if ring_backward not in RING_BACKWARDS:
+        raise ValueError(f"unknown ring_backward {ring_backward!r}: choose one of {', '.join(RING_BACKWARDS)}")
     check_layout(layout, stripe)
     if qkv_format not in QKV_FORMATS:
         raise ValueError(f"unknown qkv_format {qkv_format!r}: choose one of {', '.join(QKV_FORMATS)}")
@@ -150,11 +162,23 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: i
         raise ValueError(f"query heads {hq} are not divisible by key/value heads {hkv} (GQA needs hq % hkv == 0)")
     local_len = q.shape[0] if qkv_format == "sbhd" else q.shape[1]
     check_local_len(local_len, world_size, layout, stripe)
+    if algo == "usp" and ulysses_size is None:
+        raise ValueError("algo='usp' needs ulysses_size=U (the Ulysses group size; Megatron: "
+                         "--hierarchical-context-parallel-sizes U W/U)")
+    if algo in ("ulysses", "usp"):
+        U = world_size if algo == "ulysses" else ulysses_size
+        check_ulysses_size(world_size, U)
+        ulysses.check_heads(hq, hkv, U, algo)
 
 
 @dataclass
 class Prepared:
-    """A validated call: q, k, v in the caller's format, its CP configuration and backward scheme."""
+    """A validated call: q, k, v in the caller's format, its CP configuration and scheme.
+
+    ``backward_algo`` is the scheme: "ring", "burst", "allgather", or "ulysses" (Ulysses/USP:
+    ``cfg`` is then the ring over Ulysses groups, ``exchange`` the all-to-all group and its link,
+    ``ring_backward`` the ring part's backward).
+    """
 
     q: torch.Tensor
     k: torch.Tensor
@@ -162,48 +186,117 @@ class Prepared:
     cfg: CPConfig
     backward_algo: str
     qkv_format: str
+    exchange: Optional[tuple] = None
+    ring_backward: str = "ring"
+
+    @property
+    def supports_row_cache(self) -> bool:
+        """Whether the forward can compute a subset of rows (sequence-level selective checkpointing)."""
+        return self.backward_algo != "ulysses"
 
     def apply(self, q_rows: Optional[int] = None, out_tail: Optional[torch.Tensor] = None,
               lse_tail: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The differentiable CP attention of this call (output in the caller's format)."""
+        if self.backward_algo == "ulysses":
+            if q_rows is not None:
+                raise ValueError("ulysses/usp attention computes every row; selective row recompute needs "
+                                 "ring, burst or allgather")
+            fmt = self.qkv_format
+            out = ulysses.UlyssesAttention.apply(to_bhsd(self.q, fmt), to_bhsd(self.k, fmt), to_bhsd(self.v, fmt),
+                                                 self.cfg, *self.exchange, self.ring_backward)
+            return from_bhsd(out, fmt).contiguous()
         return _CPAttention.apply(self.q, self.k, self.v, self.cfg, self.backward_algo, self.qkv_format,
                                   q_rows, out_tail, lse_tail)
 
     def forward_no_grad(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The forward alone: (out in the caller's format, its [b, h, s, d] view, lse fp32)."""
+        if not self.supports_row_cache:
+            raise ValueError("forward_no_grad (selective checkpointing's store) needs ring, burst or allgather")
         qh, kh, vh = (to_bhsd(t, self.qkv_format).contiguous() for t in (self.q, self.k, self.v))
-        return attention_forward(qh, kh, vh, self.cfg, self.qkv_format)
+        return attention_forward(qh, kh, vh, self.cfg, self.qkv_format, scheme=self.backward_algo)
+
+
+def _usp_topology(group, world_size: int, U: int) -> USPTopology:
+    """The 2-D topology of a usp call: given, or the one built for this CP group (no collective)."""
+    if isinstance(group, USPTopology):
+        if group.ulysses_size != U:
+            raise ValueError(f"ulysses_size={U} but the given USPTopology was built with {group.ulysses_size}")
+        return group
+    pg = group.group if isinstance(group, CPTopology) else group
+    topo = registered_usp_topology(pg, U)
+    if topo is None:
+        raise ValueError(f"algo='usp' with ulysses_size={U} < CP size {world_size} needs its 2-D process groups: "
+                         f"call megatron_burst.build_usp_topology(cp_group, {U}) once on every rank and pass it "
+                         "as group=")
+    return topo
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, algo: str = "burst",
             layout: str = "zigzag", causal: bool = True, ring: Optional[str] = None,
             softmax_scale: Optional[float] = None, qkv_format: str = "sbhd", stripe: int = 1,
             dropout_p: float = 0.0, attn_bias: Optional[torch.Tensor] = None,
-            kernel: Optional[str] = None) -> Prepared:
+            kernel: Optional[str] = None, ulysses_size: Optional[int] = None,
+            ring_backward: str = "auto") -> Prepared:
     """Validate a cp_attention call (before any collective) and resolve its configuration."""
-    topo = group if isinstance(group, CPTopology) else single_node_topology(group)
-    ring = ring or topo.default_ring
+    if isinstance(group, USPTopology):
+        ulysses_size = group.ulysses_size if ulysses_size is None else ulysses_size
+        topo = group.ring if group.ulysses_size == 1 else None
+        cp_group = group.cp_group
+    else:
+        topo = group if isinstance(group, CPTopology) else single_node_topology(group)
+        cp_group = topo.group
+    world_size = group.world_size if isinstance(group, USPTopology) else topo.world_size
+    ring = ring or (group.ring.default_ring if isinstance(group, USPTopology) else topo.default_ring)
     if ring not in RING_SHAPES:
         raise ValueError(f"unknown ring {ring!r}: choose one of {', '.join(RING_SHAPES)}")
-    if ring == "double" and topo.num_nodes == 1 and not isinstance(group, CPTopology):
+    if ring == "double" and not isinstance(group, (CPTopology, USPTopology)):
         raise ValueError("ring='double' needs group=megatron_burst.build_cp_topology(cp_group, ranks_per_node)")
-    world_size = topo.world_size
     validate(q, k, v, world_size=world_size, algo=algo, layout=layout, qkv_format=qkv_format, stripe=stripe,
-             dropout_p=dropout_p, attn_bias=attn_bias)
+             dropout_p=dropout_p, attn_bias=attn_bias, ulysses_size=ulysses_size, ring_backward=ring_backward)
     b, hq, n, d = to_bhsd(q, qkv_format).shape
+    hkv = to_bhsd(k, qkv_format).shape[1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    backward_algo = resolve_algo(algo, b, hq, to_bhsd(k, qkv_format).shape[1], n, d, q.element_size(), world_size,
-                                 nodes=topo.num_nodes, ring=ring, causal=causal)
-    cfg = CPConfig(topo, ring, layout, stripe, causal, scale, kernel)
-    return Prepared(q, k, v, cfg, backward_algo, qkv_format)
+    nodes = group.num_nodes if isinstance(group, USPTopology) else topo.num_nodes
+    if algo == "auto":
+        algo, ulysses_size = choose_algo(b, hq, hkv, n, d, q.element_size(), world_size, nodes=nodes, ring=ring,
+                                         causal=causal)
+    if algo == "ulysses":
+        algo, ulysses_size = "usp", world_size
+    if algo == "usp" and ulysses_size == 1:
+        algo = ring_backward
+    if algo != "usp":
+        if topo is None:  # a USPTopology with U > 1 asked for a ring-family algorithm
+            raise ValueError(f"algo={algo!r} runs over a CP group or CPTopology, not a USPTopology")
+        backward_algo = resolve_algo(algo, b, hq, hkv, n, d, q.element_size(), world_size, nodes=topo.num_nodes,
+                                     ring=ring, causal=causal)
+        cfg = CPConfig(topo, ring, layout, stripe, causal, scale, kernel)
+        return Prepared(q, k, v, cfg, backward_algo, qkv_format)
+    U = ulysses_size
+    if U == world_size:  # plain Ulysses: the CP group is the all-to-all group, the ring is a single member
+        rank_topo, a2a_group = CPTopology(None, 0, 1, 1, None), cp_group
+        link = "inter" if nodes > 1 else "intra"
+        if isinstance(group, USPTopology):
+            a2a_group = group.ulysses_group
+    else:
+        usp = _usp_topology(group, world_size, U)
+        rank_topo, a2a_group, link = usp.ring, usp.ulysses_group, usp.ulysses_link
+    kv_sent = ulysses.kv_heads_sent(hkv, U)
+    members = world_size // U
+    if ring == "double" and rank_topo.num_nodes == 1:
+        ring = "flat"
+    ring_scheme = resolve_algo(ring_backward, b, hq // U, kv_sent // U, n * U, d, q.element_size(), members,
+                               nodes=rank_topo.num_nodes, ring=ring, causal=causal) if members > 1 else "ring"
+    cfg = CPConfig(rank_topo, ring, layout, stripe, causal, scale, kernel, ulysses_size=U)
+    return Prepared(q, k, v, cfg, "ulysses", qkv_format, (a2a_group, link), ring_scheme)
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                 group: Optional[dist.ProcessGroup | CPTopology] = None,
+                 group: Optional[dist.ProcessGroup | CPTopology | USPTopology] = None,
                  algo: str = "burst", layout: str = "zigzag", causal: bool = True, ring: Optional[str] = None,
                  softmax_scale: Optional[float] = None, qkv_format: str = "sbhd", stripe: int = 1,
                  dropout_p: float = 0.0, attn_bias: Optional[torch.Tensor] = None,
-                 kernel: Optional[str] = None) -> torch.Tensor:
+                 kernel: Optional[str] = None, ulysses_size: Optional[int] = None,
+                 ring_backward: str = "auto") -> torch.Tensor:
     """Context-parallel softmax attention over the ranks of ``group``.
 
     q [s, b, hq, d], k/v [s, b, hkv, d] (``qkv_format="sbhd"``, Megatron's; or [b, s, h, d] for
@@ -214,8 +307,11 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     a :class:`CPTopology` from ``build_cp_topology`` makes the ring topology-aware: ``ring="double"``
     (the default when it spans several nodes) runs intra-node rings inside an inter-node ring, and
     ``ring="flat"`` one ring whose bytes are still classed intra/inter.
+    ``algo="usp"`` needs ``ulysses_size`` U and the 2-D groups of ``build_usp_topology`` (passed as
+    ``group``, or built earlier for this CP group); ``ring_backward`` picks its ring part's backward.
     ``kernel`` forces a local attention backend (megatron_burst.kernels.BACKENDS).
     """
     return prepare(q, k, v, group=group, algo=algo, layout=layout, causal=causal, ring=ring,
                    softmax_scale=softmax_scale, qkv_format=qkv_format, stripe=stripe, dropout_p=dropout_p,
-                   attn_bias=attn_bias, kernel=kernel).apply()
+                   attn_bias=attn_bias, kernel=kernel, ulysses_size=ulysses_size,
+                   ring_backward=ring_backward).apply()
