@@ -13,12 +13,20 @@ Two levels:
   D,lse carry hq heads; gradients travel in fp32), inter-node transfers hidden behind the inner ring,
   and compute from FLOPs at a given throughput, overlapped with communication.
 
-``algo="auto"`` in cp_attention uses :func:`choose_backward` with the run's shape and topology.
+* :func:`predict_family` adds the other CP algorithms to those: ``allgather`` (K,V gathered over
+  the flat ring, overlapped with compute; dK,dV reduce-scattered, the last piece's exposed),
+  ``ulysses`` and ``usp<U>/<backward>/<ring>`` (two all-to-alls per direction on the critical path,
+  which compute cannot hide, around the ring schedule over the W/U Ulysses groups). An all-to-all
+  over U ranks costs U-1 latencies plus (U-1)/U of the buffer at the slowest link it crosses.
+
+``algo="auto"`` in cp_attention uses :func:`choose_algorithm` (which algorithm) and
+:func:`choose_backward` (which ring backward) with the run's shape and topology.
 """
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 ALGO_VARIANTS = {
     # name: (backward scheme, ring shape)
@@ -143,6 +151,113 @@ def choose_backward(cluster: Cluster, shape: AttnShape, ring: str) -> str:
     r, b = pred[f"ring/{ring}"], pred[f"burst/{ring}"]
     key = lambda p: (round(p["bwd_comm"], 12), p["bwd_comm_bytes"])  # noqa: E731
     return "ring" if key(r) < key(b) else "burst"
+
+
+FAMILY = ("ring", "burst", "allgather", "ulysses", "usp")
+# ties (equal predicted time and communication) go to the algorithm holding less memory: the ring
+# family keeps n tokens of K,V; all-gather holds a gathered piece of W x that; Ulysses and USP
+# reshuffle q, k, v and the output through extra buffers
+_PREFERENCE = {"ring": 0, "burst": 0, "allgather": 1, "usp": 2, "ulysses": 3}
+
+
+def a2a_time(cluster: Cluster, nbytes: float, U: int) -> float:
+    """Seconds of an all-to-all over U consecutive ranks, each holding ``nbytes`` (U equal parts)."""
+    if U == 1:
+        return 0.0
+    R = cluster.gpus_per_node
+    if U <= R:
+        return (U - 1) * cluster.intra_lat_us * 1e-6 + nbytes * (U - 1) / U * 8 / (cluster.intra_gbps * 1e9)
+    # the parts for ranks on other nodes (U - R of U) leave through this rank's NIC
+    return (U - 1) * cluster.inter_lat_us * 1e-6 + nbytes * (U - R) / U * 8 / (cluster.inter_gbps * 1e9)
+
+
+def ulysses_sizes(cluster: Cluster, shape: AttnShape) -> list[int]:
+    """Ulysses group sizes U > 1 the heads allow (hq % U == 0; hkv splits or repeats evenly), that
+    divide W and nest with the node (U divides or is a multiple of the GPUs per node)."""
+    W, R = cluster.world, cluster.gpus_per_node
+    return [U for U in range(2, W + 1)
+            if W % U == 0 and shape.heads % U == 0 and (shape.kv_heads % U == 0 or U % shape.kv_heads == 0)
+            and (R % U == 0 or U % R == 0)]
+
+
+def _entry(fwd_comm, bwd_comm, comp_f, comp_b, fwd_bytes, bwd_bytes, total, algo, ulysses_size=1):
+    return {"fwd_comm": fwd_comm, "bwd_comm": bwd_comm, "fwd_compute": comp_f, "bwd_compute": comp_b,
+            "fwd_comm_bytes": fwd_bytes, "bwd_comm_bytes": bwd_bytes, "total": total, "algo": algo,
+            "ulysses_size": ulysses_size}
+
+
+def predict_family(cluster: Cluster, shape: AttnShape) -> dict[str, dict]:
+    """:func:`predict` plus allgather, ulysses and every usp<U>/<backward>/<ring> the heads allow.
+
+    Each entry also names its ``algo`` (cp_attention's) and ``ulysses_size``.
+    """
+    W = cluster.world
+    out = {}
+    for name, p in predict(cluster, shape).items():
+        out[name] = dict(p, algo=ALGO_VARIANTS[name][0], ulysses_size=1)
+    if W == 1:
+        return out
+    hb = hop_bytes(shape, W)
+    ring_fam = predict(cluster, shape)["ring/flat"]
+    comp_f, comp_b = ring_fam["fwd_compute"], ring_fam["bwd_compute"]
+    gather = pass_time(cluster, hb["forward"], "flat")
+    scatter = pass_time(cluster, hb["ring_grad"], "flat")
+    # the last piece's reduce-scatter (of two) starts after the compute: exposed
+    out["allgather"] = _entry(gather, gather + scatter, comp_f, comp_b, hb["forward"] * (W - 1),
+                              (hb["ring_act"] + hb["ring_grad"]) * (W - 1),
+                              max(gather, comp_f) + max(gather + scatter, comp_b) + scatter / 2, "allgather")
+    n, b, d, e = shape.seq // W, shape.batch, shape.head_dim, shape.elem
+    for U in ulysses_sizes(cluster, shape):
+        kv = shape.kv_heads if shape.kv_heads % U == 0 else U
+        qkv, o = b * n * (shape.heads + 2 * kv) * d, b * n * shape.heads * d
+        a2a_f = a2a_time(cluster, qkv * e, U) + a2a_time(cluster, o * e, U)
+        a2a_b = a2a_time(cluster, o * e, U) + a2a_time(cluster, qkv * 4, U)
+        a2a_bytes_f = (U - 1) * (qkv + o) * e // U
+        a2a_bytes_b = (U - 1) * (o * e + qkv * 4) // U
+        members = W // U
+        R = cluster.gpus_per_node
+        sub_cluster = Cluster(cluster.nodes if U <= R else members, max(1, R // U) if U <= R else 1,
+                              cluster.intra_gbps, cluster.inter_gbps, cluster.intra_lat_us, cluster.inter_lat_us,
+                              cluster.tflops)
+        sub_shape = AttnShape(shape.seq, shape.heads // U, kv // U, d, b, e, shape.causal)
+        rings = {"ring/flat": predict(sub_cluster, sub_shape)["ring/flat"]} if members == 1 else \
+            predict(sub_cluster, sub_shape)
+        for sub, p in rings.items():
+            if members > 1 and sub_cluster.nodes == 1 and sub.endswith("/double"):
+                continue
+            name = "ulysses" if members == 1 else f"usp{U}/{sub}"
+            out[name] = _entry(a2a_f + p["fwd_comm"], a2a_b + p["bwd_comm"], comp_f, comp_b,
+                               a2a_bytes_f + p["fwd_comm_bytes"], a2a_bytes_b + p["bwd_comm_bytes"],
+                               a2a_f + a2a_b + p["total"], "ulysses" if members == 1 else "usp", U)
+    return out
+
+
+def family_key(name: str, p: dict) -> tuple:
+    """Order for the whole family: predicted time, then communication time, then memory (_PREFERENCE)."""
+    return rank_key(p) + (_PREFERENCE[p["algo"]], name)
+
+
+def choose_algorithm(cluster: Cluster, shape: AttnShape, ring: str = "flat",
+                     usp_sizes: Optional[Sequence[int]] = None,
+                     algos: Sequence[str] = FAMILY) -> tuple[str, int]:
+    """(cp_attention algo, Ulysses size) predicted fastest among ``algos``. The ring family runs on
+    ``ring``; ``usp_sizes`` limits usp to the sizes whose process groups exist (None: any)."""
+    pred = predict_family(cluster, shape)
+    ring = ring if cluster.nodes > 1 else "flat"
+    allowed = {}
+    for name, p in pred.items():
+        if p["algo"] not in algos:
+            continue
+        if p["algo"] in ("ring", "burst") and not name.endswith("/" + ring):
+            continue
+        if p["algo"] == "usp" and usp_sizes is not None and p["ulysses_size"] not in usp_sizes:
+            continue
+        allowed[name] = p
+    if not allowed:
+        raise ValueError(f"no CP algorithm among {', '.join(algos)} fits {shape.heads} query / {shape.kv_heads} "
+                         f"key-value heads on {cluster.world} ranks (usp sizes {usp_sizes})")
+    best = min(allowed, key=lambda k: family_key(k, allowed[k]))
+    return allowed[best]["algo"], allowed[best]["ulysses_size"]
 
 
 def rank_key(p: dict[str, float]) -> tuple[float, float]:

@@ -19,3 +19,65 @@ def run_family_matrix(algo, layout, heads_list=tuple(HEADS), ulysses_size=None, 
         for heads in heads_list:
             results[(causal, heads)] = run_case(algo, layout, causal, heads, group=group, **kw)
     return results
+
+
+def usp_group(ulysses_size, ranks_per_node=None):
+    """The 2-D topology over the default group (collective: every rank calls it)."""
+    return build_usp_topology(None, ulysses_size, ranks_per_node)
+
+
+def run_usp_case(layout, causal, heads, ulysses_size, ranks_per_node=None, ring=None, **kw):
+    """run_case for algo='usp' after building its groups (flat ring, or double with ranks_per_node)."""
+    group = usp_group(ulysses_size, ranks_per_node)
+    return run_case("usp", layout, causal, heads, group=group, ring=ring, **kw)
+
+
+def family_schedule(algo, layout="zigzag", heads="gqa4", ulysses_size=None, ranks_per_node=None,
+                    ring_backward="auto", ring=None):
+    """One forward + backward of ``algo`` recorded on every rank and replayed under NCCL's rules."""
+    from megatron_burst.comm import record_schedule
+    from nccl_cases import _replays
+
+    group = usp_group(ulysses_size, ranks_per_node) if algo == "usp" else None
+    with record_schedule() as trace:
+        errs = run_case(algo, layout, True, heads, group=group, ring=ring, ring_backward=ring_backward)
+    result = _replays(trace)
+    result["max_err"] = max(errs[n] for n in ("out", "dq", "dk", "dv"))
+    result["kinds"] = sorted({op.kind for kind, batch in trace.events if kind == "post" for op in batch.ops})
+    return result
+
+
+def bad_family_inputs():
+    """Each bad input raises ValueError locally, before any collective; the group still works."""
+    W = dist.get_world_size()
+    mk = lambda s=8, h=4, d=8: torch.randn(s, 1, h, d)  # noqa: E731
+    cases = {
+        "ulysses_heads": dict(q=mk(h=6), k=mk(h=6), v=mk(h=6), algo="ulysses"),  # 6 % 4
+        "ulysses_kv_heads": dict(q=mk(h=12), k=mk(h=6), v=mk(h=6), algo="ulysses"),  # 6 vs 4: no nesting
+        "usp_size_not_dividing": dict(q=mk(), k=mk(), v=mk(), algo="usp", ulysses_size=3),
+        "usp_without_size": dict(q=mk(), k=mk(), v=mk(), algo="usp"),
+        "usp_without_groups": dict(q=mk(), k=mk(), v=mk(), algo="usp", ulysses_size=2),
+        "usp_heads": dict(q=mk(h=3), k=mk(h=3), v=mk(h=3), algo="usp", ulysses_size=2),
+        "ring_backward": dict(q=mk(), k=mk(), v=mk(), algo="usp", ulysses_size=2, ring_backward="p2p"),
+        "allgather_seq": dict(q=mk(s=5), k=mk(s=5), v=mk(s=5), algo="allgather"),
+    }
+    messages = {}
+    with mb.comm_counter() as counter:
+        for name, kw in cases.items():
+            try:
+                mb.cp_attention(kw.pop("q"), kw.pop("k"), kw.pop("v"), **kw)
+                messages[name] = None
+            except ValueError as e:
+                messages[name] = str(e)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return messages, counter.bytes("sent") + counter.bytes("received"), t.item() == W
+
+
+def auto_choice(heads, ulysses_size=None, local_len=6, d=8):
+    """What algo='auto' runs (its bytes) with an optional usp topology registered, and its errors."""
+    group = None
+    if ulysses_size is not None:
+        usp_group(ulysses_size)
+    errs = run_case("auto", "zigzag", True, heads, group=group, local_len=local_len, d=d)
+    return errs

@@ -54,6 +54,22 @@ def resolve_algo(algo: str, b: int, hq: int, hkv: int, n: int, d: int, elem: int
     return choose_backward(cluster, shape, ring if nodes > 1 else "flat")
 
 
+def choose_algo(b: int, hq: int, hkv: int, n: int, d: int, elem: int, world_size: int, nodes: int = 1,
+                ring: str = "flat", causal: bool = True, usp_sizes: tuple[int, ...] = (),
+                algos: tuple[str, ...] = ("ring", "burst", "allgather", "ulysses", "usp")) -> tuple[str, Optional[int]]:
+    """``algo="auto"`` -> (algorithm, Ulysses size or None) the cost model predicts fastest for this
+    shape and topology (megatron_burst.plan.choose_algorithm). usp is considered only for the sizes
+    in ``usp_sizes`` (those whose 2-D process groups were built); ties go to the ring family."""
+    if world_size == 1:
+        return "burst", None
+    from megatron_burst.plan import AttnShape, Cluster, choose_algorithm
+
+    cluster = Cluster(nodes=nodes, gpus_per_node=world_size // nodes)
+    shape = AttnShape(seq=n * world_size, heads=hq, kv_heads=hkv, head_dim=d, batch=b, elem=elem, causal=causal)
+    algo, U = choose_algorithm(cluster, shape, ring, usp_sizes=usp_sizes, algos=algos)
+    return algo, (U if algo in ("ulysses", "usp") else None)
+
+
 def backward_bytes(algo: str, b: int, hq: int, hkv: int, n: int, d: int, elem: int, world_size: int) -> int:
     """Bytes one rank sends in ``algo``'s backward for n local tokens (see each algorithm's docstring)."""
     scheme = resolve_algo(algo, b, hq, hkv, n, d, elem, world_size)
@@ -258,8 +274,14 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     nodes = group.num_nodes if isinstance(group, USPTopology) else topo.num_nodes
     if algo == "auto":
+        if isinstance(group, USPTopology):  # its 2-D groups: Ulysses over the whole group, or usp at its U
+            sizes, algos = (group.ulysses_size,), ("ulysses", "usp")
+        else:
+            pg = topo.group
+            sizes = tuple(u for u in range(2, world_size) if registered_usp_topology(pg, u) is not None)
+            algos = ("ring", "burst", "allgather", "ulysses", "usp")
         algo, ulysses_size = choose_algo(b, hq, hkv, n, d, q.element_size(), world_size, nodes=nodes, ring=ring,
-                                         causal=causal)
+                                         causal=causal, usp_sizes=sizes, algos=algos)
     if algo == "ulysses":
         algo, ulysses_size = "usp", world_size
     if algo == "usp" and ulysses_size == 1:
