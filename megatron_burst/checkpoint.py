@@ -375,6 +375,8 @@ def selective_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     miss) it computes every row. Never reads a device value on the host.
     """
     p = prepare(q, k, v, **cp_kwargs)
+    if not p.supports_row_cache:  # Ulysses/USP compute every row: a plain recompute
+        return p.apply()
     rows = recomputed_rows(to_bhsd(p.q, p.qkv_format).shape[2], stored_fraction)
     entry = None
     if store:

@@ -40,7 +40,7 @@ __all__ = ["get_gpt_layer_spec", "gpt_layer_spec", "swap_core_attention", "trans
            "get_gpt_decoder_block_spec", "linear_attention_spec", "hybrid_block_spec"]
 
 # swap_core_attention's options (the softmax layers'); get_gpt_decoder_block_spec passes the rest to Megatron
-_SOFTMAX_OPTIONS = ("cp_ring", "cp_ranks_per_node", "seq_selective_ckpt_ratio")
+_SOFTMAX_OPTIONS = ("cp_ring", "cp_ranks_per_node", "seq_selective_ckpt_ratio", "cp_ulysses_size")
 
 # Megatron's softmax core attentions, by class name (importing TE's class would need TE): these are
 # what swap_core_attention replaces. Anything else in a core_attention slot is refused.
@@ -59,7 +59,7 @@ def transformer_engine_available() -> bool:
 def get_gpt_layer_spec(cp_algo: Optional[str] = None, cp_layout: Optional[str] = None,
                        cp_stripe: Optional[int] = None, use_te: Optional[bool] = None,
                        cp_ring: Optional[str] = None, cp_ranks_per_node: Optional[int] = None,
-                       seq_selective_ckpt_ratio: Optional[float] = None,
+                       seq_selective_ckpt_ratio: Optional[float] = None, cp_ulysses_size: Optional[int] = None,
                        **more_options: Any) -> ModuleSpec:
     """Megatron's GPT layer spec with :class:`BurstCoreAttention` as core attention.
 
@@ -75,12 +75,15 @@ def get_gpt_layer_spec(cp_algo: Optional[str] = None, cp_layout: Optional[str] =
         cp_ranks_per_node: CP ranks per node; None: from the launcher (LOCAL_WORLD_SIZE / TP).
         seq_selective_ckpt_ratio: with activation recompute, store (out, lse) of this later
             fraction of each sequence and recompute attention only for the rest.
+        cp_ulysses_size: usp's all-to-all group size (None: Megatron-LM's
+            ``--hierarchical-context-parallel-sizes`` first entry).
         use_te: build on ``get_gpt_layer_with_transformer_engine_spec`` (True) or
             ``get_gpt_layer_local_spec`` (False); None: TE when it is installed.
         more_options: passed to Megatron's spec function (normalization, qk_layernorm, ...).
     """
     # Validate now, not at model construction (None stays None: resolved there).
-    make_cp_options(cp_algo, cp_layout, cp_stripe, None, cp_ring, cp_ranks_per_node, seq_selective_ckpt_ratio)
+    make_cp_options(cp_algo if cp_algo != "usp" or cp_ulysses_size else None, cp_layout, cp_stripe, None, cp_ring,
+                    cp_ranks_per_node, seq_selective_ckpt_ratio, ulysses_size=cp_ulysses_size)
     if more_options.get("multi_latent_attention"):
         raise ValueError("multi_latent_attention=True is not supported by megatron-burst attention")
     if use_te is None:
@@ -92,7 +95,8 @@ def get_gpt_layer_spec(cp_algo: Optional[str] = None, cp_layout: Optional[str] =
     else:
         base = get_gpt_layer_local_spec(**more_options)
     return swap_core_attention(base, cp_algo=cp_algo, cp_layout=cp_layout, cp_stripe=cp_stripe, cp_ring=cp_ring,
-                               cp_ranks_per_node=cp_ranks_per_node, seq_selective_ckpt_ratio=seq_selective_ckpt_ratio)
+                               cp_ranks_per_node=cp_ranks_per_node, seq_selective_ckpt_ratio=seq_selective_ckpt_ratio,
+                               cp_ulysses_size=cp_ulysses_size)
 
 
 def _module_of(entry: Any) -> Any:
@@ -116,8 +120,10 @@ def swap_core_attention(spec: Any, **options: Any) -> Any:
     core attention already is BurstCoreAttention keeps it, with unset options filled from
     ``options``. :func:`count_core_attention` tells how many slots the result holds.
     """
-    make_cp_options(options.get("cp_algo"), options.get("cp_layout"), options.get("cp_stripe"), None,
-                    options.get("cp_ring"), options.get("cp_ranks_per_node"), options.get("seq_selective_ckpt_ratio"))
+    algo = options.get("cp_algo")
+    make_cp_options(algo if algo != "usp" or options.get("cp_ulysses_size") else None, options.get("cp_layout"),
+                    options.get("cp_stripe"), None, options.get("cp_ring"), options.get("cp_ranks_per_node"),
+                    options.get("seq_selective_ckpt_ratio"), ulysses_size=options.get("cp_ulysses_size"))
     spec = copy.deepcopy(spec)
     _swap_in_place(spec, options)
     return spec

@@ -45,11 +45,12 @@ def test_resolve_cp_algo(cp_algo, comm, want):
 
 @pytest.mark.parametrize("cp_algo,comm,needle", [
     ("ring", "burst", "conflicting algorithms: --cp-algo ring but --cp-comm-type burst"),
-    (None, "a2a", "--cp-comm-type a2a (a Transformer Engine CP mode) is not supported"),
-    (None, "allgather", "--cp-comm-type allgather"),
-    (None, "a2a+p2p", "use --cp-comm-type with one of ring, burst, auto"),
-    (None, ["p2p", "a2a"], "one algorithm in every layer"),
-    ("ulysses", None, "cp_algo='ulysses' is not a megatron-burst algorithm"),
+    # a2a / allgather / a2a+p2p now select ulysses / allgather / usp (tests/test_megatron_cp_family.py)
+    (None, "spiral", "--cp-comm-type spiral is not a context-parallel communication type"),
+    ("ring", "allgather", "conflicting algorithms: --cp-algo ring but --cp-comm-type allgather"),
+    (None, "p2p2", "use one of p2p, a2a, allgather, all_gather, a2a+p2p (Megatron's) or ring, burst, auto"),
+    ("burst", ["p2p", "a2a"], "names an algorithm per layer"),
+    ("sequoia", None, "cp_algo='sequoia' is not a megatron-burst algorithm"),
 ])
 def test_resolve_cp_algo_errors(cp_algo, comm, needle):
     with pytest.raises(ValueError) as info:
@@ -138,7 +139,7 @@ def _train_args(argv):
     (["--tensor-model-parallel-size", "8"], 8, "not divisible by --tensor-model-parallel-size 8"),
     (["--context-parallel-size", "4", "--cp-layout", "zigzag", "--seq-length", "36"], 4,
      "--seq-length 36 with --context-parallel-size 4 and --cp-layout zigzag"),
-    (["--context-parallel-size", "2", "--cp-comm-type", "a2a"], 2, "--cp-comm-type a2a"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], 2, "--cp-comm-type a2a+p2p (--cp-algo usp) needs"),
     (["--tokenizer-type", "NullTokenizer"], 1, "needs --vocab-size"),
     (["--lr-warmup-iters", "5"], 1, "--lr-warmup-iters 5 must be < --lr-decay-iters 2"),
 ])

@@ -237,7 +237,7 @@ def test_core_attention_dropout_at_cp1_uses_local_path():
     ({"mask": "padding"}, "attn_mask_type=padding"),
     ({"mask": "arbitrary"}, "attn_mask_type=arbitrary"),
     ({"attention_type": "cross"}, "self-attention only"),
-    ({"cp_comm_type": "a2a"}, "--cp-comm-type a2a"),
+    ({"cp_comm_type": "a2a+p2p"}, "--cp-comm-type a2a+p2p (--cp-algo usp) needs --hierarchical"),
     ({"cp_comm_type": "ring", "cp_algo": "burst"}, "conflicting"),
     ({"cp_layout": "diagonal"}, "cp_layout='diagonal'"),
     ({"cp_layout": "zigzag", "cp_stripe": 2}, "--cp-stripe"),

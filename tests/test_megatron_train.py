@@ -157,10 +157,10 @@ def test_cli_single_process_logs_like_megatron(tmp_path):
 
 def test_cli_rejects_bad_flags_before_starting(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_burst.train", *_argv(tmp_path, 2, "--cp-comm-type", "a2a")],
+        [sys.executable, "-m", "megatron_burst.train", *_argv(tmp_path, 2, "--cp-comm-type", "a2a+p2p")],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 2
-    assert "--cp-comm-type a2a" in proc.stderr and "not supported" in proc.stderr
+    assert "--cp-comm-type a2a+p2p" in proc.stderr and "needs --hierarchical-context-parallel-sizes" in proc.stderr
 
 
 def test_cli_error_while_training_exits_1_with_traceback(tmp_path):

@@ -27,11 +27,15 @@ LINEAR_CP_ALGOS = ("lasp2", "lasp1")
 DEFAULT_LINEAR_CP_ALGO = "lasp2"
 LINEAR_MIN_STRIPE = 64
 
-# Megatron-LM's --cp-comm-type values that select Transformer Engine's CP implementations.
+# Megatron-LM's --cp-comm-type values (Transformer Engine's CP implementations) and ours for them.
 # "p2p" (Megatron-LM's default, also what you get when you never typed the flag) is TE's ring
-# exchange of KV blocks, so it maps to our "ring"; the others have no equivalent here.
+# exchange of KV blocks, so it maps to our "ring"; "a2a" is Ulysses, "allgather"/"all_gather"
+# (Megatron's / TE's spelling) the all-gather CP, "a2a+p2p" USP with Megatron's
+# --hierarchical-context-parallel-sizes [a2a size, p2p size].
 _TE_RING_NAME = "p2p"
-_TE_ONLY_COMM_TYPES = ("a2a", "allgather", "all_gather", "a2a+p2p")
+COMM_TYPE_ALGOS = {"a2a": "ulysses", "allgather": "allgather", "all_gather": "allgather", "a2a+p2p": "usp"}
+# a --cp-comm-type list naming different algorithms per layer: each layer resolves its own
+PER_LAYER = "per-layer"
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class CPOptions:
     ring: Optional[str] = None  # flat | double | None (double when the CP group spans nodes)
     ranks_per_node: Optional[int] = None  # CP ranks per node; None: from the launcher
     selective_ckpt_ratio: Optional[float] = None  # fraction of (out, lse) stored under recompute
+    ulysses_size: Optional[int] = None  # USP's Ulysses group size (Megatron's hierarchical CP sizes[0])
 
 
 def resolve_cp_algo(cp_algo: Optional[str], cp_comm_type: Union[str, Sequence[str], None]) -> str:
@@ -53,9 +58,11 @@ def resolve_cp_algo(cp_algo: Optional[str], cp_comm_type: Union[str, Sequence[st
       * ``cp_comm_type`` naming one of ``CP_ALGOS`` selects it; an explicit ``cp_algo`` must agree.
       * ``cp_comm_type="p2p"`` (Megatron-LM's default) is TE's ring: it means ``ring`` unless
         ``cp_algo`` is given, which then wins (the default is indistinguishable from a typed p2p).
-      * other ``cp_comm_type`` values (a2a, allgather, a2a+p2p) raise ValueError.
+      * Megatron's other values: ``a2a`` -> ulysses, ``allgather``/``all_gather`` -> allgather,
+        ``a2a+p2p`` -> usp (an explicit ``cp_algo`` must agree); anything else raises ValueError.
       * otherwise ``cp_algo``, or ``"burst"`` when neither is set.
-    A per-layer list of comm types must name a single value (we run one algorithm for all layers).
+    A per-layer list (Megatron's form) naming one value is that value; naming several returns
+    ``PER_LAYER`` (each layer then resolves its own entry) after checking every entry.
     """
     if cp_algo == STOCK_ATTENTION:  # Megatron's own attention handles --cp-comm-type itself
         return STOCK_ATTENTION
@@ -66,8 +73,12 @@ def resolve_cp_algo(cp_algo: Optional[str], cp_comm_type: Union[str, Sequence[st
     if isinstance(comm, (list, tuple)):
         distinct = sorted(set(comm))
         if len(distinct) > 1:
-            raise ValueError(f"--cp-comm-type {' '.join(comm)}: megatron-burst runs one algorithm "
-                             f"in every layer; pass a single value ({', '.join(CP_ALGOS)})")
+            if cp_algo is not None:
+                raise ValueError(f"--cp-algo {cp_algo} runs in every layer, but --cp-comm-type {' '.join(comm)} "
+                                 "names an algorithm per layer: drop one of them")
+            for entry in distinct:
+                resolve_cp_algo(None, entry)
+            return PER_LAYER
         comm = distinct[0] if distinct else None
     if comm is None:
         return cp_algo or DEFAULT_CP_ALGO
@@ -78,17 +89,29 @@ def resolve_cp_algo(cp_algo: Optional[str], cp_comm_type: Union[str, Sequence[st
         return comm
     if comm == _TE_RING_NAME:
         return cp_algo or "ring"
-    hint = " (a Transformer Engine CP mode)" if comm in _TE_ONLY_COMM_TYPES else ""
-    raise ValueError(f"--cp-comm-type {comm}{hint} is not supported by megatron-burst attention: "
-                     f"use --cp-comm-type with one of {', '.join(CP_ALGOS)}, or --cp-algo")
+    if comm in COMM_TYPE_ALGOS:
+        ours = COMM_TYPE_ALGOS[comm]
+        if cp_algo is not None and cp_algo != ours:
+            raise ValueError(f"conflicting algorithms: --cp-algo {cp_algo} but --cp-comm-type {comm} (= {ours}); "
+                             "set one of them")
+        return ours
+    raise ValueError(f"--cp-comm-type {comm} is not a context-parallel communication type: use one of "
+                     f"{', '.join([_TE_RING_NAME] + list(COMM_TYPE_ALGOS))} (Megatron's) or {', '.join(CP_ALGOS)}, "
+                     "or --cp-algo")
 
 
 def make_cp_options(cp_algo: Optional[str] = None, cp_layout: Optional[str] = None,
                     cp_stripe: Optional[int] = None,
                     cp_comm_type: Union[str, Sequence[str], None] = None, cp_ring: Optional[str] = None,
                     cp_ranks_per_node: Optional[int] = None,
-                    seq_selective_ckpt_ratio: Optional[float] = None) -> CPOptions:
-    """Validate and resolve CP options; ``None`` means "the default"."""
+                    seq_selective_ckpt_ratio: Optional[float] = None,
+                    hierarchical_cp_sizes: Optional[Sequence[int]] = None,
+                    ulysses_size: Optional[int] = None) -> CPOptions:
+    """Validate and resolve CP options; ``None`` means "the default".
+
+    ``hierarchical_cp_sizes`` is Megatron's ``--hierarchical-context-parallel-sizes`` [a2a, p2p]:
+    for usp its first entry is the Ulysses group size (``ulysses_size`` gives it directly).
+    """
     if cp_ring is not None and cp_ring not in RING_SHAPES:
         raise ValueError(f"cp_ring={cp_ring!r}: choose one of {', '.join(RING_SHAPES)} (--cp-ring)")
     if cp_ranks_per_node is not None:
@@ -106,8 +129,19 @@ def make_cp_options(cp_algo: Optional[str] = None, cp_layout: Optional[str] = No
         check_layout(layout, stripe)
     except ValueError as exc:
         raise ValueError(f"{exc} (--cp-stripe applies to --cp-layout striped only)") from None
+    if ulysses_size is not None and (not isinstance(ulysses_size, int) or ulysses_size < 1):
+        raise ValueError(f"cp_ulysses_size={ulysses_size!r} must be a positive int")
+    if hierarchical_cp_sizes and ulysses_size is None:
+        sizes = [int(x) for x in hierarchical_cp_sizes]
+        if len(sizes) != 2 or min(sizes) < 1:
+            raise ValueError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}: give two sizes, "
+                             "the all-to-all (Ulysses) group and the ring across those groups (a2a+p2p / usp)")
+        ulysses_size = sizes[0]
+    if algo == "usp" and ulysses_size is None:
+        raise ValueError("--cp-comm-type a2a+p2p (--cp-algo usp) needs --hierarchical-context-parallel-sizes U R: "
+                         "U ranks per all-to-all group, R = CP / U groups in the ring")
     return CPOptions(algo=algo, layout=layout, stripe=stripe, ring=cp_ring, ranks_per_node=cp_ranks_per_node,
-                     selective_ckpt_ratio=seq_selective_ckpt_ratio)
+                     selective_ckpt_ratio=seq_selective_ckpt_ratio, ulysses_size=ulysses_size)
 
 
 @dataclass(frozen=True)
@@ -241,7 +275,8 @@ def cp_options_from_args(args: argparse.Namespace) -> CPOptions:
     opts = make_cp_options(getattr(args, "cp_algo", None), getattr(args, "cp_layout", None),
                            getattr(args, "cp_stripe", None), getattr(args, "cp_comm_type", None),
                            getattr(args, "cp_ring", None), cp_ranks_per_node_from_args(args),
-                           getattr(args, "seq_selective_ckpt_ratio", None))
+                           getattr(args, "seq_selective_ckpt_ratio", None),
+                           getattr(args, "hierarchical_context_parallel_sizes", None))
     ratio = opts.selective_ckpt_ratio
     granularity = getattr(args, "recompute_granularity", "unset")
     if ratio is not None and granularity is None:
@@ -260,6 +295,8 @@ def cp_options_from_args(args: argparse.Namespace) -> CPOptions:
     if opts.algo == STOCK_ATTENTION and opts.layout != "zigzag":
         raise ValueError(f"--cp-algo none keeps Megatron's attention, which slices in zigzag only: drop "
                          f"--cp-layout {opts.layout}")
+    check_cp_heads(opts, getattr(args, "cp_comm_type", None), cp, getattr(args, "num_attention_heads", None),
+                   getattr(args, "num_query_groups", None), getattr(args, "tensor_model_parallel_size", None) or 1)
     if seq_length is not None and cp > 1:  # one rank holds any sequence length
         try:
             check_seq_len(seq_length, cp, opts.layout, opts.stripe)
@@ -267,6 +304,33 @@ def cp_options_from_args(args: argparse.Namespace) -> CPOptions:
             raise ValueError(f"--seq-length {seq_length} with --context-parallel-size {cp} and "
                              f"--cp-layout {opts.layout}: {exc}") from None
     return opts
+
+
+def check_cp_heads(opts: CPOptions, cp_comm_type, cp: int, heads: Optional[int], query_groups: Optional[int],
+                   tp: int) -> None:
+    """Ulysses/USP (any layer's) need the heads per TP rank to split over the all-to-all group, and
+    the hierarchical sizes to multiply to the CP size; raise ValueError naming the flags otherwise."""
+    from megatron_burst.algorithms.ulysses import check_heads
+
+    if isinstance(cp_comm_type, (list, tuple)):
+        algos = {resolve_cp_algo(None, c) for c in cp_comm_type}
+    else:
+        algos = {opts.algo}
+    if cp <= 1 or not algos & {"ulysses", "usp"}:
+        return
+    if "usp" in algos and (opts.ulysses_size is None or cp % opts.ulysses_size):
+        raise ValueError(f"--hierarchical-context-parallel-sizes must multiply to --context-parallel-size {cp} "
+                         f"(first entry {opts.ulysses_size}: the all-to-all group size)")
+    if heads is None:
+        return
+    hq, hkv = heads // tp, max(1, (query_groups or heads) // tp)
+    for algo in algos & {"ulysses", "usp"}:
+        U = cp if algo == "ulysses" else opts.ulysses_size
+        try:
+            check_heads(hq, hkv, U, algo)
+        except ValueError as exc:
+            raise ValueError(f"--num-attention-heads {heads} / --num-query-groups {query_groups or heads} over "
+                             f"--tensor-model-parallel-size {tp}: {exc}") from None
 
 
 @dataclass(frozen=True)

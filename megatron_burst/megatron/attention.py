@@ -30,8 +30,8 @@ from megatron_burst.checkpoint import SelectiveAttentionCache, selective_cp_atte
 from megatron_burst.algorithms import prepare
 from megatron_burst.megatron.args import (STOCK_ATTENTION, CPOptions, check_cp_dropout, cp_ranks_per_node_from_args,
                                           make_cp_options, megatron_lm_cp_flags)
-from megatron_burst.megatron.groups import needs_node_topology, resolve_cp_ranks_per_node
-from megatron_burst.topology import CPTopology, registered_cp_topology
+from megatron_burst.megatron.groups import needs_node_topology, needs_usp_topology, resolve_cp_ranks_per_node
+from megatron_burst.topology import CPTopology, registered_cp_topology, registered_usp_topology
 
 _SUPPORTED_MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
 
@@ -144,6 +144,7 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
         cp_ring: Optional[str] = None,
         cp_ranks_per_node: Optional[int] = None,
         seq_selective_ckpt_ratio: Optional[float] = None,
+        cp_ulysses_size: Optional[int] = None,
     ) -> None:
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
@@ -160,11 +161,15 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
             cp_ranks_per_node = cp_ranks_per_node or cp_ranks_per_node_from_args(flags)
             if seq_selective_ckpt_ratio is None:
                 seq_selective_ckpt_ratio = getattr(flags, "seq_selective_ckpt_ratio", None)
+            sizes = getattr(flags, "hierarchical_context_parallel_sizes", None)
+            if cp_ulysses_size is None and sizes:
+                cp_ulysses_size = int(sizes[0])
         # The layout is fixed (by the spec or the flags) or still free to follow the model's
         # (BurstGPTModel binds it: see bind_layout).
         cp_layout, cp_stripe, self._layout_fixed = resolve_layout_from_flags(cp_layout, cp_stripe)
         self.options: CPOptions = make_cp_options(cp_algo, cp_layout, cp_stripe, cp_comm_type, cp_ring,
-                                                  cp_ranks_per_node, seq_selective_ckpt_ratio)
+                                                  cp_ranks_per_node, seq_selective_ckpt_ratio,
+                                                  ulysses_size=cp_ulysses_size)
         if self.options.algo == STOCK_ATTENTION:
             raise ValueError(f"layer {self.layer_number}: BurstCoreAttention with --cp-algo none: 'none' keeps "
                              "Megatron's attention, so build the model with Megatron's layer spec (drop --spec)")
@@ -212,6 +217,23 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
                         "on every rank after initialize_model_parallel and before building the model "
                         "(megatron_burst.train and the Megatron-LM patch do), or pass --cp-ring flat")
                 self.cp_target = topo
+            if self.options.algo in ("ulysses", "usp"):
+                from megatron_burst.algorithms.ulysses import check_heads
+
+                tp = config.tensor_model_parallel_size
+                hq = config.num_attention_heads // tp
+                hkv = max(1, (config.num_query_groups or config.num_attention_heads) // tp)
+                check_heads(hq, hkv, cp_size if self.options.algo == "ulysses" else self.options.ulysses_size,
+                            self.options.algo)
+            if self.options.algo == "usp" and needs_usp_topology(self.options, cp_size):
+                usp = registered_usp_topology(self.cp_group, self.options.ulysses_size)
+                if usp is None:
+                    raise ValueError(
+                        f"layer {self.layer_number}: usp with Ulysses groups of {self.options.ulysses_size} needs its "
+                        "2-D process groups, built once, collectively: call megatron_burst.megatron.groups."
+                        "setup_cp_topology(options, cp_group, cp_size, tp_size) on every rank before building "
+                        "the model (megatron_burst.train and the Megatron-LM patch do)")
+                self.cp_target = usp
         self.resolved_algo: Optional[str] = None  # what ``auto`` chose in the last forward
 
         self.selective_cache: Optional[SelectiveAttentionCache] = None
@@ -256,7 +278,8 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
         else:
             opts = self.options
             kw = dict(group=self.cp_target, algo=opts.algo, layout=opts.layout, causal=causal, ring=opts.ring,
-                      softmax_scale=self.softmax_scale, qkv_format="sbhd", stripe=opts.stripe)
+                      softmax_scale=self.softmax_scale, qkv_format="sbhd", stripe=opts.stripe,
+                      ulysses_size=opts.ulysses_size if opts.algo == "usp" else None)
             if self.selective_cache is not None and self.training and _checkpointing():
                 # First forward: store only when Megatron will recompute it (not in a no-grad
                 # scoring pass); the recompute itself (grad enabled) always takes its entry.
@@ -265,7 +288,8 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
                                              stored_fraction=opts.selective_ckpt_ratio, store=store, **kw)
             else:
                 call = prepare(query, key, value, **kw)
-                self.resolved_algo = call.backward_algo
+                self.resolved_algo = call.backward_algo if call.backward_algo != "ulysses" else (
+                    "ulysses" if call.cfg.world_size == 1 else f"usp{call.cfg.ulysses_size}/{call.ring_backward}")
                 out = call.apply()
         return out.reshape(s, b, -1)
 

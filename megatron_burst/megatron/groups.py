@@ -14,10 +14,18 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron_burst.megatron.args import CPOptions, default_cp_ranks_per_node
-from megatron_burst.topology import (CPTopology, build_cp_topology, check_ranks_per_node, register_cp_topology,
-                                     registered_cp_topology)
+from megatron_burst.topology import (CPTopology, build_cp_topology, build_usp_topology, check_ranks_per_node,
+                                     check_ulysses_size, register_cp_topology, registered_cp_topology,
+                                     registered_usp_topology)
 
-__all__ = ["resolve_cp_ranks_per_node", "needs_node_topology", "setup_cp_topology"]
+__all__ = ["resolve_cp_ranks_per_node", "needs_node_topology", "setup_cp_topology", "needs_usp_topology"]
+
+
+def needs_usp_topology(opts: CPOptions, cp_size: int) -> bool:
+    """Whether USP's 2-D groups are needed: a Ulysses size strictly between 1 and the CP size
+    (given for usp or a per-layer a2a+p2p). U = CP is Ulysses and U = 1 the ring: no new groups."""
+    U = opts.ulysses_size
+    return U is not None and 1 < U < cp_size and opts.algo in ("usp", "auto", "per-layer")
 
 
 def resolve_cp_ranks_per_node(opts: CPOptions, cp_size: int, tp_size: int) -> int:
@@ -50,9 +58,15 @@ def setup_cp_topology(opts: CPOptions, cp_group: Optional[dist.ProcessGroup], cp
             raise ValueError("--cp-ring double needs --context-parallel-size > 1")
         return None
     per_node = resolve_cp_ranks_per_node(opts, cp_size, tp_size)
-    if not needs_node_topology(opts, cp_size, per_node):
-        return None
-    existing = registered_cp_topology(cp_group)
-    if existing is not None and existing.ranks_per_node == per_node:
-        return existing
-    return register_cp_topology(build_cp_topology(cp_group, per_node))
+    usp = needs_usp_topology(opts, cp_size)
+    if usp:
+        check_ulysses_size(cp_size, opts.ulysses_size, per_node)
+    topo = None
+    if needs_node_topology(opts, cp_size, per_node):
+        topo = registered_cp_topology(cp_group)
+        if topo is None or topo.ranks_per_node != per_node:
+            topo = register_cp_topology(build_cp_topology(cp_group, per_node))
+    if usp and registered_usp_topology(cp_group, opts.ulysses_size) is None:
+        # the 2-D groups of usp (registered by build_usp_topology); a collective like the above
+        build_usp_topology(cp_group, opts.ulysses_size, per_node if per_node < cp_size else None)
+    return topo

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
-from megatron_burst.megatron.args import (STOCK_ATTENTION, CPOptions, LinearAttentionOptions, add_args,
+from megatron_burst.megatron.args import (PER_LAYER, STOCK_ATTENTION, CPOptions, LinearAttentionOptions, add_args,
                                           cp_options_from_args, linear_options_from_args)
 from megatron_burst.megatron.batch import get_batch_on_this_cp_rank
 
@@ -159,8 +159,10 @@ def wrap_gpt_builder(gpt_builder: Callable[..., Any]) -> Callable[..., Any]:
         cp = getattr(args, "context_parallel_size", None) or 1
         tp = getattr(args, "tensor_model_parallel_size", None) or 1
         setup_cp_topology(opts, parallel_state.get_context_parallel_group() if cp > 1 else None, cp, tp)
-        options = dict(cp_algo=opts.algo, cp_layout=opts.layout, cp_stripe=opts.stripe, cp_ring=opts.ring,
-                       cp_ranks_per_node=opts.ranks_per_node, seq_selective_ckpt_ratio=opts.selective_ckpt_ratio)
+        # a per-layer --cp-comm-type list: each layer resolves its own entry (Megatron passes it)
+        options = dict(cp_algo=None if opts.algo == PER_LAYER else opts.algo, cp_layout=opts.layout,
+                       cp_stripe=opts.stripe, cp_ring=opts.ring, cp_ranks_per_node=opts.ranks_per_node,
+                       seq_selective_ckpt_ratio=opts.selective_ckpt_ratio, cp_ulysses_size=opts.ulysses_size)
         use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
         with _attention_swapped_in(gpt_builder, options, linear_options(args, opts), use_te):
             model = gpt_builder(args, pre_process, post_process, *rest, **kwargs)

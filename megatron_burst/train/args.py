@@ -79,8 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="CP size (default 1); the data-parallel size is world / (TP x CP)")
     g.add_argument("--cp-comm-type", type=str, default=None,
-                   help="Megatron's name for the CP algorithm; ring/burst/auto select ours "
-                        "(see --cp-algo)")
+                   help="Megatron's name for the CP algorithm: p2p (ring), a2a (ulysses), allgather / "
+                        "all_gather, a2a+p2p (usp, with --hierarchical-context-parallel-sizes); or one of "
+                        "ours (see --cp-algo)")
+    g.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs=2, default=None, metavar=("A2A", "P2P"),
+                   help="Megatron's a2a+p2p sizes: all-to-all (Ulysses) groups of A2A consecutive CP ranks, a "
+                        "ring over the P2P groups (A2A x P2P = CP); A2A is also taken as CP ranks per node "
+                        "unless --cp-ranks-per-node is given")
     g.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl"],
                    help="default nccl when CUDA is available, else gloo")
     g = p.add_argument_group("training")

@@ -103,6 +103,7 @@ def gpt_model_kwargs(args: argparse.Namespace, opts: CPOptions, sizes: ParallelS
     config = model_config(args, sizes, device)
     softmax = dict(cp_algo=args.cp_algo, cp_layout=opts.layout, cp_stripe=opts.stripe, cp_ring=opts.ring,
                    cp_ranks_per_node=opts.ranks_per_node, seq_selective_ckpt_ratio=opts.selective_ckpt_ratio,
+                   cp_ulysses_size=opts.ulysses_size,
                    use_te=False, normalization=args.normalization)
     linear = linear_options_from_args(args, opts, args.num_query_groups)
     if linear is None:
