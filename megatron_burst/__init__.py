@@ -2,9 +2,11 @@
 
 Public API (functional, usable without Megatron):
   layout_indices, shard, unshard          -- sequence layouts (contiguous, zigzag, striped)
-  cp_attention                            -- context-parallel attention (ring, burst, auto)
+  cp_attention                            -- context-parallel attention (ring, burst, auto, allgather,
+                                             ulysses, usp)
   linear_attention                        -- context-parallel (decayed) linear attention (LASP-2, LASP-1)
   build_cp_topology                       -- intra/inter-node rings for the topology-aware double ring
+  build_usp_topology                      -- USP's 2-D groups (Ulysses groups x rings across them)
   comm_counter                            -- byte accounting of every CP transfer
   fused_linear_cross_entropy               -- LM head + vocab-parallel CE without N x V logits
 Megatron integration: megatron_burst.specs, megatron_burst.add_args, get_batch_on_this_cp_rank.
@@ -12,7 +14,7 @@ Megatron integration: megatron_burst.specs, megatron_burst.add_args, get_batch_o
 from megatron_burst.layout import LAYOUTS, layout_indices, shard, unshard
 from megatron_burst.comm import comm_counter
 from megatron_burst.algorithms import CP_ALGOS, cp_attention
-from megatron_burst.topology import build_cp_topology
+from megatron_burst.topology import build_cp_topology, build_usp_topology
 from megatron_burst.linear import linear_attention
 
 __version__ = "0.1.0"
@@ -33,5 +35,5 @@ def __getattr__(name):
 
 
 __all__ = ["LAYOUTS", "CP_ALGOS", "layout_indices", "shard", "unshard", "cp_attention", "linear_attention",
-           "build_cp_topology", "comm_counter",
+           "build_cp_topology", "build_usp_topology", "comm_counter",
            "add_args", "get_batch_on_this_cp_rank", "fused_linear_cross_entropy"]

@@ -341,6 +341,11 @@ def _collective(kind: str, group: Optional[dist.ProcessGroup], phase: str, link:
     return PendingExchange([work], [], phase, link, device, trace_id)
 
 
+# torch >= 2.13 names them *_single (the *_tensor spellings warn as deprecated); older torch has only those
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup], phase: str,
                link: str = "intra", label: str = "") -> PendingExchange:
     """Post ``all_gather_into_tensor(out, inp)``: out [W * n, ...] rank-major from every inp [n, ...].
@@ -353,7 +358,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.Proces
                          f"{tuple(inp.shape)} {inp.dtype}")
     moved = (W - 1) * nbytes(inp)
     return _collective("all_gather", group, phase, link, moved, moved, nbytes(inp),
-                       lambda: dist.all_gather_into_tensor(out, inp.contiguous(), group=group, async_op=True),
+                       lambda: _all_gather_single(out, inp.contiguous(), group=group, async_op=True),
                        inp.device, label)
 
 
@@ -386,5 +391,5 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.Pr
                          f"{tuple(out.shape)} {out.dtype}")
     moved = (W - 1) * nbytes(out)
     return _collective("reduce_scatter", group, phase, link, moved, moved, nbytes(inp),
-                       lambda: dist.reduce_scatter_tensor(out, inp.contiguous(), group=group, async_op=True),
+                       lambda: _reduce_scatter_single(out, inp.contiguous(), group=group, async_op=True),
                        inp.device, label)

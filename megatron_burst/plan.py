@@ -318,21 +318,34 @@ def main(argv=None) -> None:
               "the memory features (--fused-lm-loss, --seq-selective-ckpt-ratio) still apply.")
         print("\nrecommendation: --context-parallel-size 1 (any --cp-algo behaves the same on one GPU)")
         return
-    pred = predict(cluster, shape)
+    pred = predict_family(cluster, shape)
     print(f"# {a.nodes} nodes x {a.gpus_per_node} GPUs, intra {a.intra_gbps:g} Gb/s, inter {a.inter_gbps:g} Gb/s; "
           f"seq {shape.seq}, heads {shape.heads}/{shape.kv_heads} kv, head dim {shape.head_dim}, "
           f"{a.layers} layers; times per layer in ms (x{a.layers} for the model)")
     print("| variant | fwd comm | fwd compute | bwd comm | bwd compute | fwd+bwd (overlapped) | model s |")
     print("|---|---|---|---|---|---|---|")
-    for name, v in sorted(pred.items(), key=lambda kv: rank_key(kv[1])):
+    for name, v in sorted(pred.items(), key=lambda kv: family_key(*kv)):
         print(f"| {name} | {v['fwd_comm'] * 1e3:.1f} | {v['fwd_compute'] * 1e3:.1f} | {v['bwd_comm'] * 1e3:.1f} | "
               f"{v['bwd_compute'] * 1e3:.1f} | {v['total'] * 1e3:.1f} | {v['total'] * a.layers:.2f} |")
     hb = hop_bytes(shape, cluster.world)
     t1 = table1(cluster.world, cluster.nodes, cluster.hop(hb["forward"] / 2, "intra"), cluster.hop(hb["forward"] / 2, "inter"))
     print("\nBurstEngine Table 1 (P = one K slice):", ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t1.items()))
-    best = recommend(cluster, shape)
-    scheme, ring = ALGO_VARIANTS[best]
+    best = min(pred, key=lambda k: family_key(k, pred[k]))
     v = pred[best]
+    if v["algo"] not in ("ring", "burst"):  # all-gather, Ulysses or USP beat every ring variant
+        U = v["ulysses_size"]
+        ring_part = best.split("/", 1)[1] if "/" in best else ""
+        flags = {"allgather": "--cp-algo allgather (Megatron: --cp-comm-type allgather)",
+                 "ulysses": "--cp-algo ulysses (Megatron: --cp-comm-type a2a)",
+                 "usp": f"--cp-algo usp --hierarchical-context-parallel-sizes {U} {cluster.world // U} "
+                        f"(Megatron: --cp-comm-type a2a+p2p; ring part {ring_part})"}[v["algo"]]
+        best_ring = min((k for k, p in pred.items() if p["algo"] in ("ring", "burst")),
+                        key=lambda k: family_key(k, pred[k]))
+        print(f"\nrecommendation: {flags}: the lowest predicted fwd+bwd time per layer ({v['total'] * 1e3:.1f} ms "
+              f"vs {pred[best_ring]['total'] * 1e3:.1f} ms for {best_ring}); its all-to-alls / reduce-scatter "
+              "are on the critical path, the rings' transfers overlap compute")
+        return
+    scheme, ring = ALGO_VARIANTS[best]
     bound = "compute-bound: attention compute hides its communication" if v["bwd_comm"] <= v["bwd_compute"] \
         else "communication-bound: the backward's transfers outlast its compute"
     why = (f"the lowest predicted fwd+bwd time per layer ({v['total'] * 1e3:.1f} ms, {bound}); ties go to less "

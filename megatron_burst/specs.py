@@ -96,7 +96,7 @@ def get_gpt_layer_spec(cp_algo: Optional[str] = None, cp_layout: Optional[str] =
         base = get_gpt_layer_local_spec(**more_options)
     return swap_core_attention(base, cp_algo=cp_algo, cp_layout=cp_layout, cp_stripe=cp_stripe, cp_ring=cp_ring,
                                cp_ranks_per_node=cp_ranks_per_node, seq_selective_ckpt_ratio=seq_selective_ckpt_ratio,
-                               cp_ulysses_size=cp_ulysses_size)
+                               **({} if cp_ulysses_size is None else {"cp_ulysses_size": cp_ulysses_size}))
 
 
 def _module_of(entry: Any) -> Any:

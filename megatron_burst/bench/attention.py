@@ -2,6 +2,9 @@
 
     python -m megatron_burst.bench attention --world-size 4 --seq 8192 --heads 8 --head-dim 64
 
+Algorithms: ring, burst, auto, allgather, ulysses and usp (Ulysses groups of --ulysses-size, a ring
+across them; its 2-D groups are built once before timing).
+
 Times are medians over ``--repeats`` after a warm-up, taken between barriers; the algorithms are
 interleaved within each repeat and ratios are to ring (same layout) in the same run. On a 2-core machine the ranks share cores, so absolute
 times are compute-bound; the byte columns are exact.
@@ -28,14 +31,15 @@ def _inputs(args):
     return mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
 
 
-def _once(algo, layout, tensors, args):
+def _once(algo, layout, tensors, args, usp=None):
     """One timed forward + backward (between barriers, so the slowest rank sets the time)."""
     q, k, v, dout = tensors
     ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+    kw = dict(group=usp, ulysses_size=args.ulysses_size) if algo == "usp" else {}
     with mb.comm_counter() as c:
         dist.barrier()
         t0 = time.perf_counter()
-        out = mb.cp_attention(ql, kl, vl, algo=algo, layout=layout, causal=not args.full)
+        out = mb.cp_attention(ql, kl, vl, algo=algo, layout=layout, causal=not args.full, **kw)
         dist.barrier()
         t1 = time.perf_counter()
         out.backward(dout)
@@ -47,11 +51,12 @@ def _once(algo, layout, tensors, args):
 def _all(args):
     """Algorithms interleaved within every repeat, so machine noise falls on all of them alike."""
     tensors = _inputs(args)
+    usp = mb.build_usp_topology(None, args.ulysses_size) if "usp" in args.algos else None
     samples = {(a, l): [] for l in args.layouts for a in args.algos}
     for i in range(args.warmup + args.repeats):
         for layout in args.layouts:
             for algo in args.algos:
-                res = _once(algo, layout, tensors, args)
+                res = _once(algo, layout, tensors, args, usp)
                 if i >= args.warmup:
                     samples[(algo, layout)].append(res)
     out = {}
@@ -73,7 +78,9 @@ def main(argv=None) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--full", action="store_true", help="no causal mask")
-    p.add_argument("--algos", nargs="+", default=["ring", "burst", "auto"])
+    p.add_argument("--algos", nargs="+", default=["ring", "burst", "auto", "allgather", "ulysses", "usp"],
+                   choices=list(mb.CP_ALGOS))
+    p.add_argument("--ulysses-size", type=int, default=2, help="usp's Ulysses group size (default 2)")
     p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag", "striped"])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
@@ -82,6 +89,16 @@ def main(argv=None) -> None:
     args.kv_heads = args.kv_heads or args.heads
     if args.heads % args.kv_heads:
         p.error(f"--heads {args.heads} is not divisible by --kv-heads {args.kv_heads}")
+    from megatron_burst.algorithms.ulysses import check_heads
+    from megatron_burst.topology import check_ulysses_size
+
+    for algo, U in (("ulysses", args.world_size), ("usp", args.ulysses_size)):
+        if algo in args.algos:
+            try:
+                check_ulysses_size(args.world_size, U)
+                check_heads(args.heads, args.kv_heads, U, algo)
+            except ValueError as exc:
+                p.error(f"{exc} (drop {algo} from --algos or change the sizes)")
     for layout in args.layouts:  # run exactly --seq, or say why not (never a silently shorter one)
         try:
             mb.layout.check_seq_len(args.seq, args.world_size, layout)
@@ -91,7 +108,8 @@ def main(argv=None) -> None:
     mask = "full" if args.full else "causal"
     print(f"# cp attention: W={args.world_size} gloo ranks, seq={args.seq}, batch={args.batch}, "
           f"heads={args.heads}/{args.kv_heads} kv, head_dim={args.head_dim}, {args.dtype}, {mask}, "
-          f"median of {args.repeats}")
+          f"median of {args.repeats}" + (f"; usp = {args.ulysses_size} x {args.world_size // args.ulysses_size}"
+                                         if "usp" in args.algos else ""))
     print("| layout | algo | fwd s | bwd s | total s | total vs ring | fwd MB sent/rank | bwd MB sent/rank | bwd bytes vs ring |")
     print("|---|---|---|---|---|---|---|---|---|")
     for (algo, layout), m in res.items():

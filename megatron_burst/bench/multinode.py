@@ -1,4 +1,5 @@
-"""Emulated multi-node benchmark: flat vs double ring, ring vs burst backward, over a slow inter-node link.
+"""Emulated multi-node benchmark: flat vs double ring, ring vs burst backward, all-gather, Ulysses and USP
+(Ulysses inside a node, burst double ring across), over a slow inter-node link.
 
     sudo python -m megatron_burst.bench multinode --nodes 2 --ranks-per-node 2 --inter-mbit 100 --ratio 10
 
@@ -24,7 +25,14 @@ import time
 
 from megatron_burst.bench import plotting
 
-VARIANTS = [("ring", "flat"), ("burst", "flat"), ("ring", "double"), ("burst", "double")]
+VARIANTS = [("ring", "flat"), ("burst", "flat"), ("ring", "double"), ("burst", "double"), ("allgather", "flat"),
+            ("ulysses", "flat"), ("usp", "double")]
+
+
+def _variant_name(algo: str, ring: str, ranks_per_node: int) -> str:
+    if algo == "usp":  # Ulysses over the node's ranks, burst's double ring across nodes
+        return f"usp{ranks_per_node}/burst/{ring}"
+    return algo if algo in ("allgather", "ulysses") else f"{algo}/{ring}"
 
 
 # ---------------------------------------------------------------- worker (runs inside a namespace)
@@ -38,6 +46,9 @@ def _worker(args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world_size)
     topo = mb.build_cp_topology(None, args.ranks_per_node)
+    R = args.ranks_per_node
+    usp = mb.build_usp_topology(None, R, R) if 1 < R < args.world_size else None
+    variants = [(a, ring) for a, ring in VARIANTS if a != "usp" or usp is not None]
     W, r = args.world_size, args.rank
     n = args.seq // W
     torch.manual_seed(r)
@@ -58,21 +69,22 @@ def _worker(args) -> None:
         rate = block.numel() * block.element_size() / statistics.median(times)
 
     # variants interleaved within every repeat, so machine noise falls on all of them alike
-    results = {f"{algo}/{ring}": [] for algo, ring in VARIANTS}
+    results = {_variant_name(algo, ring, R): [] for algo, ring in variants}
     for i in range(args.warmup + args.repeats):
-        for algo, ring in VARIANTS:
+        for algo, ring in variants:
             ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+            kw = dict(group=usp, ulysses_size=R, ring_backward="burst") if algo == "usp" else dict(group=topo)
             dist.barrier()
             with mb.comm_counter() as c:
                 t0 = time.perf_counter()
-                out = mb.cp_attention(ql, kl, vl, group=topo, algo=algo, ring=ring, layout=args.layout)
+                out = mb.cp_attention(ql, kl, vl, algo=algo, ring=ring, layout=args.layout, **kw)
                 t1 = time.perf_counter()
                 out.backward(dout)
                 t2 = time.perf_counter()
             dist.barrier()
             if i >= args.warmup:
                 inter_bytes = c.bytes("sent", link="inter")
-                results[f"{algo}/{ring}"].append(dict(
+                results[_variant_name(algo, ring, R)].append(dict(
                     fwd=t1 - t0, bwd=t2 - t1, inter_bytes=inter_bytes, intra_bytes=c.bytes("sent", link="intra"),
                     inter_wait=c.wait_seconds(link="inter"), inter_transfer=inter_bytes / rate if rate else 0.0))
     with open(os.path.join(args.out, f"rank{r}.json"), "w") as f:
