@@ -59,8 +59,8 @@ def attention_summary(model: torch.nn.Module, args, sizes: ParallelSizes) -> str
 
 
 def _softmax_summary(model: torch.nn.Module, args, sizes: ParallelSizes) -> str:
-    from megatron_burst.algorithms import resolve_algo
-    from megatron_burst.topology import CPTopology
+    from megatron_burst.algorithms import choose_algo, resolve_algo
+    from megatron_burst.topology import CPTopology, registered_usp_topology
 
     attention = _softmax_attention(model)
     if attention is None:
@@ -72,10 +72,14 @@ def _softmax_summary(model: torch.nn.Module, args, sizes: ParallelSizes) -> str:
     text = f"cp-algo {algo}"
     if algo == "auto" and sizes.cp > 1:
         elem = next(model.parameters()).element_size()
-        chosen = resolve_algo("auto", args.micro_batch_size, args.num_attention_heads // sizes.tp,
-                              max(1, args.num_query_groups // sizes.tp), args.seq_length // sizes.cp,
-                              args.kv_channels, elem, sizes.cp, nodes=nodes, ring=ring)
-        text += f" -> {chosen} backward"
+        shape = (args.micro_batch_size, args.num_attention_heads // sizes.tp, max(1, args.num_query_groups // sizes.tp),
+                 args.seq_length // sizes.cp, args.kv_channels, elem, sizes.cp)
+        usp_sizes = tuple(u for u in range(2, sizes.cp) if registered_usp_topology(attention.cp_group, u) is not None)
+        family, U = choose_algo(*shape, nodes=nodes, ring=ring, usp_sizes=usp_sizes)
+        if family in ("ring", "burst"):
+            text += f" -> {resolve_algo('auto', *shape, nodes=nodes, ring=ring)} backward"
+        else:
+            text += f" -> {family}" + (f" {U} x {sizes.cp // U}" if family == "usp" else "")
     if sizes.cp > 1:
         text += f", ring {ring}" + (f" ({nodes} nodes x {sizes.cp // nodes})" if nodes > 1 else "")
     return text
