@@ -332,13 +332,16 @@ class RingComm:
 # ------------------------------------------------------------------------- collectives
 
 
-def _collective(kind: str, group: Optional[dist.ProcessGroup], phase: str, link: str, sent: int, received: int,
+def _collective(kind: str, group: Optional[dist.ProcessGroup], phase: str, moved: dict[str, int],
                 in_bytes: int, post: Callable[[], object], device: torch.device, label: str) -> PendingExchange:
-    record("sent", phase, link, sent)
-    record("received", phase, link, received)
+    """Count ``moved`` ({link: bytes}, sent and as many received), trace and post one collective."""
+    for link, n in moved.items():
+        record("sent", phase, link, n)
+        record("received", phase, link, n)
     trace_id = _trace_post(group, [TracedOp(kind, -1, in_bytes)], label or f"{phase} {kind}")
     work = post()
-    return PendingExchange([work], [], phase, link, device, trace_id)
+    # a wait is charged to the slower link class involved
+    return PendingExchange([work], [], phase, "inter" if moved.get("inter") else "intra", device, trace_id)
 
 
 # torch >= 2.13 names them *_single (the *_tensor spellings warn as deprecated); older torch has only those
@@ -356,24 +359,30 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.Proces
     if out.numel() != W * inp.numel() or out.dtype != inp.dtype:
         raise ValueError(f"all_gather: out {tuple(out.shape)} {out.dtype} must hold {W} x inp "
                          f"{tuple(inp.shape)} {inp.dtype}")
-    moved = (W - 1) * nbytes(inp)
-    return _collective("all_gather", group, phase, link, moved, moved, nbytes(inp),
+    moved = {link: (W - 1) * nbytes(inp)}
+    return _collective("all_gather", group, phase, moved, nbytes(inp),
                        lambda: _all_gather_single(out, inp.contiguous(), group=group, async_op=True),
                        inp.device, label)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup], phase: str,
-               link: str = "intra", label: str = "") -> PendingExchange:
+               link: str | Callable[[int], str] = "intra", label: str = "") -> PendingExchange:
     """Post ``all_to_all_single(out, inp)`` with equal splits along dim 0 (W chunks each).
 
-    Counted as what leaves the rank: (W - 1) / W of inp's bytes (the own chunk stays).
+    Counted as what leaves the rank: (W - 1) / W of inp's bytes (the own chunk stays), classed by
+    ``link``: one class, or a function of the peer's group rank (a group spanning nodes).
     """
     W = dist.get_world_size(group)
     if inp.shape[0] % W or out.shape != inp.shape or out.dtype != inp.dtype:
         raise ValueError(f"all_to_all: inp {tuple(inp.shape)} must split into {W} equal chunks along dim 0 "
                          f"and out {tuple(out.shape)} {out.dtype} must match it")
-    moved = nbytes(inp) // W * (W - 1)
-    return _collective("all_to_all", group, phase, link, moved, moved, nbytes(inp),
+    chunk, me = nbytes(inp) // W, dist.get_rank(group)
+    moved: dict[str, int] = {}
+    for peer in range(W):
+        if peer != me:
+            cls = link(peer) if callable(link) else link
+            moved[cls] = moved.get(cls, 0) + chunk
+    return _collective("all_to_all", group, phase, moved, nbytes(inp),
                        lambda: dist.all_to_all_single(out, inp.contiguous(), group=group, async_op=True),
                        inp.device, label)
 
@@ -389,7 +398,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.Pr
     if inp.numel() != W * out.numel() or out.dtype != inp.dtype:
         raise ValueError(f"reduce_scatter: inp {tuple(inp.shape)} {inp.dtype} must hold {W} x out "
                          f"{tuple(out.shape)} {out.dtype}")
-    moved = (W - 1) * nbytes(out)
-    return _collective("reduce_scatter", group, phase, link, moved, moved, nbytes(inp),
+    moved = {link: (W - 1) * nbytes(out)}
+    return _collective("reduce_scatter", group, phase, moved, nbytes(inp),
                        lambda: _reduce_scatter_single(out, inp.contiguous(), group=group, async_op=True),
                        inp.device, label)

@@ -184,10 +184,11 @@ class USPTopology:
     ring: CPTopology
     ranks_per_node: int  # of the CP group (the ring's nodes hold ranks_per_node / U groups)
 
-    @property
-    def ulysses_link(self) -> str:
-        """Link class of the all-to-all: intra while a Ulysses group fits in a node."""
-        return "intra" if self.ulysses_size <= self.ranks_per_node else "inter"
+    def ulysses_link(self, peer: int) -> str:
+        """Link class to ``peer`` (its index in this rank's Ulysses group): CP ranks are node-major."""
+        first = self.rank - self.rank % self.ulysses_size
+        same = (first + peer) // self.ranks_per_node == self.rank // self.ranks_per_node
+        return "intra" if same else "inter"
 
     @property
     def num_nodes(self) -> int:

@@ -81,3 +81,15 @@ def auto_choice(heads, ulysses_size=None, local_len=6, d=8):
         usp_group(ulysses_size)
     errs = run_case("auto", "zigzag", True, heads, group=group, local_len=local_len, d=d)
     return errs
+
+
+def link_split(algo, ranks_per_node):
+    """Bytes by (phase, link) of one call on a node topology (usp: Ulysses groups inside a node)."""
+    from topology_cases import topology
+
+    if algo == "usp":
+        group = usp_group(ranks_per_node, ranks_per_node)
+    else:
+        group = topology(ranks_per_node)
+    errs = run_case(algo, "zigzag", True, "mha", group=group)
+    return errs["links"], errs["bytes"]

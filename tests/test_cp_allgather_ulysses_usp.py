@@ -4,7 +4,8 @@ under NCCL's rules."""
 import pytest
 
 from attention_cases import run_case
-from cp_family_cases import auto_choice, bad_family_inputs, family_schedule, run_family_matrix, run_usp_case
+from cp_family_cases import (auto_choice, bad_family_inputs, family_schedule, link_split, run_family_matrix,
+                             run_usp_case)
 from harness import run_ranks
 from megatron_burst.algorithms import allgather, burst, ring, ulysses
 from test_attention import FP32_TOL, HAND_BYTES, _assert_close
@@ -169,3 +170,21 @@ def test_auto_keeps_the_ring_family_when_latency_decides_and_uses_usp_groups_whe
     for errs in run_ranks(4, auto_choice, "mha", 2):
         assert errs["bytes"] == {"forward": usp_fwd, "backward": usp_bwd}
         _assert_close({"auto": errs})
+
+
+def test_bytes_are_classed_by_the_link_they_cross():
+    """2 nodes x 2 ranks: Ulysses sends 1 of its 3 chunks inside the node; a ring collective sends
+    everything to the next rank (inter from the node's last rank); USP's all-to-all stays inside
+    the node and only its ring crosses."""
+    from megatron_burst.algorithms import ring as ring_mod
+
+    for rank, (links, total) in enumerate(run_ranks(4, link_split, "ulysses", 2)):
+        for phase in ("forward", "backward"):
+            assert links[(phase, "intra")] * 3 == total[phase] and links[(phase, "inter")] * 3 == 2 * total[phase]
+    for rank, (links, total) in enumerate(run_ranks(4, link_split, "allgather", 2)):
+        crosses = rank % 2 == 1  # rank 1 -> 2 and rank 3 -> 0 leave the node
+        assert links[("forward", "inter" if crosses else "intra")] == total["forward"]
+    ring_fwd = ring_mod.forward_bytes(2, 2, 12, 8, 4, 2)  # one hop of the 2-member ring, 2 heads of 12 tokens
+    for links, total in run_ranks(4, link_split, "usp", 2):
+        assert links[("forward", "inter")] == ring_fwd
+        assert links[("forward", "intra")] == total["forward"] - ring_fwd

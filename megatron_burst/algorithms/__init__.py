@@ -296,9 +296,9 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
     U = ulysses_size
     if U == world_size:  # plain Ulysses: the CP group is the all-to-all group, the ring is a single member
         rank_topo, a2a_group = CPTopology(None, 0, 1, 1, None), cp_group
-        link = "inter" if nodes > 1 else "intra"
+        link = topo.link_of if topo is not None else "intra"
         if isinstance(group, USPTopology):
-            a2a_group = group.ulysses_group
+            a2a_group, link = group.ulysses_group, group.ulysses_link
     else:
         usp = _usp_topology(group, world_size, U)
         rank_topo, a2a_group, link = usp.ring, usp.ulysses_group, usp.ulysses_link

@@ -46,7 +46,9 @@ def kv_pieces(cfg: CPConfig, n: int) -> list[tuple[int, int]]:
 
 
 def _link(cfg: CPConfig) -> str:
-    return "inter" if cfg.topology.num_nodes > 1 else "intra"
+    """Link class of a ring collective's bytes on this rank: a ring all-gather / reduce-scatter
+    sends everything to the next rank of the group."""
+    return cfg.topology.link_of((cfg.rank + 1) % cfg.world_size)
 
 
 def _post_gathers(cfg: CPConfig, k: torch.Tensor, v: torch.Tensor, pieces, phase: str) -> list:

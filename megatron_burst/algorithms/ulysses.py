@@ -25,7 +25,7 @@ hkv'/U heads.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,8 @@ from megatron_burst.kernels import row_dot
 from megatron_burst.kernels.reference import expand_kv, reduce_kv
 
 _BACKWARD = {"ring": ring.ring_backward, "burst": burst.burst_backward}
+# link class of the all-to-all's bytes: one class, or per peer (its rank in the Ulysses group)
+LinkOf = Union[str, Callable[[int], str]]
 
 
 def check_heads(hq: int, hkv: int, ulysses_size: int, algo: str = "ulysses") -> None:
@@ -55,7 +57,7 @@ def kv_heads_sent(hkv: int, ulysses_size: int) -> int:
     return hkv if hkv % ulysses_size == 0 else ulysses_size
 
 
-def seq_to_heads(tensors: list[torch.Tensor], group, U: int, phase: str, link: str) -> list[torch.Tensor]:
+def seq_to_heads(tensors: list[torch.Tensor], group, U: int, phase: str, link: LinkOf) -> list[torch.Tensor]:
     """[b, h_i, n, d] per tensor (this rank's tokens, all heads) -> [b, h_i/U, U*n, d] (the group's
     tokens in CP-rank order, this rank's 1/U of the heads). One all-to-all for all tensors."""
     if U == 1:
@@ -69,7 +71,7 @@ def seq_to_heads(tensors: list[torch.Tensor], group, U: int, phase: str, link: s
     return [x.contiguous() for x in whole.split([t.shape[1] // U for t in tensors], dim=1)]
 
 
-def heads_to_seq(tensors: list[torch.Tensor], group, U: int, phase: str, link: str) -> list[torch.Tensor]:
+def heads_to_seq(tensors: list[torch.Tensor], group, U: int, phase: str, link: LinkOf) -> list[torch.Tensor]:
     """Inverse of :func:`seq_to_heads`: [b, h_i/U, U*n, d] -> [b, h_i, n, d]."""
     if U == 1:
         return list(tensors)
@@ -97,7 +99,8 @@ class UlyssesAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, cfg: CPConfig, group: Optional[dist.ProcessGroup], link: str, backward_algo: str):
+    def forward(ctx, q, k, v, cfg: CPConfig, group: Optional[dist.ProcessGroup], link: LinkOf,
+                backward_algo: str):
         U, hkv = cfg.ulysses_size, k.shape[1]
         sent = kv_heads_sent(hkv, U)
         kx, vx = expand_kv(k, sent), expand_kv(v, sent)
