@@ -78,8 +78,8 @@ def main(argv=None) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--full", action="store_true", help="no causal mask")
-    p.add_argument("--algos", nargs="+", default=["ring", "burst", "auto", "allgather", "ulysses", "usp"],
-                   choices=list(mb.CP_ALGOS))
+    p.add_argument("--algos", nargs="+", default=None, choices=list(mb.CP_ALGOS),
+                   help="default: ring burst auto allgather, and ulysses / usp where the heads and sizes allow")
     p.add_argument("--ulysses-size", type=int, default=2, help="usp's Ulysses group size (default 2)")
     p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag", "striped"])
     p.add_argument("--repeats", type=int, default=5)
@@ -89,21 +89,25 @@ def main(argv=None) -> None:
     args.kv_heads = args.kv_heads or args.heads
     if args.heads % args.kv_heads:
         p.error(f"--heads {args.heads} is not divisible by --kv-heads {args.kv_heads}")
+    for layout in args.layouts:  # run exactly --seq, or say why not (never a silently shorter one)
+        try:
+            mb.layout.check_seq_len(args.seq, args.world_size, layout)
+        except ValueError as exc:
+            p.error(f"--seq {args.seq} at --world-size {args.world_size}, layout {layout}: {exc}")
     from megatron_burst.algorithms.ulysses import check_heads
     from megatron_burst.topology import check_ulysses_size
 
+    asked = args.algos is not None
+    args.algos = args.algos or ["ring", "burst", "auto", "allgather", "ulysses", "usp"]
     for algo, U in (("ulysses", args.world_size), ("usp", args.ulysses_size)):
         if algo in args.algos:
             try:
                 check_ulysses_size(args.world_size, U)
                 check_heads(args.heads, args.kv_heads, U, algo)
             except ValueError as exc:
-                p.error(f"{exc} (drop {algo} from --algos or change the sizes)")
-    for layout in args.layouts:  # run exactly --seq, or say why not (never a silently shorter one)
-        try:
-            mb.layout.check_seq_len(args.seq, args.world_size, layout)
-        except ValueError as exc:
-            p.error(f"--seq {args.seq} at --world-size {args.world_size}, layout {layout}: {exc}")
+                if asked:
+                    p.error(f"{exc} (drop {algo} from --algos or change the sizes)")
+                args.algos.remove(algo)  # a default that does not fit this shape is left out
     res = run_local(args.world_size, _all, args, threads=args.threads)[0]
     mask = "full" if args.full else "causal"
     print(f"# cp attention: W={args.world_size} gloo ranks, seq={args.seq}, batch={args.batch}, "
