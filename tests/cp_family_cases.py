@@ -93,3 +93,25 @@ def link_split(algo, ranks_per_node):
         group = topology(ranks_per_node)
     errs = run_case(algo, "zigzag", True, "mha", group=group)
     return errs["links"], errs["bytes"]
+
+
+def selective_fallback(algo="ulysses"):
+    """selective_cp_attention with an algorithm that computes every row: a plain call, nothing stored."""
+    from megatron_burst.checkpoint import SelectiveAttentionCache, selective_cp_attention
+    from attention_cases import full_inputs
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    q, k, v, dout = full_inputs(8 * W, 2, 4, 2, 8, torch.float32, seed=5)
+    sh = lambda t: mb.shard(t, 0, r, W, "zigzag").clone().requires_grad_()  # noqa: E731
+    cache = SelectiveAttentionCache()
+    with torch.no_grad():
+        first = selective_cp_attention(sh(q), sh(k), sh(v), cache=cache, stored_fraction=0.5, algo=algo)
+    leaves = [sh(t) for t in (q, k, v)]
+    again = selective_cp_attention(*leaves, cache=cache, stored_fraction=0.5, algo=algo)
+    again.backward(sh(dout).detach())
+    plain_leaves = [sh(t) for t in (q, k, v)]
+    plain = mb.cp_attention(*plain_leaves, algo=algo)
+    plain.backward(sh(dout).detach())
+    same = all(torch.equal(a, b) for a, b in [(first, plain.detach()), (again.detach(), plain.detach())]
+               + [(x.grad, y.grad) for x, y in zip(leaves, plain_leaves)])
+    return same, cache.hits

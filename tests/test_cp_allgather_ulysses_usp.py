@@ -5,7 +5,7 @@ import pytest
 
 from attention_cases import run_case
 from cp_family_cases import (auto_choice, bad_family_inputs, family_schedule, link_split, run_family_matrix,
-                             run_usp_case)
+                             run_usp_case, selective_fallback)
 from harness import run_ranks
 from megatron_burst.algorithms import allgather, burst, ring, ulysses
 from test_attention import FP32_TOL, HAND_BYTES, _assert_close
@@ -188,3 +188,8 @@ def test_bytes_are_classed_by_the_link_they_cross():
     for links, total in run_ranks(4, link_split, "usp", 2):
         assert links[("forward", "inter")] == ring_fwd
         assert links[("forward", "intra")] == total["forward"] - ring_fwd
+
+
+def test_selective_checkpointing_falls_back_to_a_plain_recompute_for_ulysses():
+    for same, hits in run_ranks(2, selective_fallback, "ulysses"):
+        assert same and hits == 0

@@ -77,6 +77,9 @@ def test_trainer_validates_heads_and_sizes_before_starting():
          "size 4"),
         (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "3",
           "1"], "must multiply to --context-parallel-size 4"),
+        (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--recompute-granularity", "full",
+          "--seq-selective-ckpt-ratio", "0.5"], "--seq-selective-ckpt-ratio 0.5 recomputes part of each sequence, "
+         "which ulysses cannot"),
     ]
     for argv, needle in cases:
         with pytest.raises(ValueError) as info:

@@ -225,7 +225,10 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """
     group = parser.add_argument_group("megatron-burst", "context-parallel attention")
     group.add_argument("--cp-algo", type=str, default=None, choices=list(CP_ALGOS) + [STOCK_ATTENTION],
-                       help="context-parallel attention algorithm. Default: the value of "
+                       help="context-parallel attention algorithm: ring, burst (ring forward, "
+                            "BurstAttention backward), auto (the cost model's pick, megatron_burst.plan), "
+                            "allgather, ulysses (all-to-all of heads), usp (Ulysses groups of "
+                            "--hierarchical-context-parallel-sizes' first entry, a ring across). Default: the value of "
                             "--cp-comm-type when it names one of ours, else 'burst'. "
                             "Megatron-LM's default --cp-comm-type p2p counts as 'ring' only when "
                             "--cp-algo is not given. 'none' keeps Megatron's own attention and "
@@ -290,6 +293,7 @@ def cp_options_from_args(args: argparse.Namespace) -> CPOptions:
     if ratio is not None and opts.algo == STOCK_ATTENTION:
         raise ValueError(f"--seq-selective-ckpt-ratio {ratio} needs megatron-burst's attention, but --cp-algo "
                          "none keeps Megatron's: drop one of them")
+    check_selective_ckpt_algo(ratio, opts.algo)
     seq_length = getattr(args, "seq_length", None)
     cp = getattr(args, "context_parallel_size", None) or 1
     if opts.algo == STOCK_ATTENTION and opts.layout != "zigzag":
@@ -304,6 +308,15 @@ def cp_options_from_args(args: argparse.Namespace) -> CPOptions:
             raise ValueError(f"--seq-length {seq_length} with --context-parallel-size {cp} and "
                              f"--cp-layout {opts.layout}: {exc}") from None
     return opts
+
+
+def check_selective_ckpt_algo(ratio: Optional[float], algo: str) -> None:
+    """Sequence-level selective checkpointing recomputes a prefix of query rows; Ulysses and USP
+    compute every row of the head-sharded sequence, so they cannot (``auto`` falls back to a plain
+    recompute when it picks them)."""
+    if ratio is not None and algo in ("ulysses", "usp"):
+        raise ValueError(f"--seq-selective-ckpt-ratio {ratio} recomputes part of each sequence, which {algo} cannot "
+                         "(it attends every row after its all-to-all): use ring, burst or allgather, or drop the ratio")
 
 
 def check_cp_heads(opts: CPOptions, cp_comm_type, cp: int, heads: Optional[int], query_groups: Optional[int],

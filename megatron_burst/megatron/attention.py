@@ -28,7 +28,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_burst.checkpoint import SelectiveAttentionCache, selective_cp_attention
 from megatron_burst.algorithms import prepare
-from megatron_burst.megatron.args import (STOCK_ATTENTION, CPOptions, check_cp_dropout, cp_ranks_per_node_from_args,
+from megatron_burst.megatron.args import (STOCK_ATTENTION, CPOptions, check_cp_dropout, check_selective_ckpt_algo,
+                                          cp_ranks_per_node_from_args,
                                           make_cp_options, megatron_lm_cp_flags)
 from megatron_burst.megatron.groups import needs_node_topology, needs_usp_topology, resolve_cp_ranks_per_node
 from megatron_burst.topology import CPTopology, registered_cp_topology, registered_usp_topology
@@ -238,6 +239,7 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
 
         self.selective_cache: Optional[SelectiveAttentionCache] = None
         if self.options.selective_ckpt_ratio is not None:
+            check_selective_ckpt_algo(self.options.selective_ckpt_ratio, self.options.algo)
             if config.recompute_granularity is None:
                 raise ValueError(f"seq_selective_ckpt_ratio={self.options.selective_ckpt_ratio} needs "
                                  "activation recompute: set recompute_granularity='selective' (with "
