@@ -40,7 +40,8 @@ __all__ = ["get_gpt_layer_spec", "gpt_layer_spec", "swap_core_attention", "trans
            "get_gpt_decoder_block_spec", "linear_attention_spec", "hybrid_block_spec"]
 
 # swap_core_attention's options (the softmax layers'); get_gpt_decoder_block_spec passes the rest to Megatron
-_SOFTMAX_OPTIONS = ("cp_ring", "cp_ranks_per_node", "seq_selective_ckpt_ratio", "cp_ulysses_size")
+_SOFTMAX_OPTIONS = ("cp_ring", "cp_ranks_per_node", "seq_selective_ckpt_ratio", "cp_ulysses_size",
+                    "cp_layer_comm_types")
 
 # Megatron's softmax core attentions, by class name (importing TE's class would need TE): these are
 # what swap_core_attention replaces. Anything else in a core_attention slot is refused.
@@ -60,7 +61,7 @@ def get_gpt_layer_spec(cp_algo: Optional[str] = None, cp_layout: Optional[str] =
                        cp_stripe: Optional[int] = None, use_te: Optional[bool] = None,
                        cp_ring: Optional[str] = None, cp_ranks_per_node: Optional[int] = None,
                        seq_selective_ckpt_ratio: Optional[float] = None, cp_ulysses_size: Optional[int] = None,
-                       **more_options: Any) -> ModuleSpec:
+                       cp_layer_comm_types: Optional[tuple] = None, **more_options: Any) -> ModuleSpec:
     """Megatron's GPT layer spec with :class:`BurstCoreAttention` as core attention.
 
     Args:
@@ -77,6 +78,8 @@ def get_gpt_layer_spec(cp_algo: Optional[str] = None, cp_layout: Optional[str] =
             fraction of each sequence and recompute attention only for the rest.
         cp_ulysses_size: usp's all-to-all group size (None: Megatron-LM's
             ``--hierarchical-context-parallel-sizes`` first entry).
+        cp_layer_comm_types: Megatron's per-layer ``--cp-comm-type`` list; layer L (1-based) runs
+            entry L-1 (unless cp_algo is given).
         use_te: build on ``get_gpt_layer_with_transformer_engine_spec`` (True) or
             ``get_gpt_layer_local_spec`` (False); None: TE when it is installed.
         more_options: passed to Megatron's spec function (normalization, qk_layernorm, ...).
@@ -96,7 +99,8 @@ def get_gpt_layer_spec(cp_algo: Optional[str] = None, cp_layout: Optional[str] =
         base = get_gpt_layer_local_spec(**more_options)
     return swap_core_attention(base, cp_algo=cp_algo, cp_layout=cp_layout, cp_stripe=cp_stripe, cp_ring=cp_ring,
                                cp_ranks_per_node=cp_ranks_per_node, seq_selective_ckpt_ratio=seq_selective_ckpt_ratio,
-                               **({} if cp_ulysses_size is None else {"cp_ulysses_size": cp_ulysses_size}))
+                               **({} if cp_ulysses_size is None else {"cp_ulysses_size": cp_ulysses_size}),
+                               **({} if cp_layer_comm_types is None else {"cp_layer_comm_types": cp_layer_comm_types}))
 
 
 def _module_of(entry: Any) -> Any:

@@ -94,3 +94,21 @@ def test_core_attention_per_layer_comm_type_and_missing_usp_groups():
     assert run_ranks(2, construct_core_attention, 2, cp_comm_type="allgather") == ["ok", "ok"]
     msgs = run_ranks(4, construct_core_attention, 4, cp_comm_type="a2a+p2p", cp_ulysses_size=2)
     assert all("needs its 2-D process groups" in m for m in msgs), msgs
+
+
+def test_per_layer_comm_types_through_the_trainer(reference):
+    """Megatron's per-layer form: layer 1 Ulysses, layer 2 USP 2 x 2 (--hierarchical-context-parallel-sizes
+    2 2) at CP = 4; equal to CP = 1."""
+    results = run_ranks(4, loss_and_full_grads, 1, 4, ["--cp-comm-type", "a2a", "a2a+p2p",
+                                                      "--hierarchical-context-parallel-sizes", "2", "2"], seq=32)
+    for rank, res in enumerate(results):
+        assert res["resolved"][0] == "ulysses" and res["resolved"][1].startswith("usp2/"), res["resolved"]
+        _assert_matches(res, reference, f"CP=4 per-layer a2a, a2a+p2p rank {rank}")
+
+
+def test_per_layer_list_must_match_the_layers():
+    from test_megatron_args import _train_args
+    from megatron_burst.train import validate_args
+
+    with pytest.raises(ValueError, match="--cp-comm-type has 3 values but the model has --num-layers 1"):
+        validate_args(_train_args(["--context-parallel-size", "2", "--cp-comm-type", "a2a", "p2p", "a2a"]), 2)

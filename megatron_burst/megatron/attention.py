@@ -146,12 +146,18 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
         cp_ranks_per_node: Optional[int] = None,
         seq_selective_ckpt_ratio: Optional[float] = None,
         cp_ulysses_size: Optional[int] = None,
+        cp_layer_comm_types: Optional[tuple] = None,
     ) -> None:
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
         self.cp_group = _cp_group_from(pg_collection)
+        if cp_layer_comm_types is not None:  # Megatron's per-layer --cp-comm-type: this layer's entry
+            if not 1 <= self.layer_number <= len(cp_layer_comm_types):
+                raise ValueError(f"layer {self.layer_number}: --cp-comm-type lists {len(cp_layer_comm_types)} "
+                                 "values: give one per layer")
+            cp_comm_type = cp_layer_comm_types[self.layer_number - 1]
         cp_size = dist.get_world_size(self.cp_group) if dist.is_initialized() else 1
 
         flags = megatron_lm_cp_flags()

@@ -78,10 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size (default 1)")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="CP size (default 1); the data-parallel size is world / (TP x CP)")
-    g.add_argument("--cp-comm-type", type=str, default=None,
+    g.add_argument("--cp-comm-type", type=str, nargs="+", default=None,
                    help="Megatron's name for the CP algorithm: p2p (ring), a2a (ulysses), allgather / "
                         "all_gather, a2a+p2p (usp, with --hierarchical-context-parallel-sizes); or one of "
-                        "ours (see --cp-algo)")
+                        "ours (see --cp-algo). Megatron's per-layer form: one value per layer")
     g.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs=2, default=None, metavar=("A2A", "P2P"),
                    help="Megatron's a2a+p2p sizes: all-to-all (Ulysses) groups of A2A consecutive CP ranks, a "
                         "ring over the P2P groups (A2A x P2P = CP); A2A is also taken as CP ranks per node "
@@ -241,6 +241,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> tuple[CPOptions,
                          f"{args.lr_decay_iters}")
     if args.save_interval is not None and args.save_interval < 1:
         raise ValueError(f"--save-interval {args.save_interval} must be >= 1")
+    comm = args.cp_comm_type
+    if isinstance(comm, list):  # Megatron-LM's nargs="+": one value, or one per layer
+        if len(comm) not in (1, args.num_layers):
+            raise ValueError(f"--cp-comm-type has {len(comm)} values but the model has --num-layers "
+                             f"{args.num_layers}: give one value, or one per layer")
+        args.cp_comm_type = comm[0] if len(set(comm)) == 1 else list(comm)
     opts = cp_options_from_args(args)  # checks --seq-length against the layout and CP size
     linear_options_from_args(args, opts, args.num_query_groups)  # --linear-attention-* against the model
     return opts, ParallelSizes(world_size, tp, cp, dp,

@@ -76,7 +76,10 @@ def model_config(args: argparse.Namespace, sizes: ParallelSizes, device: torch.d
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels, tensor_model_parallel_size=sizes.tp,
-        context_parallel_size=sizes.cp, cp_comm_type=args.cp_comm_type,
+        # a per-layer list reaches our attention through the spec (cp_layer_comm_types): Megatron-Core
+        # 0.16.1's TransformerLayer indexes the list with its 1-based layer number (off by one)
+        context_parallel_size=sizes.cp,
+        cp_comm_type=args.cp_comm_type if not isinstance(args.cp_comm_type, list) else None,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, normalization=args.normalization,
         gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
@@ -104,6 +107,8 @@ def gpt_model_kwargs(args: argparse.Namespace, opts: CPOptions, sizes: ParallelS
     softmax = dict(cp_algo=args.cp_algo, cp_layout=opts.layout, cp_stripe=opts.stripe, cp_ring=opts.ring,
                    cp_ranks_per_node=opts.ranks_per_node, seq_selective_ckpt_ratio=opts.selective_ckpt_ratio,
                    cp_ulysses_size=opts.ulysses_size,
+                   **({"cp_layer_comm_types": tuple(args.cp_comm_type)} if isinstance(args.cp_comm_type, list)
+                      else {}),
                    use_te=False, normalization=args.normalization)
     linear = linear_options_from_args(args, opts, args.num_query_groups)
     if linear is None:
