@@ -143,6 +143,6 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
         with open(args.metrics_file, "w") as f:
             json.dump({"cp": sizes.cp, "tp": sizes.tp, "dp": sizes.dp, "layout": opts.layout,
                        "algo": softmax.options.algo if softmax is not None else None,
-                       "metrics": metrics}, f, indent=1)
+                       "attention": attention_summary(model, args, sizes), "metrics": metrics}, f, indent=1)
     return metrics
 
