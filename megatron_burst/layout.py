@@ -15,8 +15,8 @@ In every layout a rank's local tokens are in increasing global order. That makes
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import torch
 
@@ -121,6 +121,11 @@ class BlockMask:
       * ``causal``: inside that rectangle, row i sees column j iff i - q_start >= j - kv_start.
       * ``block_causal``: inside the rectangle, row i sees column j iff
         (i - q_start) // block >= (j - kv_start) // block.
+      * ``positions``: inside the rectangle, row i sees column j iff
+        kv_pos[j - kv_start] <= q_pos[i - q_start] (global token positions, both increasing).
+        Document masks produce it (see :mod:`megatron_burst.documents`) for the part of one
+        document in a block whose causal pattern is none of the above (e.g. striped with an offset);
+        they always trim it so that every row sees at least its first column.
     Rows outside [q_start, q_stop) receive nothing from this block.
     """
 
@@ -130,6 +135,9 @@ class BlockMask:
     kv_start: int = 0
     kv_stop: int = 0
     block: int = 1
+    # ``positions`` only: LongTensors [q_stop - q_start] and [kv_stop - kv_start] (CPU)
+    q_pos: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    kv_pos: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
 
     @property
     def q_slice(self) -> slice:
@@ -150,6 +158,11 @@ class BlockMask:
             kv_stop = min(self.kv_stop, self.kv_start + height)
         elif self.kind == "block_causal":
             kv_stop = min(self.kv_stop, self.kv_start + ((height - 1) // self.block + 1) * self.block)
+        elif self.kind == "positions":  # the last kept row's position bounds the columns anyone sees
+            q_pos = self.q_pos[:height]
+            seen = int(torch.searchsorted(self.kv_pos, q_pos[-1:], right=True)[0])
+            return BlockMask("positions", self.q_start, rows, self.kv_start, self.kv_start + seen, 1,
+                             q_pos, self.kv_pos[:seen])
         else:
             kv_stop = self.kv_stop
         return BlockMask(self.kind, self.q_start, rows, self.kv_start, kv_stop, self.block)
@@ -165,6 +178,8 @@ class BlockMask:
             sub = torch.ones(rows.shape[0], cols.shape[1], dtype=torch.bool)
         elif self.kind == "causal":
             sub = rows >= cols
+        elif self.kind == "positions":
+            sub = self.kv_pos[None, :] <= self.q_pos[:, None]
         else:
             sub = rows // self.block >= cols // self.block
         m[self.q_slice, self.kv_slice] = sub

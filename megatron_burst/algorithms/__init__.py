@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_burst.algorithms import burst, ring
 from megatron_burst.algorithms.schedule import CPConfig
+from megatron_burst.documents import CuSeqlens, Documents, check_cu_seqlens
 from megatron_burst.kernels import row_dot
 from megatron_burst.layout import check_layout, check_local_len
 from megatron_burst.topology import RING_SHAPES, CPTopology, single_node_topology
@@ -179,7 +180,7 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
             layout: str = "zigzag", causal: bool = True, ring: Optional[str] = None,
             softmax_scale: Optional[float] = None, qkv_format: str = "sbhd", stripe: int = 1,
             dropout_p: float = 0.0, attn_bias: Optional[torch.Tensor] = None,
-            kernel: Optional[str] = None) -> Prepared:
+            kernel: Optional[str] = None, cu_seqlens: Optional[CuSeqlens] = None) -> Prepared:
     """Validate a cp_attention call (before any collective) and resolve its configuration."""
     topo = group if isinstance(group, CPTopology) else single_node_topology(group)
     ring = ring or topo.default_ring
@@ -191,10 +192,13 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
     validate(q, k, v, world_size=world_size, algo=algo, layout=layout, qkv_format=qkv_format, stripe=stripe,
              dropout_p=dropout_p, attn_bias=attn_bias)
     b, hq, n, d = to_bhsd(q, qkv_format).shape
+    documents: Optional[Documents] = None
+    if cu_seqlens is not None:
+        documents = check_cu_seqlens(cu_seqlens, n * world_size, b)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     backward_algo = resolve_algo(algo, b, hq, to_bhsd(k, qkv_format).shape[1], n, d, q.element_size(), world_size,
                                  nodes=topo.num_nodes, ring=ring, causal=causal)
-    cfg = CPConfig(topo, ring, layout, stripe, causal, scale, kernel)
+    cfg = CPConfig(topo, ring, layout, stripe, causal, scale, kernel, documents)
     return Prepared(q, k, v, cfg, backward_algo, qkv_format)
 
 
@@ -203,7 +207,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  algo: str = "burst", layout: str = "zigzag", causal: bool = True, ring: Optional[str] = None,
                  softmax_scale: Optional[float] = None, qkv_format: str = "sbhd", stripe: int = 1,
                  dropout_p: float = 0.0, attn_bias: Optional[torch.Tensor] = None,
-                 kernel: Optional[str] = None) -> torch.Tensor:
+                 kernel: Optional[str] = None, cu_seqlens: Optional[CuSeqlens] = None) -> torch.Tensor:
     """Context-parallel softmax attention over the ranks of ``group``.
 
     q [s, b, hq, d], k/v [s, b, hkv, d] (``qkv_format="sbhd"``, Megatron's; or [b, s, h, d] for
@@ -215,7 +219,12 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     (the default when it spans several nodes) runs intra-node rings inside an inter-node ring, and
     ``ring="flat"`` one ring whose bytes are still classed intra/inter.
     ``kernel`` forces a local attention backend (megatron_burst.kernels.BACKENDS).
+    ``cu_seqlens``: packed documents, int tensor [0, ..., S] of global document boundaries over the
+    full sequence (S = s x CP size; the same on every rank), or a list of b such tensors (one per
+    sample). Attention stays inside each document: causal within it (``causal=True``) or full within
+    it (``causal=False``). Block pairs sharing no document skip compute; bytes sent are unchanged.
+    See megatron_burst.documents.
     """
     return prepare(q, k, v, group=group, algo=algo, layout=layout, causal=causal, ring=ring,
                    softmax_scale=softmax_scale, qkv_format=qkv_format, stripe=stripe, dropout_p=dropout_p,
-                   attn_bias=attn_bias, kernel=kernel).apply()
+                   attn_bias=attn_bias, kernel=kernel, cu_seqlens=cu_seqlens).apply()

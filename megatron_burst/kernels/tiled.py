@@ -13,10 +13,17 @@ TILE_Q = 512
 TILE_K = 512
 
 
-def _tile_mask(kind, block, q0, q1, k0, k1, device):
+def _tile_mask(kind, block, q0, q1, k0, k1, device, positions=None):
     """Visible-mask of tile rows [q0, q1) x cols [k0, k1); None if fully visible; False if empty."""
     if kind == "full":
         return None
+    if kind == "positions":  # both increasing: compare the tile's corners before building anything
+        q_pos, kv_pos = positions
+        if int(kv_pos[k1 - 1]) <= int(q_pos[q0]):
+            return None
+        if int(kv_pos[k0]) > int(q_pos[q1 - 1]):
+            return False
+        return kv_pos[k0:k1].to(device)[None, :] <= q_pos[q0:q1].to(device)[:, None]
     if kind == "causal":
         lo_q, hi_k = q0, k1 - 1
         if hi_k <= lo_q:
@@ -34,7 +41,7 @@ def _tile_mask(kind, block, q0, q1, k0, k1, device):
     return rows >= cols
 
 
-def forward(q, k, v, kind="full", block=1, scale=1.0):
+def forward(q, k, v, kind="full", block=1, scale=1.0, positions=None):
     b, hq, sq, d = q.shape
     sk = k.shape[2]
     ke, ve = expand_kv(k, hq), expand_kv(v, hq)
@@ -48,7 +55,7 @@ def forward(q, k, v, kind="full", block=1, scale=1.0):
         acc = torch.zeros(b, hq, q1 - q0, v.shape[-1], device=q.device)
         for k0 in range(0, sk, TILE_K):
             k1 = min(k0 + TILE_K, sk)
-            vis = _tile_mask(kind, block, q0, q1, k0, k1, q.device)
+            vis = _tile_mask(kind, block, q0, q1, k0, k1, q.device, positions)
             if vis is False:
                 continue
             s = qt @ ke[:, :, k0:k1].float().transpose(-1, -2)
@@ -67,7 +74,7 @@ def forward(q, k, v, kind="full", block=1, scale=1.0):
     return out, lse
 
 
-def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0):
+def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0, positions=None):
     b, hq, sq, d = q.shape
     sk = k.shape[2]
     hkv = k.shape[1]
@@ -83,7 +90,7 @@ def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0):
         D_t = D[:, :, q0:q1, None].float()
         for k0 in range(0, sk, TILE_K):
             k1 = min(k0 + TILE_K, sk)
-            vis = _tile_mask(kind, block, q0, q1, k0, k1, q.device)
+            vis = _tile_mask(kind, block, q0, q1, k0, k1, q.device, positions)
             if vis is False:
                 continue
             kt, vt = ke[:, :, k0:k1].float(), ve[:, :, k0:k1].float()
