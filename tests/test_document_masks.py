@@ -4,7 +4,8 @@ sends the same bytes as without documents, and refuses bad boundaries before any
 import pytest
 import torch
 
-from document_cases import bad_cu_seqlens_messages, count_kernel_calls, run_doc_case, run_doc_matrix
+from document_cases import (bad_cu_seqlens_messages, count_kernel_calls, run_doc_case, run_doc_matrix,
+                            selective_checkpoint_with_documents)
 from harness import run_ranks
 from megatron_burst.documents import check_cu_seqlens, dense_document_mask, document_blocks
 from megatron_burst.layout import layout_indices
@@ -122,3 +123,9 @@ def test_check_cu_seqlens_forms():
     assert docs.groups == ((0, 3, (0, 2, 6)),)
     per = check_cu_seqlens([torch.tensor([0, 6]), torch.tensor([0, 6]), [0, 1, 6]], 6, 3)
     assert per.groups == ((0, 2, (0, 6)), (2, 3, (0, 1, 6)))
+
+
+@pytest.mark.parametrize("algo,layout", [("burst", "striped"), ("ring", "zigzag"), ("burst", "contiguous")])
+def test_selective_checkpoint_with_documents(algo, layout):
+    for hits, err in run_ranks(3, selective_checkpoint_with_documents, algo, layout):
+        assert hits == 1 and err < TOL
