@@ -19,6 +19,13 @@ dropped, so every row of every rectangle sees at least one key (kernels never ge
 row, and the lse merge never meets -inf + -inf). A block pair with no document on both sides
 (after trimming) is an empty list: no kernel call, by the same skip that causal masks use.
 
+Packed THD batches (Megatron's ``PackedSeqParams``, TransformerEngine's partitioning) are one more
+layout, ``"thd"``, derived from the data: every (padded) sequence [cu_padded[i], cu_padded[i+1])
+is cut into 2W chunks and rank r holds chunks r and 2W-1-r of each (zigzag per sequence,
+:func:`megatron_burst.layout.thd_indices`). Its documents are the real sequences
+[cu_padded[i], cu_padded[i] + len_i) plus, where padded, the padding tail as a document of its own
+(nothing real sees padding). The engine is unchanged: positions come from ``Documents.partition``.
+
 This works on any two increasing position vectors, so an algorithm that gathers K,V
 (all-gather: keys in global order) or heads (Ulysses: each source rank's chunk in turn) calls
 :func:`document_blocks` with the positions it holds and hands the rectangles to the same kernels.
@@ -31,9 +38,10 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from megatron_burst.layout import BlockMask, block_mask, layout_indices
+from megatron_burst.layout import BlockMask, block_mask, layout_indices, thd_indices
 
 CuSeqlens = Union[torch.Tensor, Sequence[int], Sequence[torch.Tensor]]
+THD = "thd"  # the packed-sequence layout: zigzag per sequence (TransformerEngine's THD partitioning)
 
 
 @dataclass(frozen=True)
@@ -43,10 +51,12 @@ class Documents:
     ``groups``: ((first sample, end sample, boundaries), ...) -- one group when every sample of
     the batch shares the boundaries, else one per run of samples with equal boundaries.
     ``boundaries`` are the cu_seqlens as a tuple of Python ints [0, ..., seq_len].
+    ``partition``: layout "thd" only, the padded sequence boundaries that place tokens on ranks.
     """
 
     seq_len: int
     groups: tuple[tuple[int, int, tuple[int, ...]], ...]
+    partition: Optional[tuple[int, ...]] = None
 
 
 def _as_bounds(cu: object, seq_len: int, what: str) -> tuple[int, ...]:
@@ -103,6 +113,46 @@ def check_cu_seqlens(cu_seqlens: CuSeqlens, seq_len: int, batch: int) -> Documen
     return Documents(seq_len, tuple(groups))
 
 
+def check_thd(cu_seqlens: CuSeqlens, cu_seqlens_padded: Optional[CuSeqlens], local_len: int, world_size: int,
+              batch: int) -> Documents:
+    """Validate a packed (THD) batch's boundaries: this rank holds ``local_len`` tokens of
+    cu_seqlens_padded[-1] = local_len * W; every padded length divisible by 2W; each real
+    sequence fits its padded slot. Local checks only (safe before any collective)."""
+    if batch != 1:
+        raise ValueError(f"layout 'thd' packs sequences into one: batch must be 1, got {batch}")
+    total = local_len * world_size
+    padded = _as_bounds(cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens, total,
+                        "cu_seqlens_padded" if cu_seqlens_padded is not None else "cu_seqlens")
+    for a, b in zip(padded, padded[1:]):
+        if (b - a) % (2 * world_size):
+            raise ValueError(f"packed sequence [{a}, {b}) has length {b - a}, not divisible by 2 x CP size = "
+                             f"{2 * world_size}: pad every sequence to a multiple of {2 * world_size} and pass "
+                             "cu_seqlens_padded")
+    if cu_seqlens_padded is None:
+        return Documents(total, ((0, 1, padded),), padded)
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
+            raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor, got {cu_seqlens.dtype} "
+                             f"{tuple(cu_seqlens.shape)}")
+        real = [int(x) for x in cu_seqlens.tolist()]
+    else:
+        real = [int(x) for x in cu_seqlens]
+    if len(real) != len(padded) or real[0] != 0:
+        raise ValueError(f"cu_seqlens={real} and cu_seqlens_padded={list(padded)} must describe the same "
+                         "sequences (same length, both starting at 0)")
+    bounds = [0]
+    for i in range(len(padded) - 1):
+        length = real[i + 1] - real[i]
+        if not 0 < length <= padded[i + 1] - padded[i]:
+            raise ValueError(f"sequence {i} has {length} tokens (cu_seqlens={real}) but its padded slot "
+                             f"[{padded[i]}, {padded[i + 1]}) holds {padded[i + 1] - padded[i]}: each sequence "
+                             "must be non-empty and fit its padded length")
+        bounds.append(padded[i] + length)
+        if bounds[-1] != padded[i + 1]:
+            bounds.append(padded[i + 1])  # the padding tail: a document of its own
+    return Documents(total, ((0, 1, tuple(bounds)),), padded)
+
+
 def document_blocks(q_pos: torch.Tensor, kv_pos: torch.Tensor, bounds: Sequence[int], causal: bool
                     ) -> list[BlockMask]:
     """Visible rectangles of queries at ``q_pos`` x keys at ``kv_pos`` under documents ``bounds``.
@@ -139,13 +189,21 @@ def document_blocks(q_pos: torch.Tensor, kv_pos: torch.Tensor, bounds: Sequence[
     return blocks
 
 
+def rank_positions(layout: str, rank: int, world_size: int, local_len: int, stripe: int = 1,
+                   partition: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+    """Global positions of ``rank``'s tokens: the layout's, or THD's from the padded boundaries."""
+    if layout == THD:
+        return thd_indices(partition, rank, world_size)
+    return layout_indices(local_len * world_size, rank, world_size, layout, stripe)
+
+
 @functools.lru_cache(maxsize=1024)
 def layout_document_blocks(bounds: tuple[int, ...], layout: str, q_rank: int, kv_rank: int, world_size: int,
-                           local_len: int, causal: bool, stripe: int = 1) -> tuple[BlockMask, ...]:
+                           local_len: int, causal: bool, stripe: int = 1,
+                           partition: Optional[tuple[int, ...]] = None) -> tuple[BlockMask, ...]:
     """:func:`document_blocks` for the (q_rank, kv_rank) block pair of ``layout`` (cached)."""
-    seq_len = local_len * world_size
-    q_pos = layout_indices(seq_len, q_rank, world_size, layout, stripe)
-    kv_pos = layout_indices(seq_len, kv_rank, world_size, layout, stripe)
+    q_pos = rank_positions(layout, q_rank, world_size, local_len, stripe, partition)
+    kv_pos = rank_positions(layout, kv_rank, world_size, local_len, stripe, partition)
     return tuple(document_blocks(q_pos, kv_pos, bounds, causal))
 
 
@@ -166,7 +224,8 @@ def visible_blocks(documents: Optional[Documents], layout: str, q_rank: int, kv_
     out = []
     for first, end, bounds in documents.groups:
         batch = slice(first, end)
-        for mask in layout_document_blocks(bounds, layout, q_rank, kv_rank, world_size, local_len, causal, stripe):
+        for mask in layout_document_blocks(bounds, layout, q_rank, kv_rank, world_size, local_len, causal, stripe,
+                                           documents.partition):
             if q_rows is not None:
                 mask = mask.clip_rows(q_rows)
             if mask.kind != "empty":

@@ -77,6 +77,21 @@ def layout_indices(seq_len: int, rank: int, world_size: int, layout: str, stripe
     return (stripes[:, None] * stripe + torch.arange(stripe)[None, :]).reshape(-1)
 
 
+def thd_indices(cu_seqlens_padded: Sequence[int], rank: int, world_size: int) -> torch.Tensor:
+    """Global positions ``rank`` holds of a packed (THD) batch, TransformerEngine's partitioning.
+
+    Each (padded) sequence [cu[i], cu[i+1]) is cut into 2W chunks and rank r holds chunks r and
+    2W-1-r of every sequence: zigzag per sequence, in increasing global order. Returns LongTensor
+    [cu[-1] / W]. Every padded length must be divisible by 2W (see documents.check_thd).
+    """
+    parts = []
+    for a, b in zip(cu_seqlens_padded, cu_seqlens_padded[1:]):
+        c = (b - a) // (2 * world_size)
+        parts += [torch.arange(a + rank * c, a + (rank + 1) * c),
+                  torch.arange(a + (2 * world_size - 1 - rank) * c, a + (2 * world_size - rank) * c)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
 @functools.lru_cache(maxsize=64)
 def layout_indices_on(seq_len: int, rank: int, world_size: int, layout: str, stripe: int,
                       device: torch.device) -> torch.Tensor:

@@ -215,3 +215,54 @@ def selective_checkpoint_with_documents(algo: str = "burst", layout: str = "stri
     out.backward(sh(dout))
     got = (out, *(t.grad for t in leaves))
     return cache.hits, max((a - sh(e)).abs().max().item() for a, e in zip(got, ref))
+
+
+def run_thd_case(algo: str, seqlens: list, padded: list, heads=(8, 2), d: int = 8, seed: int = 1):
+    """A packed THD batch (qkv_format "thd", layout "thd"): sequences of ``seqlens`` real tokens in
+    slots of ``padded`` tokens, partitioned as TransformerEngine does. The reference is the dense
+    masked softmax per real sequence; padding rows get no output gradient (as a loss mask does),
+    and only real rows' outputs are compared."""
+    W, r = dist.get_world_size(), dist.get_rank()
+    hq, hkv = heads
+    cu_pad = [0]
+    for p in padded:
+        cu_pad.append(cu_pad[-1] + p)
+    cu = [0]
+    for n in seqlens:
+        cu.append(cu[-1] + n)
+    T = cu_pad[-1]
+    real = torch.zeros(T, dtype=torch.bool)
+    doc = torch.full((T,), -1, dtype=torch.long)
+    for i, n in enumerate(seqlens):
+        real[cu_pad[i]:cu_pad[i] + n] = True
+        doc[cu_pad[i]:cu_pad[i] + n] = i
+    gen = torch.Generator().manual_seed(seed)
+    mk = lambda h: torch.randn(T, h, d, generator=gen)  # noqa: E731  [t, h, d]
+    q, k, v, dout = mk(hq), mk(hkv), mk(hkv), mk(hq)
+    dout = dout * real[:, None, None]
+    # reference: real token t sees real u of its own sequence with u <= t
+    pos = torch.arange(T)
+    vis = (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0) & (pos[None, :] <= pos[:, None])
+    vis |= torch.diag(~real)  # padding rows see themselves only (their output is not compared)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    qh, kh, vh = (t.permute(1, 0, 2) for t in leaves)
+    g = hq // hkv
+    scale = d ** -0.5
+    scores = (qh @ kh.repeat_interleave(g, 0).transpose(-1, -2) * scale).masked_fill(~vis, float("-inf"))
+    out_ref = (torch.softmax(scores, -1) @ vh.repeat_interleave(g, 0)).permute(1, 0, 2)
+    out_ref.backward(dout)
+    idx = mb.layout.thd_indices(cu_pad, r, W)
+    ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
+    with mb.comm_counter() as counter:
+        out = mb.cp_attention(ql, kl, vl, algo=algo, layout="thd", qkv_format="thd", softmax_scale=scale,
+                              cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+                              cu_seqlens_padded=torch.tensor(cu_pad, dtype=torch.int32))
+        out.backward(dout[idx])
+    keep = real[idx]
+    errs = {"out": (out[keep] - out_ref.detach()[idx][keep]).abs().max().item()}
+    for name, got, leaf in zip(("dq", "dk", "dv"), (ql.grad, kl.grad, vl.grad), leaves):
+        errs[name] = (got - leaf.grad[idx]).abs().max().item()
+    errs["finite"] = bool(torch.isfinite(out).all())
+    errs["shape"] = tuple(out.shape)
+    errs["bytes"] = counter.bytes("sent")
+    return errs

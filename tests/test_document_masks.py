@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from document_cases import (bad_cu_seqlens_messages, count_kernel_calls, run_doc_case, run_doc_matrix,
-                            selective_checkpoint_with_documents)
+                            run_thd_case, selective_checkpoint_with_documents)
 from harness import run_ranks
 from megatron_burst.documents import check_cu_seqlens, dense_document_mask, document_blocks
 from megatron_burst.layout import layout_indices
@@ -129,3 +129,38 @@ def test_check_cu_seqlens_forms():
 def test_selective_checkpoint_with_documents(algo, layout):
     for hits, err in run_ranks(3, selective_checkpoint_with_documents, algo, layout):
         assert hits == 1 and err < TOL
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_packed_thd_sequences(world_size, algo):
+    """layout/qkv_format "thd": sequences zigzag-partitioned each (TransformerEngine's THD), one of
+    them shorter than a rank's share of it and padded, one unpadded spanning every rank."""
+    c = 2 * world_size
+    seqlens, padded = [3, 2 * c, c + 1, 1], [c, 2 * c, 2 * c, c]
+    for errs in run_ranks(world_size, run_thd_case, algo, seqlens, padded):
+        assert errs["shape"] == (sum(padded) // world_size, 8, 8)
+        _assert_exact({"thd": {k: v for k, v in errs.items() if k not in ("shape", "bytes")}})
+
+
+def test_bad_thd_boundaries():
+    import megatron_burst as mb
+
+    q, kv = torch.randn(8, 4, 8), torch.randn(8, 2, 8)
+    bad = {
+        "not 2W": dict(cu_seqlens=torch.tensor([0, 3, 8]), cu_seqlens_padded=torch.tensor([0, 3, 8])),
+        "too long": dict(cu_seqlens=torch.tensor([0, 5, 8]), cu_seqlens_padded=torch.tensor([0, 4, 8])),
+        "missing": dict(),
+        "4-D": dict(cu_seqlens=torch.tensor([0, 8])),
+    }
+    msgs = {}
+    for name, kw in bad.items():
+        with pytest.raises(ValueError) as e:
+            x = q[:, None] if name == "4-D" else q
+            mb.cp_attention(x, kv, kv, layout="thd", qkv_format="thd", **kw)
+        msgs[name] = str(e.value)
+    # W = 1 here: lengths must be even (2 x CP size)
+    assert "length 3, not divisible by 2" in msgs["not 2W"]
+    assert "sequence 0 has 5 tokens" in msgs["too long"]
+    assert "pass cu_seqlens" in msgs["missing"]
+    assert "[tokens, heads, head_dim]" in msgs["4-D"]
