@@ -211,7 +211,14 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
              dropout_p=dropout_p, attn_bias=attn_bias)
     b, hq, n, d = to_bhsd(q, qkv_format).shape
     documents: Optional[Documents] = None
-    if layout == THD:
+    if isinstance(cu_seqlens, Documents):  # validated once per batch by the caller (no host read per layer)
+        documents = cu_seqlens
+        if documents.seq_len != n * world_size or (documents.partition is not None) != (layout == THD):
+            raise ValueError(f"documents for {documents.seq_len} tokens (THD: {documents.partition is not None}) "
+                             f"do not fit this call: {n} local tokens x {world_size} ranks, layout {layout!r}")
+        if any(end > b for _, end, _ in documents.groups):
+            raise ValueError(f"documents describe {documents.groups[-1][1]} samples, the batch has {b}")
+    elif layout == THD:
         documents = check_thd(cu_seqlens, cu_seqlens_padded, n, world_size, b)
     elif cu_seqlens is not None:
         documents = check_cu_seqlens(cu_seqlens, n * world_size, b)
@@ -242,7 +249,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     ``kernel`` forces a local attention backend (megatron_burst.kernels.BACKENDS).
     ``cu_seqlens``: packed documents, int tensor [0, ..., S] of global document boundaries over the
     full sequence (S = s x CP size; the same on every rank), or a list of b such tensors (one per
-    sample). Attention stays inside each document: causal within it (``causal=True``) or full within
+    sample), or a :class:`~megatron_burst.documents.Documents` validated once per batch (Megatron
+    layers do this). Attention stays inside each document: causal within it (``causal=True``) or full within
     it (``causal=False``). Block pairs sharing no document skip compute; bytes sent are unchanged.
     See megatron_burst.documents.
     Packed THD batches (TransformerEngine's partitioning, Megatron's PackedSeqParams):
