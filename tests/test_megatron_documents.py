@@ -72,7 +72,9 @@ def gpt_step(cp: int, batch: Dict[str, torch.Tensor], eod: Optional[int], extra:
     model = train.build_model(args, opts, sizes, groups, device)
     loss = train.loss_and_grads(model, [batch], opts, groups, device, eod_token=eod)
     train.allreduce_grads(model, groups)
-    return {"loss": loss.item(), "grads": full_grads(model, groups)}
+    caches = [layer.self_attention.core_attention.selective_cache for layer in model.decoder.layers]
+    return {"loss": loss.item(), "grads": full_grads(model, groups),
+            "selective_hits": sum(c.hits for c in caches if c is not None)}
 
 
 def _compare(a: dict, b: dict) -> None:
@@ -174,3 +176,18 @@ def test_megatron_lm_glue_hands_documents_to_the_model():
         assert cu == [0, 3, 4, 15, 24, 35, 48]  # sample 1's documents offset by 24
         assert torch.equal(tokens, batch["tokens"][:, layout_indices(24, rank, 2, "striped")])
         assert thd_fmt == "thd" and torch.equal(thd_pos[0], thd["position_ids"][0, thd_indices([0, 4, 12, 20], rank, 2)])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_documents_under_sequence_level_selective_checkpointing(reset_reference, thd_reference, packed):
+    """--recompute-granularity full with --seq-selective-ckpt-ratio 0.5: the recompute computes the
+    earlier rows with the same documents; loss and grads still equal CP = 1 without recompute."""
+    recompute = ["--recompute-granularity", "full", "--seq-selective-ckpt-ratio", "0.5"]
+    if packed:
+        results, ref = run_ranks(2, gpt_step, 2, thd_batch(), None, recompute, 20), thd_reference
+    else:
+        flags = ["--reset-attention-mask", "--reset-position-ids", "--cp-layout", "striped"] + recompute
+        results, ref = run_ranks(2, gpt_step, 2, eod_batch(), EOD, flags), reset_reference
+    for res in results:
+        assert res["selective_hits"] == 2  # both layers' recomputes took their stored rows
+        _compare(res, ref)

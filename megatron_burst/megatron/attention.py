@@ -124,7 +124,8 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
     (flat/double; None: double when the CP group spans nodes), ``cp_ranks_per_node`` (None: from
     the launcher) and ``seq_selective_ckpt_ratio`` (sequence-level selective checkpointing under
     activation recompute). None values are taken from Megatron-LM's flags when it runs with
-    :func:`megatron_burst.add_args`.
+    :func:`megatron_burst.add_args`. Documents arrive as ``packed_seq_params`` in ``forward``
+    (see :mod:`megatron_burst.megatron.packed`).
     """
 
     _layout_noun = "core attention"

@@ -25,18 +25,18 @@ def _cp_rank_size(cp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     return parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_world_size()
 
 
-_MASK_ERROR = ("attention_mask is not the plain causal mask (document masks from --reset-attention-mask or "
-               "padding masks are not supported under megatron-burst attention): build batches without "
-               "reset_attention_mask, or without an attention mask at all (create_attention_mask=False / "
-               "--no-create-attention-mask-in-dataloader)")
+_MASK_ERROR = ("attention_mask is not the plain causal mask (a dense mask is never applied under megatron-burst "
+               "attention): for --reset-attention-mask documents pass eod_token (the documents then come from "
+               "the EOD tokens); padding masks are not supported: build batches without them, or without an "
+               "attention mask at all (create_attention_mask=False / --no-create-attention-mask-in-dataloader)")
 _MASK_ROWS_PER_CHUNK = 1024
 
 
 def check_causal_attention_mask(mask: torch.Tensor, seq_len: int) -> None:
     """Raise unless ``mask`` is Megatron's plain causal mask ([b|1, 1, s, s], True = hidden).
 
-    CP attention derives causality from positions and cannot honour any other mask (document
-    masks from --reset-attention-mask, padding masks), so those must not be silently dropped.
+    CP attention derives causality from positions and never applies a dense mask: documents reach
+    it as boundaries (``eod_token`` below), and any other mask (padding) must not be silently dropped.
     The comparison runs over chunks of rows (no second s x s tensor). A CPU mask raises ValueError
     here; on a GPU the verdict stays on the device (``torch._assert_async``, no host sync): a
     wrong mask stops the job with the same message at the next synchronization.
