@@ -191,3 +191,33 @@ def test_documents_under_sequence_level_selective_checkpointing(reset_reference,
     for res in results:
         assert res["selective_hits"] == 2  # both layers' recomputes took their stored rows
         _compare(res, ref)
+
+
+def _train_run(argv: List[str]) -> List[dict]:
+    from megatron_burst import train
+
+    return train.run(argv)
+
+
+def test_trainer_flags_run_at_cp2_like_cp1(tmp_path):
+    """python -m megatron_burst.train --reset-attention-mask --reset-position-ids on indexed data of
+    short documents (5 to 40 bytes, EOD after each, so every 64-token sample holds several): two
+    iterations at CP = 2 log CP = 1's losses, and the documents change the losses."""
+    import random
+
+    from megatron_burst.data import build_byte_dataset
+
+    rng = random.Random(0)
+    docs = [bytes(rng.randrange(97, 123) for _ in range(rng.randrange(5, 41))) for _ in range(300)]
+    build_byte_dataset(docs, str(tmp_path / "short_docs"))
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
+            "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "3e-3",
+            "--train-iters", "2", "--data-cache-path", str(tmp_path / "data"), "--data-path",
+            str(tmp_path / "short_docs"), "--init-method-std", "0.3", "--reset-position-ids"]
+    plain = run_ranks(1, _train_run, argv)[0]
+    cp1 = run_ranks(1, _train_run, argv + ["--reset-attention-mask"])[0]
+    cp2 = run_ranks(2, _train_run, argv + ["--reset-attention-mask", "--context-parallel-size", "2",
+                                           "--cp-layout", "striped"])[0]
+    for a, b in zip(cp2, cp1):
+        assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-4 * abs(b["lm_loss"]), (a, b)
+    assert abs(plain[0]["lm_loss"] - cp1[0]["lm_loss"]) > 1e-4 * abs(cp1[0]["lm_loss"])  # beyond the tolerance above
