@@ -14,6 +14,10 @@ Inside a rectangle only causality remains, decided by global positions:
 * the same positions on both sides (a rank's own block) -> ``causal``;
 * otherwise -> ``positions`` (row i sees column j iff kv_pos[j] <= q_pos[i]), e.g. striped offsets.
 
+Runs of small adjacent rectangles (no row or column between them; all shorter than
+``MERGE_ROWS``) are merged into one ``positions`` rectangle with document ids, so many short
+documents cost a few kernel calls, not one each; the merged mask is still exact.
+
 Causal rectangles are trimmed: query rows before the first key and keys after the last query are
 dropped, so every row of every rectangle sees at least one key (kernels never get a fully masked
 row, and the lse merge never meets -inf + -inf). A block pair with no document on both sides
@@ -153,14 +157,53 @@ def check_thd(cu_seqlens: CuSeqlens, cu_seqlens_padded: Optional[CuSeqlens], loc
     return Documents(total, ((0, 1, tuple(bounds)),), padded)
 
 
-def document_blocks(q_pos: torch.Tensor, kv_pos: torch.Tensor, bounds: Sequence[int], causal: bool
-                    ) -> list[BlockMask]:
+MERGE_ROWS = 128  # adjacent per-document rectangles merge into one kernel call up to this many rows/columns
+
+
+def document_blocks(q_pos: torch.Tensor, kv_pos: torch.Tensor, bounds: Sequence[int], causal: bool,
+                    merge_rows: int = MERGE_ROWS) -> list[BlockMask]:
     """Visible rectangles of queries at ``q_pos`` x keys at ``kv_pos`` under documents ``bounds``.
 
     q_pos [n], kv_pos [m]: increasing global positions (LongTensor, CPU) of the local rows and
     columns. Returns one BlockMask per document seen on both sides (see the module docstring),
-    in local row/column coordinates; [] when nothing is visible.
+    runs of small adjacent ones merged up to ``merge_rows`` (0: never), in local row/column
+    coordinates; [] when nothing is visible.
     """
+    blocks = _per_document_blocks(q_pos, kv_pos, bounds, causal)
+    if merge_rows <= 1 or len(blocks) < 2:
+        return blocks
+    cuts = torch.tensor(list(bounds[1:-1]), dtype=torch.long)
+    q_doc = torch.searchsorted(cuts, q_pos, right=True)
+    kv_doc = torch.searchsorted(cuts, kv_pos, right=True)
+    merged: list[BlockMask] = []
+    run: list[BlockMask] = []
+
+    def flush() -> None:
+        if len(run) == 1:
+            merged.append(run[0])
+        elif run:
+            qa, qb, ka, kb = run[0].q_start, run[-1].q_stop, run[0].kv_start, run[-1].kv_stop
+            merged.append(BlockMask("positions", qa, qb, ka, kb, 1, q_pos[qa:qb] if causal else None,
+                                    kv_pos[ka:kb] if causal else None, q_doc[qa:qb], kv_doc[ka:kb]))
+        run.clear()
+
+    for m in blocks:
+        small = m.q_stop - m.q_start < merge_rows and m.kv_stop - m.kv_start < merge_rows
+        fits = (run and m.q_start == run[-1].q_stop and m.kv_start == run[-1].kv_stop
+                and m.q_stop - run[0].q_start <= merge_rows and m.kv_stop - run[0].kv_start <= merge_rows)
+        if not (small and fits):
+            flush()
+        if small:
+            run.append(m)
+        else:
+            merged.append(m)
+    flush()
+    return merged
+
+
+def _per_document_blocks(q_pos: torch.Tensor, kv_pos: torch.Tensor, bounds: Sequence[int], causal: bool
+                         ) -> list[BlockMask]:
+    """One trimmed rectangle per document seen on both sides (see :func:`document_blocks`)."""
     cuts = torch.tensor(list(bounds), dtype=torch.long)
     q_cut = torch.searchsorted(q_pos, cuts).tolist()
     kv_cut = torch.searchsorted(kv_pos, cuts).tolist()
@@ -200,11 +243,12 @@ def rank_positions(layout: str, rank: int, world_size: int, local_len: int, stri
 @functools.lru_cache(maxsize=1024)
 def layout_document_blocks(bounds: tuple[int, ...], layout: str, q_rank: int, kv_rank: int, world_size: int,
                            local_len: int, causal: bool, stripe: int = 1,
-                           partition: Optional[tuple[int, ...]] = None) -> tuple[BlockMask, ...]:
+                           partition: Optional[tuple[int, ...]] = None,
+                           merge_rows: int = MERGE_ROWS) -> tuple[BlockMask, ...]:
     """:func:`document_blocks` for the (q_rank, kv_rank) block pair of ``layout`` (cached)."""
     q_pos = rank_positions(layout, q_rank, world_size, local_len, stripe, partition)
     kv_pos = rank_positions(layout, kv_rank, world_size, local_len, stripe, partition)
-    return tuple(document_blocks(q_pos, kv_pos, bounds, causal))
+    return tuple(document_blocks(q_pos, kv_pos, bounds, causal, merge_rows))
 
 
 def visible_blocks(documents: Optional[Documents], layout: str, q_rank: int, kv_rank: int, world_size: int,
@@ -225,7 +269,7 @@ def visible_blocks(documents: Optional[Documents], layout: str, q_rank: int, kv_
     for first, end, bounds in documents.groups:
         batch = slice(first, end)
         for mask in layout_document_blocks(bounds, layout, q_rank, kv_rank, world_size, local_len, causal, stripe,
-                                           documents.partition):
+                                           documents.partition, MERGE_ROWS):
             if q_rows is not None:
                 mask = mask.clip_rows(q_rows)
             if mask.kind != "empty":

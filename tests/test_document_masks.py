@@ -72,6 +72,18 @@ def test_pairs_sharing_no_document_call_no_kernel(algo, layout, stripe):
     assert [(fwd, bwd) for fwd, _, bwd, _, _ in per_rank] == [(1, 1)] * W  # W-1 pairs skipped per pass
 
 
+@pytest.mark.parametrize("layout,stripe", [("zigzag", 1), ("contiguous", 1)])
+def test_small_adjacent_documents_merge_into_few_kernel_calls(layout, stripe):
+    """48 local tokens in 2- and 3-token documents: one call per document would be ~20 per block
+    pair; merged runs (MERGE_ROWS) need at most 2 per pair and per pass, with the same exact result."""
+    W, n = 2, 48
+    bounds = sorted(set(range(0, n * W, 5)) | set(range(0, n * W, 2)) | {n * W})
+    for fwd, per_doc, bwd, per_doc_bwd, errs in run_ranks(W, count_kernel_calls, "burst", layout, bounds, n,
+                                                          stripe, 128):
+        _assert_exact({"merged": errs})
+        assert per_doc >= 20 and fwd <= 2 * W and bwd <= 2 * W, (fwd, per_doc, bwd, per_doc_bwd)
+
+
 @pytest.mark.parametrize("algo", ALGOS)
 def test_bytes_unchanged_by_documents(algo):
     """Every block still travels (the ring schedule is mask-independent, so NCCL batches match):
@@ -97,9 +109,11 @@ def test_bad_cu_seqlens_raise_before_any_collective():
         assert "3 per-sample" in messages["wrong_sample_count"]
 
 
-def test_document_blocks_cover_exactly_the_dense_mask():
+@pytest.mark.parametrize("merge_rows", [0, 4, 128])
+def test_document_blocks_cover_exactly_the_dense_mask(merge_rows):
     """Single process: for every layout and rank pair, the rectangles' union is the dense document
-    mask restricted to the pair, rectangles never overlap, and every row of each sees a key."""
+    mask restricted to the pair, rectangles never overlap, and every row of each sees a key --
+    one rectangle per document, and with runs of adjacent ones merged."""
     for W in (2, 3, 4):
         seq = 8 * W
         for bounds in (uneven_bounds(seq), [0, 1, 2, 5, seq - 1, seq], [0, seq]):
@@ -111,7 +125,7 @@ def test_document_blocks_cover_exactly_the_dense_mask():
                         for j in range(W):
                             kp = layout_indices(seq, j, W, layout, stripe)
                             covered = torch.zeros(8, 8, dtype=torch.int64)
-                            for m in document_blocks(qp, kp, bounds, causal):
+                            for m in document_blocks(qp, kp, bounds, causal, merge_rows):
                                 sub = m.dense(8, 8)
                                 assert sub[m.q_slice, m.kv_slice].any(1).all(), (layout, i, j, m)
                                 covered += sub.long()

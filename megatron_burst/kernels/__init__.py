@@ -113,8 +113,8 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 def _mask_data(mask: BlockMask) -> dict:
-    """Extra kernel arguments of data-carrying mask kinds ("positions": the global positions)."""
-    return {"positions": (mask.q_pos, mask.kv_pos)} if mask.kind == "positions" else {}
+    """Extra kernel arguments of data-carrying mask kinds ("positions": positions and document ids)."""
+    return {"positions": mask.mask_data} if mask.kind == "positions" else {}
 
 
 def row_dot(a: torch.Tensor, b: torch.Tensor, chunk_elems: int = 1 << 24) -> torch.Tensor:

@@ -8,24 +8,26 @@ hq % hkv == 0):
   backward(dout, q, k, v, D, lse, kind, block, scale) -> (dq, dk, dv)   (fp32 or input dtype)
 
 ``kind`` is "full", "causal" (row i sees column j iff i >= j), "block_causal" (iff
-i // block >= j // block) or "positions" (iff kv_pos[j] <= q_pos[i]; the keyword argument
-``positions=(q_pos, kv_pos)`` gives the global positions, LongTensors [sq] and [sk], and every row
-sees at least one column: document masks, see megatron_burst.documents). D = rowsum(dout * out) is passed in, not recomputed: a rank that received
+i // block >= j // block) or "positions" (iff kv_pos[j] <= q_pos[i] and q_doc[i] == kv_doc[j]; the
+keyword argument ``positions=(q_pos, kv_pos, q_doc, kv_doc)`` gives global positions and document
+ids, LongTensors [sq] / [sk], either pair possibly None, and every row sees at least one column:
+document masks, see megatron_burst.layout.BlockMask and megatron_burst.documents). D = rowsum(dout * out) is passed in, not recomputed: a rank that received
 a remote Q block never has the remote output.
 """
 from __future__ import annotations
 
 import torch
 
+from megatron_burst.layout import positions_visibility
+
 
 def visibility(kind: str, block: int, sq: int, sk: int, device: torch.device,
-               positions: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+               positions: tuple | None = None) -> torch.Tensor | None:
     """Boolean [sq, sk] visible-mask for ``kind``, or None for "full"."""
     if kind == "full":
         return None
     if kind == "positions":
-        q_pos, kv_pos = (p.to(device) for p in positions)
-        return kv_pos[None, :] <= q_pos[:, None]
+        return positions_visibility(*positions, sq, sk, device)
     rows = torch.arange(sq, device=device)[:, None]
     cols = torch.arange(sk, device=device)[None, :]
     if kind == "causal":

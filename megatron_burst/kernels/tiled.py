@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from megatron_burst.kernels.reference import expand_kv, reduce_kv
+from megatron_burst.layout import positions_visibility
 
 TILE_Q = 512
 TILE_K = 512
@@ -17,13 +18,18 @@ def _tile_mask(kind, block, q0, q1, k0, k1, device, positions=None):
     """Visible-mask of tile rows [q0, q1) x cols [k0, k1); None if fully visible; False if empty."""
     if kind == "full":
         return None
-    if kind == "positions":  # both increasing: compare the tile's corners before building anything
-        q_pos, kv_pos = positions
-        if int(kv_pos[k1 - 1]) <= int(q_pos[q0]):
-            return None
-        if int(kv_pos[k0]) > int(q_pos[q1 - 1]):
+    if kind == "positions":  # all increasing: compare the tile's corners before building anything
+        q_pos, kv_pos, q_doc, kv_doc = positions
+        if q_pos is not None and int(kv_pos[k0]) > int(q_pos[q1 - 1]):
             return False
-        return kv_pos[k0:k1].to(device)[None, :] <= q_pos[q0:q1].to(device)[:, None]
+        if q_doc is not None and (int(kv_doc[k0]) > int(q_doc[q1 - 1]) or int(kv_doc[k1 - 1]) < int(q_doc[q0])):
+            return False
+        one_doc = q_doc is None or int(q_doc[q0]) == int(q_doc[q1 - 1]) == int(kv_doc[k0]) == int(kv_doc[k1 - 1])
+        if one_doc and (q_pos is None or int(kv_pos[k1 - 1]) <= int(q_pos[q0])):
+            return None
+        sl = lambda t, a, b: None if t is None else t[a:b]  # noqa: E731
+        return positions_visibility(sl(q_pos, q0, q1), sl(kv_pos, k0, k1), sl(q_doc, q0, q1), sl(kv_doc, k0, k1),
+                                    q1 - q0, k1 - k0, device)
     if kind == "causal":
         lo_q, hi_k = q0, k1 - 1
         if hi_k <= lo_q:
