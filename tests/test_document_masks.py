@@ -40,7 +40,7 @@ def test_documents_match_dense_reference(world_size, algo, layout, stripe):
 
 
 @pytest.mark.parametrize("ring", ["flat", "double"])
-@pytest.mark.parametrize("algo", ["ring", "burst"])
+@pytest.mark.parametrize("algo", ALGOS)
 def test_documents_on_two_emulated_nodes(algo, ring):
     """W = 4 as 2 nodes x 2: the double ring (and the flat ring over the node split) with documents."""
     bounds = uneven_bounds(LOCAL_LEN * 4)
