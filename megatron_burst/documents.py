@@ -120,7 +120,7 @@ def check_cu_seqlens(cu_seqlens: CuSeqlens, seq_len: int, batch: int) -> Documen
 def check_thd(cu_seqlens: CuSeqlens, cu_seqlens_padded: Optional[CuSeqlens], local_len: int, world_size: int,
               batch: int) -> Documents:
     """Validate a packed (THD) batch's boundaries: this rank holds ``local_len`` tokens of
-    cu_seqlens_padded[-1] = local_len * W; every padded length divisible by 2W; each real
+    cu_seqlens_padded[-1] = local_len * W; every padded length divisible by 2W (W > 1); each real
     sequence fits its padded slot. Local checks only (safe before any collective)."""
     if batch != 1:
         raise ValueError(f"layout 'thd' packs sequences into one: batch must be 1, got {batch}")
@@ -128,7 +128,7 @@ def check_thd(cu_seqlens: CuSeqlens, cu_seqlens_padded: Optional[CuSeqlens], loc
     padded = _as_bounds(cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens, total,
                         "cu_seqlens_padded" if cu_seqlens_padded is not None else "cu_seqlens")
     for a, b in zip(padded, padded[1:]):
-        if (b - a) % (2 * world_size):
+        if world_size > 1 and (b - a) % (2 * world_size):
             raise ValueError(f"packed sequence [{a}, {b}) has length {b - a}, not divisible by 2 x CP size = "
                              f"{2 * world_size}: pad every sequence to a multiple of {2 * world_size} and pass "
                              "cu_seqlens_padded")

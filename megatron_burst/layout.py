@@ -82,8 +82,10 @@ def thd_indices(cu_seqlens_padded: Sequence[int], rank: int, world_size: int) ->
 
     Each (padded) sequence [cu[i], cu[i+1]) is cut into 2W chunks and rank r holds chunks r and
     2W-1-r of every sequence: zigzag per sequence, in increasing global order. Returns LongTensor
-    [cu[-1] / W]. Every padded length must be divisible by 2W (see documents.check_thd).
+    [cu[-1] / W]. Every padded length must be divisible by 2W when W > 1 (see documents.check_thd).
     """
+    if world_size == 1:  # one rank holds everything, in order: lengths need no divisibility
+        return torch.arange(cu_seqlens_padded[-1])
     parts = []
     for a, b in zip(cu_seqlens_padded, cu_seqlens_padded[1:]):
         c = (b - a) // (2 * world_size)

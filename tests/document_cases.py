@@ -273,3 +273,15 @@ def run_thd_case(algo: str, seqlens: list, padded: list, heads=(8, 2), d: int = 
     errs["shape"] = tuple(out.shape)
     errs["bytes"] = counter.bytes("sent")
     return errs
+
+
+def thd_error(cu):
+    """The ValueError message of a THD call with (padded) boundaries ``cu`` on this world, or None."""
+    W = dist.get_world_size()
+    n = cu[-1] // W
+    try:
+        mb.cp_attention(torch.randn(n, 4, 8), torch.randn(n, 2, 8), torch.randn(n, 2, 8), layout="thd",
+                        qkv_format="thd", cu_seqlens=torch.tensor(cu))
+    except ValueError as e:
+        return str(e)
+    return None

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from document_cases import (bad_cu_seqlens_messages, count_kernel_calls, run_doc_case, run_doc_matrix,
-                            run_thd_case, selective_checkpoint_with_documents)
+                            run_thd_case, selective_checkpoint_with_documents, thd_error)
 from harness import run_ranks
 from megatron_burst.documents import check_cu_seqlens, dense_document_mask, document_blocks
 from megatron_burst.layout import layout_indices
@@ -162,7 +162,6 @@ def test_bad_thd_boundaries():
 
     q, kv = torch.randn(8, 4, 8), torch.randn(8, 2, 8)
     bad = {
-        "not 2W": dict(cu_seqlens=torch.tensor([0, 3, 8]), cu_seqlens_padded=torch.tensor([0, 3, 8])),
         "too long": dict(cu_seqlens=torch.tensor([0, 5, 8]), cu_seqlens_padded=torch.tensor([0, 4, 8])),
         "missing": dict(),
         "4-D": dict(cu_seqlens=torch.tensor([0, 8])),
@@ -173,8 +172,14 @@ def test_bad_thd_boundaries():
             x = q[:, None] if name == "4-D" else q
             mb.cp_attention(x, kv, kv, layout="thd", qkv_format="thd", **kw)
         msgs[name] = str(e.value)
-    # W = 1 here: lengths must be even (2 x CP size)
-    assert "length 3, not divisible by 2" in msgs["not 2W"]
+    # at W = 2 (run_ranks below) lengths must be multiples of 4; at W = 1 any length is fine
+    assert "length 3, not divisible by 2 x CP size = 4" in run_ranks(2, thd_error, [0, 3, 16])[0]
     assert "sequence 0 has 5 tokens" in msgs["too long"]
     assert "pass cu_seqlens" in msgs["missing"]
     assert "[tokens, heads, head_dim]" in msgs["4-D"]
+
+
+def test_thd_at_cp1_takes_any_length():
+    """CP = 1 packs without padding: odd lengths are fine (the 2 x CP rule is for partitioning)."""
+    errs = run_ranks(1, run_thd_case, "burst", [3, 5, 1], [3, 5, 1])[0]
+    _assert_exact({"thd cp1": {k: v for k, v in errs.items() if k not in ("shape", "bytes")}})

@@ -68,7 +68,7 @@ def get_thd_batch_on_this_cp_rank(batch: Dict[str, Any], cu_seqlens: torch.Tenso
                              max_seqlen_q=int(max_seqlen.reshape(-1)[0]), max_seqlen_kv=int(max_seqlen.reshape(-1)[0]))
     padded = [int(x) for x in cu_seqlens_padded.tolist()]
     for a, b in zip(padded, padded[1:]):
-        if (b - a) % (2 * size):
+        if size > 1 and (b - a) % (2 * size):
             raise ValueError(f"packed sequence [{a}, {b}) has padded length {b - a}, not divisible by 2 x CP size "
                              f"= {2 * size}: pad every sequence to a multiple of {2 * size} (cu_seqlens_padded)")
     if size == 1:
