@@ -20,12 +20,13 @@ import torch.distributed as dist
 
 from megatron_burst.algorithms import burst, ring
 from megatron_burst.algorithms.schedule import CPConfig
+from megatron_burst.documents import THD, CuSeqlens, Documents, check_cu_seqlens, check_thd
 from megatron_burst.kernels import row_dot
 from megatron_burst.layout import check_layout, check_local_len
 from megatron_burst.topology import RING_SHAPES, CPTopology, single_node_topology
 
 CP_ALGOS = ("ring", "burst", "auto")
-QKV_FORMATS = ("sbhd", "bshd")
+QKV_FORMATS = ("sbhd", "bshd", "thd")  # "thd": [t, h, d], one packed sequence (sbhd with b = 1)
 
 _BACKWARD = {"ring": ring.ring_backward, "burst": burst.burst_backward}
 _BACKWARD_BYTES = {"ring": ring.backward_bytes, "burst": burst.backward_bytes}
@@ -122,7 +123,8 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: i
     """Raise ValueError for anything cp_attention cannot do. Local checks only: safe before collectives."""
     if algo not in CP_ALGOS:
         raise ValueError(f"unknown algo {algo!r}: choose one of {', '.join(CP_ALGOS)}")
-    check_layout(layout, stripe)
+    if layout != THD:
+        check_layout(layout, stripe)
     if qkv_format not in QKV_FORMATS:
         raise ValueError(f"unknown qkv_format {qkv_format!r}: choose one of {', '.join(QKV_FORMATS)}")
     if dropout_p:
@@ -149,7 +151,8 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: i
     if hq % hkv:
         raise ValueError(f"query heads {hq} are not divisible by key/value heads {hkv} (GQA needs hq % hkv == 0)")
     local_len = q.shape[0] if qkv_format == "sbhd" else q.shape[1]
-    check_local_len(local_len, world_size, layout, stripe)
+    if layout != THD:
+        check_local_len(local_len, world_size, layout, stripe)
 
 
 @dataclass
@@ -161,26 +164,42 @@ class Prepared:
     v: torch.Tensor
     cfg: CPConfig
     backward_algo: str
-    qkv_format: str
+    qkv_format: str  # of q, k, v here: a caller's "thd" is held as "sbhd" with b = 1
+    packed: bool = False  # the caller passed "thd": outputs drop the batch dim again
 
     def apply(self, q_rows: Optional[int] = None, out_tail: Optional[torch.Tensor] = None,
               lse_tail: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The differentiable CP attention of this call (output in the caller's format)."""
-        return _CPAttention.apply(self.q, self.k, self.v, self.cfg, self.backward_algo, self.qkv_format,
-                                  q_rows, out_tail, lse_tail)
+        out = _CPAttention.apply(self.q, self.k, self.v, self.cfg, self.backward_algo, self.qkv_format,
+                                 q_rows, out_tail, lse_tail)
+        return out.squeeze(1) if self.packed else out
 
     def forward_no_grad(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The forward alone: (out in the caller's format, its [b, h, s, d] view, lse fp32)."""
         qh, kh, vh = (to_bhsd(t, self.qkv_format).contiguous() for t in (self.q, self.k, self.v))
-        return attention_forward(qh, kh, vh, self.cfg, self.qkv_format)
+        out, out_h, lse = attention_forward(qh, kh, vh, self.cfg, self.qkv_format)
+        return (out.squeeze(1) if self.packed else out), out_h, lse
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, algo: str = "burst",
             layout: str = "zigzag", causal: bool = True, ring: Optional[str] = None,
             softmax_scale: Optional[float] = None, qkv_format: str = "sbhd", stripe: int = 1,
             dropout_p: float = 0.0, attn_bias: Optional[torch.Tensor] = None,
-            kernel: Optional[str] = None) -> Prepared:
+            kernel: Optional[str] = None, cu_seqlens: Optional[CuSeqlens] = None,
+            cu_seqlens_padded: Optional[CuSeqlens] = None) -> Prepared:
     """Validate a cp_attention call (before any collective) and resolve its configuration."""
+    packed = qkv_format == "thd"
+    if packed:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dim() != 3:
+                raise ValueError(f"qkv_format='thd' takes {name} as [tokens, heads, head_dim], got shape "
+                                 f"{tuple(t.shape)}")
+        q, k, v, qkv_format = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), "sbhd"
+    if layout == THD and cu_seqlens is None:
+        raise ValueError("layout='thd' places tokens by their packed sequences: pass cu_seqlens (and "
+                         "cu_seqlens_padded when sequences are padded)")
+    if cu_seqlens_padded is not None and layout != THD:
+        raise ValueError(f"cu_seqlens_padded describes THD partitioning: use layout='thd', not {layout!r}")
     topo = group if isinstance(group, CPTopology) else single_node_topology(group)
     ring = ring or topo.default_ring
     if ring not in RING_SHAPES:
@@ -191,11 +210,23 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
     validate(q, k, v, world_size=world_size, algo=algo, layout=layout, qkv_format=qkv_format, stripe=stripe,
              dropout_p=dropout_p, attn_bias=attn_bias)
     b, hq, n, d = to_bhsd(q, qkv_format).shape
+    documents: Optional[Documents] = None
+    if isinstance(cu_seqlens, Documents):  # validated once per batch by the caller (no host read per layer)
+        documents = cu_seqlens
+        if documents.seq_len != n * world_size or (documents.partition is not None) != (layout == THD):
+            raise ValueError(f"documents for {documents.seq_len} tokens (THD: {documents.partition is not None}) "
+                             f"do not fit this call: {n} local tokens x {world_size} ranks, layout {layout!r}")
+        if any(end > b for _, end, _ in documents.groups):
+            raise ValueError(f"documents describe {documents.groups[-1][1]} samples, the batch has {b}")
+    elif layout == THD:
+        documents = check_thd(cu_seqlens, cu_seqlens_padded, n, world_size, b)
+    elif cu_seqlens is not None:
+        documents = check_cu_seqlens(cu_seqlens, n * world_size, b)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     backward_algo = resolve_algo(algo, b, hq, to_bhsd(k, qkv_format).shape[1], n, d, q.element_size(), world_size,
                                  nodes=topo.num_nodes, ring=ring, causal=causal)
-    cfg = CPConfig(topo, ring, layout, stripe, causal, scale, kernel)
-    return Prepared(q, k, v, cfg, backward_algo, qkv_format)
+    cfg = CPConfig(topo, ring, layout, stripe, causal, scale, kernel, documents)
+    return Prepared(q, k, v, cfg, backward_algo, qkv_format, packed)
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -203,7 +234,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  algo: str = "burst", layout: str = "zigzag", causal: bool = True, ring: Optional[str] = None,
                  softmax_scale: Optional[float] = None, qkv_format: str = "sbhd", stripe: int = 1,
                  dropout_p: float = 0.0, attn_bias: Optional[torch.Tensor] = None,
-                 kernel: Optional[str] = None) -> torch.Tensor:
+                 kernel: Optional[str] = None, cu_seqlens: Optional[CuSeqlens] = None,
+                 cu_seqlens_padded: Optional[CuSeqlens] = None) -> torch.Tensor:
     """Context-parallel softmax attention over the ranks of ``group``.
 
     q [s, b, hq, d], k/v [s, b, hkv, d] (``qkv_format="sbhd"``, Megatron's; or [b, s, h, d] for
@@ -215,7 +247,18 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     (the default when it spans several nodes) runs intra-node rings inside an inter-node ring, and
     ``ring="flat"`` one ring whose bytes are still classed intra/inter.
     ``kernel`` forces a local attention backend (megatron_burst.kernels.BACKENDS).
+    ``cu_seqlens``: packed documents, int tensor [0, ..., S] of global document boundaries over the
+    full sequence (S = s x CP size; the same on every rank), or a list of b such tensors (one per
+    sample), or a :class:`~megatron_burst.documents.Documents` validated once per batch (Megatron
+    layers do this). Attention stays inside each document: causal within it (``causal=True``) or full within
+    it (``causal=False``). Block pairs sharing no document skip compute; bytes sent are unchanged.
+    See megatron_burst.documents.
+    Packed THD batches (TransformerEngine's partitioning, Megatron's PackedSeqParams):
+    ``layout="thd"`` with ``cu_seqlens`` (real sequence boundaries) and ``cu_seqlens_padded``
+    (padded ones, each a multiple of 2 x CP size; None: unpadded): rank r holds chunks r and 2W-1-r
+    of every sequence. ``qkv_format="thd"`` takes and returns [t, h, d] tensors.
     """
     return prepare(q, k, v, group=group, algo=algo, layout=layout, causal=causal, ring=ring,
                    softmax_scale=softmax_scale, qkv_format=qkv_format, stripe=stripe, dropout_p=dropout_p,
-                   attn_bias=attn_bias, kernel=kernel).apply()
+                   attn_bias=attn_bias, kernel=kernel, cu_seqlens=cu_seqlens,
+                   cu_seqlens_padded=cu_seqlens_padded).apply()

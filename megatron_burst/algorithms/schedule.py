@@ -30,6 +30,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from megatron_burst.comm import PendingExchange
+from megatron_burst.documents import Documents, visible_blocks
+from megatron_burst.layout import BlockMask
 from megatron_burst.topology import CPTopology, Ring
 
 # gloo tags of the two rings when they share no batch (separate communicators); NCCL ignores tags
@@ -48,6 +50,7 @@ class CPConfig:
     causal: bool
     scale: float
     kernel: Optional[str] = None
+    documents: Optional[Documents] = None  # packed documents (cu_seqlens); None: one sequence
 
     @property
     def rank(self) -> int:
@@ -56,6 +59,12 @@ class CPConfig:
     @property
     def world_size(self) -> int:
         return self.topology.world_size
+
+    def blocks(self, q_rank: int, kv_rank: int, local_len: int, q_rows: Optional[int] = None
+               ) -> list[tuple[slice, BlockMask]]:
+        """(batch slice, visible rectangle) pairs of a block pair; [] means skip it (no kernel call)."""
+        return visible_blocks(self.documents, self.layout, q_rank, kv_rank, self.world_size, local_len,
+                              self.causal, self.stripe, q_rows)
 
 
 Visit = Callable[[int, Sequence[torch.Tensor]], Optional[torch.Tensor]]
