@@ -86,7 +86,7 @@ HYBRID = [  # (flags, the decoder layers' attention): CP = 1
     (["--linear-attention-type", "retention", "--bf16"], ["LinearSelfAttention"] * 2),
 ]
 REFUSED = [  # (CP size, flags, the flag the error must name)
-    (2, ["--reset-attention-mask"], "--reset-attention-mask"),
+    (2, ["--reset-attention-mask", "--linear-attention-type", "gla"], "--reset-attention-mask"),
     (2, ["--multi-latent-attention"], "--multi-latent-attention"),
     (2, ["--cp-algo", "none", "--cp-layout", "striped"], "--cp-algo none"),
     (2, ["--seq-selective-ckpt-ratio", "0.5", "--recompute-granularity", "selective", "--recompute-modules",
