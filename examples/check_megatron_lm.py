@@ -21,7 +21,7 @@ It drives the patched ``pretrain_gpt.py``'s own pieces: Megatron-LM's ``parse_ar
   CP = 1 is plain softmax attention (tests/test_megatron_model.py).
 * **hybrid model**: with --linear-attention-type (and Megatron-LM's own --linear-attention-freq)
   the patched builder makes the LASP-2H model, linear layers where the pattern says, and it trains
-  a step at CP = 1 (CP > 1 runs the LASP-2 op).
+  a step at CP = 1; at CP = 2 (LASP-2 and LASP-1) it trains like CP = 1 ("same training").
 * **refused at startup**: flag sets megatron-burst cannot honour raise a ValueError naming the flag
   before anything is built.
 
@@ -64,6 +64,8 @@ SAME_MODEL = [  # flag sets whose patched parameters must equal the unpatched mo
     [], ["--qk-layernorm"], MOE, ["--mtp-num-layers", "1"], ["--swiglu"], ["--bf16"], HETEROGENEOUS,
     USER_SPEC + ["--cp-layout", "striped"],
 ]
+# LASP-2H: layers 1-3 Lightning-style linear attention, layer 4 softmax (the demo's hybrid)
+LIGHTNING_3_1 = ["--num-layers", "4", "--linear-attention-type", "lightning", "--linear-attention-freq", "4"]
 SAME_TRAINING = [  # (CP size, flags): patched vs unpatched CP = 1 with the model-defining flags
     (1, ["--fused-lm-loss"]),
     (2, ["--cp-layout", "striped", "--cp-algo", "burst", "--fused-lm-loss"]),
@@ -75,6 +77,8 @@ SAME_TRAINING = [  # (CP size, flags): patched vs unpatched CP = 1 with the mode
     (2, USER_SPEC + ["--cp-layout", "striped"]),
     (2, ["--bf16", "--cp-layout", "striped", "--fused-lm-loss"]),
     (2, HETEROGENEOUS + ["--cp-layout", "striped"]),
+    (2, LIGHTNING_3_1 + ["--cp-layout", "zigzag"]),
+    (2, LIGHTNING_3_1 + ["--cp-layout", "zigzag", "--linear-cp-algo", "lasp1"]),
 ]
 HYBRID = [  # (flags, the decoder layers' attention): CP = 1
     (["--num-layers", "4", "--linear-attention-type", "gla", "--linear-attention-freq", "([1]+[0])*2"],
@@ -82,7 +86,7 @@ HYBRID = [  # (flags, the decoder layers' attention): CP = 1
     (["--linear-attention-type", "retention", "--bf16"], ["LinearSelfAttention"] * 2),
 ]
 REFUSED = [  # (CP size, flags, the flag the error must name)
-    (2, ["--reset-attention-mask"], "--reset-attention-mask"),
+    (2, ["--reset-attention-mask", "--linear-attention-type", "gla"], "--reset-attention-mask"),
     (2, ["--multi-latent-attention"], "--multi-latent-attention"),
     (2, ["--cp-algo", "none", "--cp-layout", "striped"], "--cp-algo none"),
     (2, ["--seq-selective-ckpt-ratio", "0.5", "--recompute-granularity", "selective", "--recompute-modules",
@@ -93,7 +97,8 @@ REFUSED = [  # (CP size, flags, the flag the error must name)
 ]
 # flags that change the computation's precision: compared with a looser tolerance
 LOSS_RTOL, GRAD_RTOL, BF16_LOSS_RTOL, BF16_GRAD_RTOL = 1e-5, 1e-4, 2e-2, 1e-1
-MODEL_FLAGS = ("--qk-layernorm", "--swiglu", "--bf16", "--spec", *MOE, *USER_SPEC[1:], *HETEROGENEOUS)
+MODEL_FLAGS = ("--qk-layernorm", "--swiglu", "--bf16", "--spec", *MOE, *USER_SPEC[1:], *HETEROGENEOUS,
+               "--num-layers", "--linear-attention-type", "--linear-attention-freq")
 
 
 def _megatron_argv(cp: int, world: int, extra: list[str]) -> list[str]:

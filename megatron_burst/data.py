@@ -190,11 +190,14 @@ def corpus_stats(prefix: str) -> Dict[str, int]:
 
 def build_train_dataset(*, data_path: Optional[Sequence[str]], seq_length: int, num_samples: int,
                         seed: int, tokenizer: MegatronTokenizerBase, mock: bool = False,
-                        split: str = "100,0,0", cache_path: Optional[str] = None):
+                        split: str = "100,0,0", cache_path: Optional[str] = None,
+                        reset_position_ids: bool = False):
     """The training split as megatron.core ``GPTDataset`` (or ``MockGPTDataset`` when ``mock``).
 
     ``data_path`` is Megatron-LM's ``--data-path``: one prefix, or ``weight prefix ...`` pairs
-    for a blend. Every rank must call this (megatron.core builds the index on rank 0 first,
+    for a blend. ``reset_position_ids`` restarts position ids after each EOD (documents themselves
+    are derived from the EOD tokens at slicing time, so no dense attention mask is built). Every
+    rank must call this (megatron.core builds the index on rank 0 first,
     then the others, with a barrier between).
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -210,7 +213,7 @@ def build_train_dataset(*, data_path: Optional[Sequence[str]], seq_length: int, 
         random_seed=seed, sequence_length=seq_length,
         blend=None if mock else get_blend_from_list(list(data_path)),
         split=split, path_to_cache=cache_path, tokenizer=tokenizer,
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        reset_position_ids=reset_position_ids, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False,
     )  # blend=None is how megatron.core selects mock data
     cls = MockGPTDataset if mock else GPTDataset

@@ -14,9 +14,10 @@ In every layout a rank's local tokens are in increasing global order. That makes
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import torch
 
@@ -77,6 +78,23 @@ def layout_indices(seq_len: int, rank: int, world_size: int, layout: str, stripe
     return (stripes[:, None] * stripe + torch.arange(stripe)[None, :]).reshape(-1)
 
 
+def thd_indices(cu_seqlens_padded: Sequence[int], rank: int, world_size: int) -> torch.Tensor:
+    """Global positions ``rank`` holds of a packed (THD) batch, TransformerEngine's partitioning.
+
+    Each (padded) sequence [cu[i], cu[i+1]) is cut into 2W chunks and rank r holds chunks r and
+    2W-1-r of every sequence: zigzag per sequence, in increasing global order. Returns LongTensor
+    [cu[-1] / W]. Every padded length must be divisible by 2W when W > 1 (see documents.check_thd).
+    """
+    if world_size == 1:  # one rank holds everything, in order: lengths need no divisibility
+        return torch.arange(cu_seqlens_padded[-1])
+    parts = []
+    for a, b in zip(cu_seqlens_padded, cu_seqlens_padded[1:]):
+        c = (b - a) // (2 * world_size)
+        parts += [torch.arange(a + rank * c, a + (rank + 1) * c),
+                  torch.arange(a + (2 * world_size - 1 - rank) * c, a + (2 * world_size - rank) * c)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
 @functools.lru_cache(maxsize=64)
 def layout_indices_on(seq_len: int, rank: int, world_size: int, layout: str, stripe: int,
                       device: torch.device) -> torch.Tensor:
@@ -121,6 +139,13 @@ class BlockMask:
       * ``causal``: inside that rectangle, row i sees column j iff i - q_start >= j - kv_start.
       * ``block_causal``: inside the rectangle, row i sees column j iff
         (i - q_start) // block >= (j - kv_start) // block.
+      * ``positions``: inside the rectangle, row i sees column j iff
+        kv_pos[j'] <= q_pos[i'] (global token positions, both increasing; i' = i - q_start,
+        j' = j - kv_start) and, when document ids are given, q_doc[i'] == kv_doc[j']. Either pair
+        may be None (no causal condition / one document). Document masks produce it (see
+        :mod:`megatron_burst.documents`): for one document whose causal pattern is none of the
+        above (e.g. striped with an offset), or for a run of small adjacent documents merged into
+        one kernel call. Every row of such a rectangle sees at least one column.
     Rows outside [q_start, q_stop) receive nothing from this block.
     """
 
@@ -130,6 +155,16 @@ class BlockMask:
     kv_start: int = 0
     kv_stop: int = 0
     block: int = 1
+    # ``positions`` only: LongTensors [q_stop - q_start] and [kv_stop - kv_start] (CPU)
+    q_pos: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    kv_pos: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    q_doc: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    kv_doc: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+
+    @property
+    def mask_data(self) -> tuple:
+        """(q_pos, kv_pos, q_doc, kv_doc) of a ``positions`` block (see :func:`positions_visibility`)."""
+        return self.q_pos, self.kv_pos, self.q_doc, self.kv_doc
 
     @property
     def q_slice(self) -> slice:
@@ -150,16 +185,27 @@ class BlockMask:
             kv_stop = min(self.kv_stop, self.kv_start + height)
         elif self.kind == "block_causal":
             kv_stop = min(self.kv_stop, self.kv_start + ((height - 1) // self.block + 1) * self.block)
+        elif self.kind == "positions":  # the last kept row's position and document bound the columns
+            seen = self.kv_stop - self.kv_start
+            if self.q_pos is not None:
+                seen = min(seen, int(torch.searchsorted(self.kv_pos, self.q_pos[height - 1:height], right=True)[0]))
+            if self.q_doc is not None:
+                seen = min(seen, int(torch.searchsorted(self.kv_doc, self.q_doc[height - 1:height], right=True)[0]))
+            cut = lambda t, m: None if t is None else t[:m]  # noqa: E731
+            return BlockMask("positions", self.q_start, rows, self.kv_start, self.kv_start + seen, 1,
+                             cut(self.q_pos, height), cut(self.kv_pos, seen), cut(self.q_doc, height),
+                             cut(self.kv_doc, seen))
         else:
             kv_stop = self.kv_stop
         return BlockMask(self.kind, self.q_start, rows, self.kv_start, kv_stop, self.block)
 
     def shifted(self, q_offset: int, kv_offset: int) -> "BlockMask":
-        """The same region placed at (q_offset, kv_offset) inside a larger block (a block of blocks)."""
+        """The same region placed at (q_offset, kv_offset) inside a larger block (a block of blocks);
+        a ``positions`` block keeps its per-row/column data (it is relative to the rectangle)."""
         if self.kind == "empty":
             return self
-        return BlockMask(self.kind, self.q_start + q_offset, self.q_stop + q_offset,
-                         self.kv_start + kv_offset, self.kv_stop + kv_offset, self.block)
+        return dataclasses.replace(self, q_start=self.q_start + q_offset, q_stop=self.q_stop + q_offset,
+                                   kv_start=self.kv_start + kv_offset, kv_stop=self.kv_stop + kv_offset)
 
     def restrict_kv(self, kv_start: int, kv_stop: int) -> "BlockMask":
         """The same region restricted to kv rows [kv_start, kv_stop) (a piece of the kv block).
@@ -169,6 +215,8 @@ class BlockMask:
         """
         if self.kind == "empty":
             return self
+        if self.kind == "positions":  # its rows may see nothing of a piece: document masks are not cut
+            raise ValueError("restrict_kv does not cut 'positions' blocks (document masks): gather them whole")
         lo, hi = max(self.kv_start, kv_start), min(self.kv_stop, kv_stop)
         if lo >= hi:
             return BlockMask("empty")
@@ -192,10 +240,25 @@ class BlockMask:
             sub = torch.ones(rows.shape[0], cols.shape[1], dtype=torch.bool)
         elif self.kind == "causal":
             sub = rows >= cols
+        elif self.kind == "positions":
+            sub = positions_visibility(*self.mask_data, rows.shape[0], cols.shape[1])
         else:
             sub = rows // self.block >= cols // self.block
         m[self.q_slice, self.kv_slice] = sub
         return m
+
+
+def positions_visibility(q_pos: Optional[torch.Tensor], kv_pos: Optional[torch.Tensor], q_doc: Optional[torch.Tensor],
+                         kv_doc: Optional[torch.Tensor], sq: int, sk: int,
+                         device: Optional[torch.device] = None) -> torch.Tensor:
+    """Boolean [sq, sk] visibility of a ``positions`` block: kv_pos <= q_pos (if given) and
+    q_doc == kv_doc (if given), from the (already sliced) per-row and per-column vectors."""
+    vis = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if q_pos is not None:
+        vis &= kv_pos.to(device)[None, :] <= q_pos.to(device)[:, None]
+    if q_doc is not None:
+        vis &= kv_doc.to(device)[None, :] == q_doc.to(device)[:, None]
+    return vis
 
 
 def block_mask(layout: str, q_rank: int, kv_rank: int, world_size: int, local_len: int,

@@ -95,3 +95,18 @@ def linear_schedule(algo: str, layout: str, causal: bool):
     result = _replays(trace)
     result["max_err"] = max(v for key, v in errs.items() if key not in ("bytes", "dtype"))
     return result
+
+
+def document_schedule(algo: str, ring: str, ranks_per_node: int, layout: str = "zigzag"):
+    """cp_attention with packed documents (some block pairs skip compute), recorded and replayed:
+    the schedule must not depend on the mask, or ranks skipping a pair would unbalance the batches."""
+    from document_cases import run_doc_case
+
+    W = dist.get_world_size()
+    seq = 8 * W
+    with record_schedule() as trace:
+        errs = run_doc_case(algo, layout, (8, 2), [0, 3, 4, seq // 2 + 3, seq], 8,
+                            ranks_per_node=ranks_per_node if ring == "double" else None, ring=ring)
+    result = _replays(trace)
+    result["max_err"] = max(errs[n] for n in ("out", "dq", "dk", "dv"))
+    return result

@@ -45,11 +45,11 @@ def test_visible_grid_is_causality_of_the_gathered_sequences(layout, stripe, U, 
     pos = lambda m: torch.cat([layout_indices(seq, m * U + a, W, layout, stripe) for a in range(U)])  # noqa: E731
     for qm, km in itertools.product(range(members), repeat=2):
         got = torch.zeros(U * n, U * n, dtype=torch.bool)
-        for mask in cfg.visible(qm, km, U * n):
+        for _, mask in cfg.blocks(qm, km, U * n):
             got |= mask.dense(U * n, U * n)
         assert torch.equal(got, pos(km)[None, :] <= pos(qm)[:, None]), (qm, km)
     # and with U = 1 it is the plain per-rank block mask
     plain = CPConfig(CPTopology(None, 0, W, 1, None), "flat", layout, stripe, True, 1.0)
     for i, j in itertools.product(range(W), repeat=2):
-        dense = sum((m.dense(n, n).int() for m in plain.visible(i, j, n)), torch.zeros(n, n, dtype=torch.int))
+        dense = sum((m.dense(n, n).int() for _, m in plain.blocks(i, j, n)), torch.zeros(n, n, dtype=torch.int))
         assert torch.equal(dense.bool(), global_causal_mask(layout, i, j, W, n, stripe))

@@ -133,9 +133,12 @@ def test_rope_without_cp_is_the_full_table():
     assert torch.equal(res["local"][:, 0, 0], torch.cat((res["freqs"], res["freqs"]), dim=-1))
 
 
-def test_rope_rejects_packed_sequences():
-    with pytest.raises(Exception, match="packed"):
-        run_ranks(1, _rope_packed)
+def test_rope_gives_packed_sequences_the_whole_table():
+    """THD batches: Megatron's THD RoPE picks each sequence's rows itself, from the whole table
+    (packed_seq=True), as Megatron's RotaryEmbedding returns it on GPU: row p is p x inv_freq
+    (it used to be refused)."""
+    for ours, megatrons in run_ranks(2, _rope_packed):
+        assert ours.shape == (16, 1, 1, 8) and torch.equal(ours, megatrons)
 
 
 def _rope_packed():
@@ -145,7 +148,9 @@ def _rope_packed():
 
     src = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True,
                           cp_group=dist.group.WORLD)
-    LayoutRotaryEmbedding(src, "zigzag", dist.group.WORLD)(16, packed_seq=True)
+    ours = LayoutRotaryEmbedding(src, "zigzag", dist.group.WORLD)(16, packed_seq=True)
+    freqs = torch.outer(torch.arange(16, dtype=torch.float32), src.inv_freq.float())  # position x frequency
+    return ours, torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
 
 
 def test_rope_keeps_fp32_angles_under_bf16_and_moves_with_the_model():

@@ -174,7 +174,7 @@ def test_spec_layout_follows_the_model_or_is_refused():
 
 
 @pytest.mark.parametrize("attrs,needle", [
-    ({"reset_attention_mask": True}, "--reset-attention-mask"),
+    ({"reset_attention_mask": True, "linear_attention_type": "gla"}, "--reset-attention-mask"),
     ({"fused_lm_loss": True, "fp16": True}, "--fp16"),
     ({"use_legacy_models": True}, "--use-legacy-models"),
     ({"seq_selective_ckpt_ratio": 0.5, "recompute_granularity": "selective", "recompute_modules": ["mlp"]},

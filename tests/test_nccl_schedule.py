@@ -148,3 +148,13 @@ def test_linear_attention_schedules_complete_under_nccl(algo, layout, causal, wo
     for rank, res in enumerate(run_ranks(world_size, nccl_cases.linear_schedule, algo, layout, causal)):
         _assert_replays(res, f"{algo} {layout} causal={causal} W={world_size} rank {rank}")
         assert res["max_err"] < 1e-5
+
+
+@pytest.mark.parametrize("algo,ring,world_size", [(a, r, W) for a in ("ring", "burst") for r in ("flat", "double")
+                                                  for W in (3, 4)])
+def test_document_mask_schedules_complete_under_nccl(algo, ring, world_size):
+    """With cu_seqlens, ranks skip block pairs that share no document, but every transfer is still
+    posted in the same order (tests/test_document_masks.py checks the bytes are unchanged)."""
+    for rank, res in enumerate(run_ranks(world_size, nccl_cases.document_schedule, algo, ring, DOUBLE[world_size])):
+        _assert_replays(res, f"documents {algo}/{ring} W={world_size} rank {rank}")
+        assert res["max_err"] < 1e-5

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_burst.algorithms import allgather, burst, ring, ulysses
 from megatron_burst.algorithms.schedule import CPConfig
+from megatron_burst.documents import THD, CuSeqlens, Documents, check_cu_seqlens, check_thd
 from megatron_burst.kernels import row_dot
 from megatron_burst.layout import check_layout, check_local_len
 from megatron_burst.topology import (RING_SHAPES, CPTopology, USPTopology, check_ulysses_size,
@@ -30,7 +31,7 @@ from megatron_burst.topology import (RING_SHAPES, CPTopology, USPTopology, check
 
 CP_ALGOS = ("ring", "burst", "auto", "allgather", "ulysses", "usp")
 RING_BACKWARDS = ("ring", "burst", "auto")
-QKV_FORMATS = ("sbhd", "bshd")
+QKV_FORMATS = ("sbhd", "bshd", "thd")  # "thd": [t, h, d], one packed sequence (sbhd with b = 1)
 
 _FORWARD = {"ring": ring.kv_ring_forward, "burst": ring.kv_ring_forward, "allgather": allgather.allgather_forward}
 _BACKWARD = {"ring": ring.ring_backward, "burst": burst.burst_backward, "allgather": allgather.allgather_backward}
@@ -150,7 +151,8 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: i
         raise ValueError(f"unknown algo {algo!r}: choose one of {', '.join(CP_ALGOS)}")
     if ring_backward not in RING_BACKWARDS:
         raise ValueError(f"unknown ring_backward {ring_backward!r}: choose one of {', '.join(RING_BACKWARDS)}")
-    check_layout(layout, stripe)
+    if layout != THD:
+        check_layout(layout, stripe)
     if qkv_format not in QKV_FORMATS:
         raise ValueError(f"unknown qkv_format {qkv_format!r}: choose one of {', '.join(QKV_FORMATS)}")
     if dropout_p:
@@ -177,7 +179,8 @@ def validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: i
     if hq % hkv:
         raise ValueError(f"query heads {hq} are not divisible by key/value heads {hkv} (GQA needs hq % hkv == 0)")
     local_len = q.shape[0] if qkv_format == "sbhd" else q.shape[1]
-    check_local_len(local_len, world_size, layout, stripe)
+    if layout != THD:
+        check_local_len(local_len, world_size, layout, stripe)
     if algo == "usp" and ulysses_size is None:
         raise ValueError("algo='usp' needs ulysses_size=U (the Ulysses group size; Megatron: "
                          "--hierarchical-context-parallel-sizes U W/U)")
@@ -201,9 +204,10 @@ class Prepared:
     v: torch.Tensor
     cfg: CPConfig
     backward_algo: str
-    qkv_format: str
+    qkv_format: str  # of q, k, v here: a caller's "thd" is held as "sbhd" with b = 1
     exchange: Optional[tuple] = None
     ring_backward: str = "ring"
+    packed: bool = False  # the caller passed "thd": outputs drop the batch dim again
 
     @property
     def supports_row_cache(self) -> bool:
@@ -220,16 +224,19 @@ class Prepared:
             fmt = self.qkv_format
             out = ulysses.UlyssesAttention.apply(to_bhsd(self.q, fmt), to_bhsd(self.k, fmt), to_bhsd(self.v, fmt),
                                                  self.cfg, *self.exchange, self.ring_backward)
-            return from_bhsd(out, fmt).contiguous()
-        return _CPAttention.apply(self.q, self.k, self.v, self.cfg, self.backward_algo, self.qkv_format,
-                                  q_rows, out_tail, lse_tail)
+            out = from_bhsd(out, fmt).contiguous()
+        else:
+            out = _CPAttention.apply(self.q, self.k, self.v, self.cfg, self.backward_algo, self.qkv_format,
+                                     q_rows, out_tail, lse_tail)
+        return out.squeeze(1) if self.packed else out
 
     def forward_no_grad(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The forward alone: (out in the caller's format, its [b, h, s, d] view, lse fp32)."""
         if not self.supports_row_cache:
             raise ValueError("forward_no_grad (selective checkpointing's store) needs ring, burst or allgather")
         qh, kh, vh = (to_bhsd(t, self.qkv_format).contiguous() for t in (self.q, self.k, self.v))
-        return attention_forward(qh, kh, vh, self.cfg, self.qkv_format, scheme=self.backward_algo)
+        out, out_h, lse = attention_forward(qh, kh, vh, self.cfg, self.qkv_format, scheme=self.backward_algo)
+        return (out.squeeze(1) if self.packed else out), out_h, lse
 
 
 def _usp_topology(group, world_size: int, U: int) -> USPTopology:
@@ -252,8 +259,21 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
             softmax_scale: Optional[float] = None, qkv_format: str = "sbhd", stripe: int = 1,
             dropout_p: float = 0.0, attn_bias: Optional[torch.Tensor] = None,
             kernel: Optional[str] = None, ulysses_size: Optional[int] = None,
-            ring_backward: str = "auto") -> Prepared:
+            ring_backward: str = "auto", cu_seqlens: Optional[CuSeqlens] = None,
+            cu_seqlens_padded: Optional[CuSeqlens] = None) -> Prepared:
     """Validate a cp_attention call (before any collective) and resolve its configuration."""
+    packed = qkv_format == "thd"
+    if packed:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dim() != 3:
+                raise ValueError(f"qkv_format='thd' takes {name} as [tokens, heads, head_dim], got shape "
+                                 f"{tuple(t.shape)}")
+        q, k, v, qkv_format = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), "sbhd"
+    if layout == THD and cu_seqlens is None:
+        raise ValueError("layout='thd' places tokens by their packed sequences: pass cu_seqlens (and "
+                         "cu_seqlens_padded when sequences are padded)")
+    if cu_seqlens_padded is not None and layout != THD:
+        raise ValueError(f"cu_seqlens_padded describes THD partitioning: use layout='thd', not {layout!r}")
     if isinstance(group, USPTopology):
         ulysses_size = group.ulysses_size if ulysses_size is None else ulysses_size
         topo = group.ring if group.ulysses_size == 1 else None
@@ -271,6 +291,18 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
              dropout_p=dropout_p, attn_bias=attn_bias, ulysses_size=ulysses_size, ring_backward=ring_backward)
     b, hq, n, d = to_bhsd(q, qkv_format).shape
     hkv = to_bhsd(k, qkv_format).shape[1]
+    documents: Optional[Documents] = None
+    if isinstance(cu_seqlens, Documents):  # validated once per batch by the caller (no host read per layer)
+        documents = cu_seqlens
+        if documents.seq_len != n * world_size or (documents.partition is not None) != (layout == THD):
+            raise ValueError(f"documents for {documents.seq_len} tokens (THD: {documents.partition is not None}) "
+                             f"do not fit this call: {n} local tokens x {world_size} ranks, layout {layout!r}")
+        if any(end > b for _, end, _ in documents.groups):
+            raise ValueError(f"documents describe {documents.groups[-1][1]} samples, the batch has {b}")
+    elif layout == THD:
+        documents = check_thd(cu_seqlens, cu_seqlens_padded, n, world_size, b)
+    elif cu_seqlens is not None:
+        documents = check_cu_seqlens(cu_seqlens, n * world_size, b)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     nodes = group.num_nodes if isinstance(group, USPTopology) else topo.num_nodes
     if algo == "auto":
@@ -291,8 +323,8 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
             raise ValueError(f"algo={algo!r} runs over a CP group or CPTopology, not a USPTopology")
         backward_algo = resolve_algo(algo, b, hq, hkv, n, d, q.element_size(), world_size, nodes=topo.num_nodes,
                                      ring=ring, causal=causal)
-        cfg = CPConfig(topo, ring, layout, stripe, causal, scale, kernel)
-        return Prepared(q, k, v, cfg, backward_algo, qkv_format)
+        cfg = CPConfig(topo, ring, layout, stripe, causal, scale, kernel, documents)
+        return Prepared(q, k, v, cfg, backward_algo, qkv_format, packed=packed)
     U = ulysses_size
     if U == world_size:  # plain Ulysses: the CP group is the all-to-all group, the ring is a single member
         rank_topo, a2a_group = CPTopology(None, 0, 1, 1, None), cp_group
@@ -308,8 +340,8 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
         ring = "flat"
     ring_scheme = resolve_algo(ring_backward, b, hq // U, kv_sent // U, n * U, d, q.element_size(), members,
                                nodes=rank_topo.num_nodes, ring=ring, causal=causal) if members > 1 else "ring"
-    cfg = CPConfig(rank_topo, ring, layout, stripe, causal, scale, kernel, ulysses_size=U)
-    return Prepared(q, k, v, cfg, "ulysses", qkv_format, (a2a_group, link), ring_scheme)
+    cfg = CPConfig(rank_topo, ring, layout, stripe, causal, scale, kernel, documents, ulysses_size=U)
+    return Prepared(q, k, v, cfg, "ulysses", qkv_format, (a2a_group, link), ring_scheme, packed)
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -318,7 +350,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  softmax_scale: Optional[float] = None, qkv_format: str = "sbhd", stripe: int = 1,
                  dropout_p: float = 0.0, attn_bias: Optional[torch.Tensor] = None,
                  kernel: Optional[str] = None, ulysses_size: Optional[int] = None,
-                 ring_backward: str = "auto") -> torch.Tensor:
+                 ring_backward: str = "auto", cu_seqlens: Optional[CuSeqlens] = None,
+                 cu_seqlens_padded: Optional[CuSeqlens] = None) -> torch.Tensor:
     """Context-parallel softmax attention over the ranks of ``group``.
 
     q [s, b, hq, d], k/v [s, b, hkv, d] (``qkv_format="sbhd"``, Megatron's; or [b, s, h, d] for
@@ -332,8 +365,18 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     ``algo="usp"`` needs ``ulysses_size`` U and the 2-D groups of ``build_usp_topology`` (passed as
     ``group``, or built earlier for this CP group); ``ring_backward`` picks its ring part's backward.
     ``kernel`` forces a local attention backend (megatron_burst.kernels.BACKENDS).
+    ``cu_seqlens``: packed documents, int tensor [0, ..., S] of global document boundaries over the
+    full sequence (S = s x CP size; the same on every rank), or a list of b such tensors (one per
+    sample), or a :class:`~megatron_burst.documents.Documents` validated once per batch (Megatron
+    layers do this). Attention stays inside each document: causal within it (``causal=True``) or full within
+    it (``causal=False``). Block pairs sharing no document skip compute; bytes sent are unchanged.
+    See megatron_burst.documents.
+    Packed THD batches (TransformerEngine's partitioning, Megatron's PackedSeqParams):
+    ``layout="thd"`` with ``cu_seqlens`` (real sequence boundaries) and ``cu_seqlens_padded``
+    (padded ones, each a multiple of 2 x CP size; None: unpadded): rank r holds chunks r and 2W-1-r
+    of every sequence. ``qkv_format="thd"`` takes and returns [t, h, d] tensors.
     """
     return prepare(q, k, v, group=group, algo=algo, layout=layout, causal=causal, ring=ring,
                    softmax_scale=softmax_scale, qkv_format=qkv_format, stripe=stripe, dropout_p=dropout_p,
                    attn_bias=attn_bias, kernel=kernel, ulysses_size=ulysses_size,
-                   ring_backward=ring_backward).apply()
+                   ring_backward=ring_backward, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded).apply()

@@ -10,7 +10,8 @@ Overlap: K,V are gathered in pieces (a piece = the same rows of every rank's blo
 two chunks). All pieces are posted at once; the own block is attended while they are in flight,
 then each piece as it arrives. In the backward, a piece's dK,dV reduce-scatter is posted as soon as
 that piece is done, so it runs under the next piece's compute. Every visible region comes from
-:meth:`CPConfig.visible` (layout.BlockMask), cut to the piece with :meth:`BlockMask.restrict_kv`.
+:meth:`CPConfig.blocks` (layout.BlockMask; document masks too), cut to the piece with
+:meth:`BlockMask.restrict_kv` (with documents, K,V are gathered as one piece).
 
 Bytes per rank (n local tokens, batch b, hkv kv heads, head dim d, e = input element size), as
 ring all-gather / reduce-scatter count them:
@@ -36,6 +37,8 @@ def kv_pieces(cfg: CPConfig, n: int) -> list[tuple[int, int]]:
     Two pieces where a layout allows a cut that keeps every mask a rectangle: zigzag's two chunks,
     a stripe boundary near the middle (striped), the middle (contiguous); one otherwise.
     """
+    if cfg.documents is not None:  # document rectangles are not cut into pieces (BlockMask.restrict_kv)
+        return [(0, n)]
     if cfg.layout == "zigzag":
         cut = n // 2
     elif cfg.layout == "striped":
@@ -67,13 +70,12 @@ def _post_gathers(cfg: CPConfig, k: torch.Tensor, v: torch.Tensor, pieces, phase
 
 
 def _piece_masks(cfg: CPConfig, src: int, n: int, lo: int, hi: int, q_rows: Optional[int] = None):
-    """This rank's visible regions of rank ``src``'s keys rows [lo, hi), in piece-local kv rows."""
-    for mask in cfg.visible(cfg.rank, src, n):
-        m = mask.restrict_kv(lo, hi)
-        if q_rows is not None:
-            m = m.clip_rows(q_rows)
+    """(batch slice, region) of this rank's queries x rank ``src``'s key rows [lo, hi), in
+    piece-local kv rows."""
+    for bs, mask in cfg.blocks(cfg.rank, src, n, q_rows):
+        m = mask if (lo, hi) == (0, n) else mask.restrict_kv(lo, hi)
         if m.kind != "empty":
-            yield m.shifted(0, -lo)
+            yield bs, m.shifted(0, -lo)
 
 
 def allgather_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: CPConfig,
@@ -94,9 +96,9 @@ def allgather_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: CP
         return out, lse
 
     def attend(src, kk, vv, lo, hi):
-        for m in _piece_masks(cfg, src, n, lo, hi, q_rows):
-            o, l = block_forward(q, kk, vv, m, cfg.scale, cfg.kernel)
-            merge_into(out[:, :, m.q_slice], lse[:, :, m.q_slice], o, l)
+        for bs, m in _piece_masks(cfg, src, n, lo, hi, q_rows):
+            o, l = block_forward(q[bs], kk[bs], vv[bs], m, cfg.scale, cfg.kernel)
+            merge_into(out[bs, :, m.q_slice], lse[bs, :, m.q_slice], o, l)
 
     pieces = kv_pieces(cfg, n)
     posted = _post_gathers(cfg, k, v, pieces, "forward") if cfg.world_size > 1 else []
@@ -123,11 +125,11 @@ def allgather_backward(dout, q, k, v, D, lse, cfg: CPConfig):
                          device=k.device) for lo, hi in pieces]
 
     def attend(src, kk, vv, lo, hi, g):
-        for m in _piece_masks(cfg, src, n, lo, hi):
-            dqb, dkb, dvb = block_backward(dout, q, kk, vv, D, lse, m, cfg.scale, cfg.kernel)
-            dq[:, :, m.q_slice] += dqb
-            g[src, 0][:, :, m.kv_slice] += dkb
-            g[src, 1][:, :, m.kv_slice] += dvb
+        for bs, m in _piece_masks(cfg, src, n, lo, hi):
+            dqb, dkb, dvb = block_backward(dout[bs], q[bs], kk[bs], vv[bs], D[bs], lse[bs], m, cfg.scale, cfg.kernel)
+            dq[bs, :, m.q_slice] += dqb
+            g[src, 0][bs, :, m.kv_slice] += dkb
+            g[src, 1][bs, :, m.kv_slice] += dvb
 
     posted = _post_gathers(cfg, k, v, pieces, "backward") if W > 1 else []
     for (lo, hi), g in zip(pieces, grads):  # own block first: no transfer needed

@@ -29,11 +29,12 @@ def burst_backward(dout, q, k, v, D, lse, cfg: CPConfig):
         qdo, dl = travel
         dq = torch.zeros_like(dq_like)
         # the visiting queries are rank ``owner``'s, the keys are ours
-        for mask in cfg.visible(owner, cfg.rank, n):
-            dqb, dkb, dvb = block_backward(qdo[1], qdo[0], k, v, dl[0], dl[1], mask, cfg.scale, cfg.kernel)
-            dq[:, :, mask.q_slice] += dqb
-            dk[:, :, mask.kv_slice] += dkb
-            dv[:, :, mask.kv_slice] += dvb
+        for bs, mask in cfg.blocks(owner, cfg.rank, n):
+            dqb, dkb, dvb = block_backward(qdo[1][bs], qdo[0][bs], k[bs], v[bs], dl[0][bs], dl[1][bs], mask,
+                                           cfg.scale, cfg.kernel)
+            dq[bs, :, mask.q_slice] += dqb
+            dk[bs, :, mask.kv_slice] += dkb
+            dv[bs, :, mask.kv_slice] += dvb
         return dq
 
     travel = [torch.stack([q, dout.to(q.dtype)]), torch.stack([D, lse])]

@@ -1,6 +1,8 @@
 """Ring attention (the TransformerEngine p2p baseline).
 
 Forward: K,V circulate; each rank merges the visible part of every block into its (out, lse).
+The visible parts come from ``cfg.blocks`` (causal/full, or one rectangle per document with
+cu_seqlens); a block pair with none is skipped, and the bytes sent do not depend on the mask.
 Backward: K,V circulate again and dK,dV travel with them (fp32), accumulated by every rank whose
 queries see the block; dQ stays home.
 
@@ -16,7 +18,6 @@ import torch
 
 from megatron_burst.algorithms.schedule import CPConfig, cp_ring_pass
 from megatron_burst.kernels import block_backward, block_forward, merge_into
-from megatron_burst.layout import block_mask
 
 
 def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: CPConfig,
@@ -38,12 +39,9 @@ def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: CPCo
     lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
 
     def visit(owner, kv):
-        for mask in cfg.visible(cfg.rank, owner, n):
-            if q_rows is not None:
-                mask = mask.clip_rows(q_rows)
-            if mask.kind != "empty":
-                o, l = block_forward(q, kv[0], kv[1], mask, cfg.scale, cfg.kernel)
-                merge_into(out[:, :, mask.q_slice], lse[:, :, mask.q_slice], o, l)
+        for bs, mask in cfg.blocks(cfg.rank, owner, n, q_rows):
+            o, l = block_forward(q[bs], kv[0][bs], kv[1][bs], mask, cfg.scale, cfg.kernel)
+            merge_into(out[bs, :, mask.q_slice], lse[bs, :, mask.q_slice], o, l)
 
     if q_rows == 0:  # every row comes from the selective-checkpoint store: nothing to compute or send
         return out, lse
@@ -62,8 +60,8 @@ def needed_kv_rows(cfg: CPConfig, n: int, q_rows: int) -> int:
     if not cfg.causal:
         return n
     W = cfg.world_size
-    return max(block_mask(cfg.layout, i, j, W, n, True, cfg.stripe).clip_rows(q_rows).kv_stop
-               for i in range(W) for j in range(W))
+    return max((mask.kv_stop for i in range(W) for j in range(W) for _, mask in cfg.blocks(i, j, n, q_rows)),
+               default=0)
 
 
 def ring_backward(dout, q, k, v, D, lse, cfg: CPConfig):
@@ -75,11 +73,12 @@ def ring_backward(dout, q, k, v, D, lse, cfg: CPConfig):
     def visit(owner, travel):
         kv = travel[0]
         dkv = torch.zeros_like(dkv_like)
-        for mask in cfg.visible(cfg.rank, owner, n):
-            dqb, dkb, dvb = block_backward(dout, q, kv[0], kv[1], D, lse, mask, cfg.scale, cfg.kernel)
-            dq[:, :, mask.q_slice] += dqb
-            dkv[0][:, :, mask.kv_slice] += dkb
-            dkv[1][:, :, mask.kv_slice] += dvb
+        for bs, mask in cfg.blocks(cfg.rank, owner, n):
+            dqb, dkb, dvb = block_backward(dout[bs], q[bs], kv[0][bs], kv[1][bs], D[bs], lse[bs], mask, cfg.scale,
+                                           cfg.kernel)
+            dq[bs, :, mask.q_slice] += dqb
+            dkv[0][bs, :, mask.kv_slice] += dkb
+            dkv[1][bs, :, mask.kv_slice] += dvb
         return dkv
 
     dkv = cp_ring_pass(cfg, [torch.stack([k, v])], visit, "backward", grad_like=dkv_like)

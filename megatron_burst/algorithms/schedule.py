@@ -30,7 +30,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from megatron_burst.comm import PendingExchange
-from megatron_burst.layout import BlockMask, block_mask
+from megatron_burst.documents import Documents, visible_blocks
+from megatron_burst.layout import BlockMask
 from megatron_burst.topology import CPTopology, Ring
 
 # gloo tags of the two rings when they share no batch (separate communicators); NCCL ignores tags
@@ -49,6 +50,7 @@ class CPConfig:
     causal: bool
     scale: float
     kernel: Optional[str] = None
+    documents: Optional[Documents] = None  # packed documents (cu_seqlens); None: one sequence
     # >1 under USP/Ulysses: each ring member holds the sequences of ``ulysses_size`` consecutive CP
     # ranks (after the all-to-all), so a block of the ring is a U x U grid of CP-rank blocks
     ulysses_size: int = 1
@@ -61,24 +63,30 @@ class CPConfig:
     def world_size(self) -> int:
         return self.topology.world_size
 
-    def visible(self, q_member: int, kv_member: int, member_len: int) -> list[BlockMask]:
-        """Non-empty visible regions of (queries of ring member ``q_member``) x (keys of ``kv_member``).
+    def blocks(self, q_member: int, kv_member: int, member_len: int, q_rows: Optional[int] = None
+               ) -> list[tuple[slice, BlockMask]]:
+        """(batch slice, visible rectangle) pairs of a block pair; [] means skip it (no kernel call).
 
-        Each member's block is ``member_len`` tokens: U = ``ulysses_size`` CP-rank shards of
-        member_len / U tokens, in CP-rank order. Without Ulysses (U = 1) this is the one
-        :func:`block_mask` of the two CP ranks; with it, the U x U shard pairs, shifted into place.
+        The pair is (queries of ring member ``q_member``) x (keys of ``kv_member``), each block
+        ``member_len`` tokens. Without Ulysses (``ulysses_size`` U = 1) a member is a CP rank; with
+        it, a member's block is U CP-rank shards of member_len / U tokens in CP-rank order (after
+        the all-to-all) and the pair is the U x U grid of shard pairs, each shifted into place.
+        Document masks (``documents``) apply the same way per shard pair.
         """
         U = self.ulysses_size
-        n = member_len // U
-        cp_world = self.world_size * U
-        masks = []
+        if U == 1:
+            return visible_blocks(self.documents, self.layout, q_member, kv_member, self.world_size, member_len,
+                                  self.causal, self.stripe, q_rows)
+        if q_rows is not None:
+            raise ValueError("selective row recompute (q_rows) is not available under Ulysses/USP")
+        n, cp_world = member_len // U, self.world_size * U
+        out = []
         for a in range(U):
             for b in range(U):
-                m = block_mask(self.layout, q_member * U + a, kv_member * U + b, cp_world, n, self.causal,
-                               self.stripe)
-                if m.kind != "empty":
-                    masks.append(m.shifted(a * n, b * n))
-        return masks
+                for bs, m in visible_blocks(self.documents, self.layout, q_member * U + a, kv_member * U + b,
+                                            cp_world, n, self.causal, self.stripe):
+                    out.append((bs, m.shifted(a * n, b * n)))
+        return out
 
 
 Visit = Callable[[int, Sequence[torch.Tensor]], Optional[torch.Tensor]]

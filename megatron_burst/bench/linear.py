@@ -1,6 +1,6 @@
 """LASP-2 vs LASP-1 (and softmax ring / burst attention of the same size) on emulated nodes.
 
-    sudo python -m megatron_burst.bench linear --nodes 4 --ranks-per-node 1 --inter-mbit 100 \\
+    sudo python -m megatron_burst.bench linear --nodes 2 --ranks-per-node 2 --inter-mbit 100 \\
         --seqs 4096 16384 65536 --softmax-max-seq 16384
 
 One network namespace per node (megatron_burst.bench.netns), each rank with its own NIC limited to
@@ -102,8 +102,8 @@ def _plot(summary, path, title) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m megatron_burst.bench linear", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nodes", type=int, default=4)
-    p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--inter-mbit", type=float, default=100.0, help="inter-node link rate per rank NIC, Mbit/s")
     p.add_argument("--ratio", type=float, default=10.0, help="intra-node rate / inter-node rate")
     p.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384, 65536])

@@ -95,7 +95,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Block
     """
     qs, ks, vs = q[:, :, mask.q_slice], k[:, :, mask.kv_slice], v[:, :, mask.kv_slice]
     impl = select(qs, mask.kind, "forward", kernel, ks)
-    return impl.forward(qs, ks, vs, mask.kind, mask.block, scale)
+    return impl.forward(qs, ks, vs, mask.kind, mask.block, scale, **_mask_data(mask))
 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, D: torch.Tensor,
@@ -109,7 +109,12 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     qs, ks = q[:, :, qsl], k[:, :, ksl]
     impl = select(qs, mask.kind, "backward", kernel, ks)
     return impl.backward(dout[:, :, qsl], qs, ks, v[:, :, ksl], D[:, :, qsl], lse[:, :, qsl], mask.kind,
-                         mask.block, scale)
+                         mask.block, scale, **_mask_data(mask))
+
+
+def _mask_data(mask: BlockMask) -> dict:
+    """Extra kernel arguments of data-carrying mask kinds ("positions": positions and document ids)."""
+    return {"positions": mask.mask_data} if mask.kind == "positions" else {}
 
 
 def row_dot(a: torch.Tensor, b: torch.Tensor, chunk_elems: int = 1 << 24) -> torch.Tensor:

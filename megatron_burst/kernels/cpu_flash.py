@@ -16,22 +16,22 @@ _fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _mask_args(kind, block, sq, sk, dtype, device):
+def _mask_args(kind, block, sq, sk, dtype, device, positions=None):
     if kind == "full":
         return False, None
     if kind == "causal":
         return True, None
-    # the op takes an additive mask of the query's dtype
-    vis = visibility(kind, block, sq, sk, device)
+    # the op takes an additive mask of the query's dtype (block_causal, positions: no row is all -inf)
+    vis = visibility(kind, block, sq, sk, device, positions)
     return False, torch.zeros(sq, sk, dtype=dtype, device=device).masked_fill_(~vis, float("-inf"))
 
 
-def forward(q, k, v, kind="full", block=1, scale=1.0):
+def forward(q, k, v, kind="full", block=1, scale=1.0, positions=None):
     """fp32 (out, lse). Lower-precision inputs run through the op in fp32 (exact upcasts): the op
     writes its output in its input dtype, and a bf16 block output would be rounded before the merge."""
     if q.dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
-    is_causal, mask = _mask_args(kind, block, q.shape[2], k.shape[2], q.dtype, q.device)
+    is_causal, mask = _mask_args(kind, block, q.shape[2], k.shape[2], q.dtype, q.device, positions)
     hq = q.shape[1]
     out, lse = _fwd(q, expand_kv(k, hq), expand_kv(v, hq), 0.0, is_causal, attn_mask=mask, scale=scale)
     return out, lse
@@ -46,8 +46,8 @@ def stand_in_output(dout: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
     return (do * coef).to(dout.dtype)
 
 
-def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0):
-    is_causal, mask = _mask_args(kind, block, q.shape[2], k.shape[2], q.dtype, q.device)
+def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0, positions=None):
+    is_causal, mask = _mask_args(kind, block, q.shape[2], k.shape[2], q.dtype, q.device, positions)
     hq, hkv = q.shape[1], k.shape[1]
     out = stand_in_output(dout, D)
     dq, dk, dv = _bwd(dout.contiguous(), q, expand_kv(k, hq), expand_kv(v, hq), out, lse.contiguous(), 0.0,

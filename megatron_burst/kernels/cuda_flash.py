@@ -15,7 +15,8 @@ from megatron_burst.kernels.reference import expand_kv, reduce_kv
 
 def supports(q: torch.Tensor, k: torch.Tensor, kind: str) -> bool:
     """fp16/bf16 on CUDA, head dim a multiple of 8 up to 256; causal only on square blocks (the
-    flash kernels' causal alignment differs from ours when sq != sk)."""
+    flash kernels' causal alignment differs from ours when sq != sk). Not "block_causal" or
+    "positions" (document masks): those run on the tiled kernel."""
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
             and q.shape[-1] <= 256 and (kind == "full" or (kind == "causal" and q.shape[2] == k.shape[2])))
 

@@ -7,19 +7,27 @@ hq % hkv == 0):
                                           inputs): unrounded, so CP merges do not add roundings
   backward(dout, q, k, v, D, lse, kind, block, scale) -> (dq, dk, dv)   (fp32 or input dtype)
 
-``kind`` is "full", "causal" (row i sees column j iff i >= j) or "block_causal" (iff
-i // block >= j // block). D = rowsum(dout * out) is passed in, not recomputed: a rank that received
+``kind`` is "full", "causal" (row i sees column j iff i >= j), "block_causal" (iff
+i // block >= j // block) or "positions" (iff kv_pos[j] <= q_pos[i] and q_doc[i] == kv_doc[j]; the
+keyword argument ``positions=(q_pos, kv_pos, q_doc, kv_doc)`` gives global positions and document
+ids, LongTensors [sq] / [sk], either pair possibly None, and every row sees at least one column:
+document masks, see megatron_burst.layout.BlockMask and megatron_burst.documents). D = rowsum(dout * out) is passed in, not recomputed: a rank that received
 a remote Q block never has the remote output.
 """
 from __future__ import annotations
 
 import torch
 
+from megatron_burst.layout import positions_visibility
 
-def visibility(kind: str, block: int, sq: int, sk: int, device: torch.device) -> torch.Tensor | None:
+
+def visibility(kind: str, block: int, sq: int, sk: int, device: torch.device,
+               positions: tuple | None = None) -> torch.Tensor | None:
     """Boolean [sq, sk] visible-mask for ``kind``, or None for "full"."""
     if kind == "full":
         return None
+    if kind == "positions":
+        return positions_visibility(*positions, sq, sk, device)
     rows = torch.arange(sq, device=device)[:, None]
     cols = torch.arange(sk, device=device)[None, :]
     if kind == "causal":
@@ -47,25 +55,25 @@ def _acc(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def _scores(q, k, kind, block, scale):
+def _scores(q, k, kind, block, scale, positions=None):
     s = torch.einsum("bhqd,bhkd->bhqk", _acc(q), _acc(expand_kv(k, q.shape[1]))) * scale
-    vis = visibility(kind, block, q.shape[2], k.shape[2], q.device)
+    vis = visibility(kind, block, q.shape[2], k.shape[2], q.device, positions)
     if vis is not None:
         s = s.masked_fill(~vis, float("-inf"))
     return s
 
 
-def forward(q, k, v, kind="full", block=1, scale=1.0):
-    s = _scores(q, k, kind, block, scale)
+def forward(q, k, v, kind="full", block=1, scale=1.0, positions=None):
+    s = _scores(q, k, kind, block, scale, positions)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None])
     out = torch.einsum("bhqk,bhkd->bhqd", p, _acc(expand_kv(v, q.shape[1])))
     return out, lse
 
 
-def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0):
+def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0, positions=None):
     hkv = k.shape[1]
-    s = _scores(q, k, kind, block, scale)
+    s = _scores(q, k, kind, block, scale, positions)
     p = torch.exp(s - _acc(lse)[..., None])
     do = _acc(dout)
     ve = _acc(expand_kv(v, q.shape[1]))

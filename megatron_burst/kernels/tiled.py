@@ -8,15 +8,28 @@ from __future__ import annotations
 import torch
 
 from megatron_burst.kernels.reference import expand_kv, reduce_kv
+from megatron_burst.layout import positions_visibility
 
 TILE_Q = 512
 TILE_K = 512
 
 
-def _tile_mask(kind, block, q0, q1, k0, k1, device):
+def _tile_mask(kind, block, q0, q1, k0, k1, device, positions=None):
     """Visible-mask of tile rows [q0, q1) x cols [k0, k1); None if fully visible; False if empty."""
     if kind == "full":
         return None
+    if kind == "positions":  # all increasing: compare the tile's corners before building anything
+        q_pos, kv_pos, q_doc, kv_doc = positions
+        if q_pos is not None and int(kv_pos[k0]) > int(q_pos[q1 - 1]):
+            return False
+        if q_doc is not None and (int(kv_doc[k0]) > int(q_doc[q1 - 1]) or int(kv_doc[k1 - 1]) < int(q_doc[q0])):
+            return False
+        one_doc = q_doc is None or int(q_doc[q0]) == int(q_doc[q1 - 1]) == int(kv_doc[k0]) == int(kv_doc[k1 - 1])
+        if one_doc and (q_pos is None or int(kv_pos[k1 - 1]) <= int(q_pos[q0])):
+            return None
+        sl = lambda t, a, b: None if t is None else t[a:b]  # noqa: E731
+        return positions_visibility(sl(q_pos, q0, q1), sl(kv_pos, k0, k1), sl(q_doc, q0, q1), sl(kv_doc, k0, k1),
+                                    q1 - q0, k1 - k0, device)
     if kind == "causal":
         lo_q, hi_k = q0, k1 - 1
         if hi_k <= lo_q:
@@ -34,7 +47,7 @@ def _tile_mask(kind, block, q0, q1, k0, k1, device):
     return rows >= cols
 
 
-def forward(q, k, v, kind="full", block=1, scale=1.0):
+def forward(q, k, v, kind="full", block=1, scale=1.0, positions=None):
     b, hq, sq, d = q.shape
     sk = k.shape[2]
     ke, ve = expand_kv(k, hq), expand_kv(v, hq)
@@ -48,7 +61,7 @@ def forward(q, k, v, kind="full", block=1, scale=1.0):
         acc = torch.zeros(b, hq, q1 - q0, v.shape[-1], device=q.device)
         for k0 in range(0, sk, TILE_K):
             k1 = min(k0 + TILE_K, sk)
-            vis = _tile_mask(kind, block, q0, q1, k0, k1, q.device)
+            vis = _tile_mask(kind, block, q0, q1, k0, k1, q.device, positions)
             if vis is False:
                 continue
             s = qt @ ke[:, :, k0:k1].float().transpose(-1, -2)
@@ -67,7 +80,7 @@ def forward(q, k, v, kind="full", block=1, scale=1.0):
     return out, lse
 
 
-def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0):
+def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0, positions=None):
     b, hq, sq, d = q.shape
     sk = k.shape[2]
     hkv = k.shape[1]
@@ -83,7 +96,7 @@ def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0):
         D_t = D[:, :, q0:q1, None].float()
         for k0 in range(0, sk, TILE_K):
             k1 = min(k0 + TILE_K, sk)
-            vis = _tile_mask(kind, block, q0, q1, k0, k1, q.device)
+            vis = _tile_mask(kind, block, q0, q1, k0, k1, q.device, positions)
             if vis is False:
                 continue
             kt, vt = ke[:, :, k0:k1].float(), ve[:, :, k0:k1].float()

@@ -28,10 +28,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_burst.checkpoint import SelectiveAttentionCache, selective_cp_attention
 from megatron_burst.algorithms import prepare
+from megatron_burst.documents import THD
 from megatron_burst.megatron.args import (STOCK_ATTENTION, CPOptions, check_cp_dropout, check_selective_ckpt_algo,
-                                          cp_ranks_per_node_from_args,
-                                          make_cp_options, megatron_lm_cp_flags)
+                                          cp_ranks_per_node_from_args, make_cp_options, megatron_lm_cp_flags)
 from megatron_burst.megatron.groups import needs_node_topology, needs_usp_topology, resolve_cp_ranks_per_node
+from megatron_burst.megatron.packed import documents_of
 from megatron_burst.topology import CPTopology, registered_cp_topology, registered_usp_topology
 
 _SUPPORTED_MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
@@ -123,7 +124,8 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
     (flat/double; None: double when the CP group spans nodes), ``cp_ranks_per_node`` (None: from
     the launcher) and ``seq_selective_ckpt_ratio`` (sequence-level selective checkpointing under
     activation recompute). None values are taken from Megatron-LM's flags when it runs with
-    :func:`megatron_burst.add_args`.
+    :func:`megatron_burst.add_args`. Documents arrive as ``packed_seq_params`` in ``forward``
+    (see :mod:`megatron_burst.megatron.packed`).
     """
 
     _layout_noun = "core attention"
@@ -273,20 +275,30 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
 
         ``attention_mask`` is not read: causality comes from global token positions (see
         :func:`megatron_burst.get_batch_on_this_cp_rank`, which checks the mask is causal).
+        ``packed_seq_params`` carries documents (megatron_burst.megatron.packed): qkv_format "thd"
+        (q [t, hq, d], k/v [t, hkv, d] -> [t, hq*d]; TransformerEngine's per-sequence zigzag) or
+        "sbhd" (documents of a [b, s] batch from --reset-attention-mask, in the model's layout).
         """
-        if packed_seq_params is not None:
-            raise ValueError("packed sequences (packed_seq_params / THD) are not supported by "
-                             "megatron-burst attention: train with unpacked [b, s] batches")
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by megatron-burst attention")
         causal = self.causal if attn_mask_type is None else _mask_is_causal(attn_mask_type)
-        s, b = query.shape[0], query.shape[1]
+        opts = self.options
+        layout, fmt, documents = opts.layout, "sbhd", None
+        if packed_seq_params is not None:
+            cp_size = dist.get_world_size(self.cp_group) if dist.is_initialized() else 1
+            packed = packed_seq_params.qkv_format == "thd"
+            documents, _ = documents_of(packed_seq_params, query.shape[0], 1 if packed else query.shape[1], cp_size)
+            if packed:
+                layout, fmt = THD, "thd"
+        s, b = query.shape[0], (1 if fmt == "thd" else query.shape[1])
         if self.dropout_p > 0 and self.training:
+            if documents is not None:
+                raise ValueError("attention dropout with documents (packed_seq_params) is not supported by "
+                                 "megatron-burst: set --attention-dropout 0")
             out = self._local_attention_with_dropout(query, key, value, causal)
         else:
-            opts = self.options
-            kw = dict(group=self.cp_target, algo=opts.algo, layout=opts.layout, causal=causal, ring=opts.ring,
-                      softmax_scale=self.softmax_scale, qkv_format="sbhd", stripe=opts.stripe,
+            kw = dict(group=self.cp_target, algo=opts.algo, layout=layout, causal=causal, ring=opts.ring,
+                      softmax_scale=self.softmax_scale, qkv_format=fmt, stripe=opts.stripe, cu_seqlens=documents,
                       ulysses_size=opts.ulysses_size if opts.algo == "usp" else None)
             if self.selective_cache is not None and self.training and _checkpointing():
                 # First forward: store only when Megatron will recompute it (not in a no-grad
@@ -299,7 +311,7 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
                 self.resolved_algo = call.backward_algo if call.backward_algo != "ulysses" else (
                     "ulysses" if call.cfg.world_size == 1 else f"usp{call.cfg.ulysses_size}/{call.ring_backward}")
                 out = call.apply()
-        return out.reshape(s, b, -1)
+        return out.reshape(s, -1) if fmt == "thd" else out.reshape(s, b, -1)
 
     def _local_attention_with_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                       causal: bool) -> torch.Tensor:

@@ -25,18 +25,18 @@ def _cp_rank_size(cp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     return parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_world_size()
 
 
-_MASK_ERROR = ("attention_mask is not the plain causal mask (document masks from --reset-attention-mask or "
-               "padding masks are not supported under megatron-burst attention): build batches without "
-               "reset_attention_mask, or without an attention mask at all (create_attention_mask=False / "
-               "--no-create-attention-mask-in-dataloader)")
+_MASK_ERROR = ("attention_mask is not the plain causal mask (a dense mask is never applied under megatron-burst "
+               "attention): for --reset-attention-mask documents pass eod_token (the documents then come from "
+               "the EOD tokens); padding masks are not supported: build batches without them, or without an "
+               "attention mask at all (create_attention_mask=False / --no-create-attention-mask-in-dataloader)")
 _MASK_ROWS_PER_CHUNK = 1024
 
 
 def check_causal_attention_mask(mask: torch.Tensor, seq_len: int) -> None:
     """Raise unless ``mask`` is Megatron's plain causal mask ([b|1, 1, s, s], True = hidden).
 
-    CP attention derives causality from positions and cannot honour any other mask (document
-    masks from --reset-attention-mask, padding masks), so those must not be silently dropped.
+    CP attention derives causality from positions and never applies a dense mask: documents reach
+    it as boundaries (``eod_token`` below), and any other mask (padding) must not be silently dropped.
     The comparison runs over chunks of rows (no second s x s tensor). A CPU mask raises ValueError
     here; on a GPU the verdict stays on the device (``torch._assert_async``, no host sync): a
     wrong mask stops the job with the same message at the next synchronization.
@@ -59,21 +59,24 @@ def check_causal_attention_mask(mask: torch.Tensor, seq_len: int) -> None:
 
 def get_batch_on_this_cp_rank(batch: Dict[str, Any], layout: str = "zigzag",
                               cp_group: Optional[dist.ProcessGroup] = None,
-                              stripe: int = 1) -> Dict[str, Any]:
+                              stripe: int = 1, eod_token: Optional[int] = None) -> Dict[str, Any]:
     """This CP rank's part of ``batch`` in ``layout``; returns a new dict with the same keys.
 
     ``batch`` maps names to [b, s, ...] tensors (tokens, labels, loss_mask, position_ids, ...) or
     None; each is sliced along dim 1 to the positions ``layout_indices(s, rank, W, layout)``.
     ``attention_mask`` ([b, 1, s, s], True = hidden) is checked to be the plain causal mask and
     replaced by None: the attention engine applies causality itself, from global positions.
-    ``cp_group=None`` uses megatron.core.parallel_state's CP group. Every check runs before any
-    slicing, and nothing here communicates.
+    ``eod_token`` (Megatron's --reset-attention-mask): documents end after each EOD of the full
+    ``tokens``; the dense mask is then dropped unread, and the result gains the key
+    ``packed_seq_params`` (megatron_burst.megatron.packed.document_seq_params) to pass to the
+    model. ``cp_group=None`` uses megatron.core.parallel_state's CP group. Every check runs before
+    any slicing, and nothing here communicates.
     """
     check_layout(layout, stripe)
     rank, size = _cp_rank_size(cp_group)
     seq_len = None
     for key, val in batch.items():
-        if val is None or key == "attention_mask":
+        if val is None or key in ("attention_mask", "packed_seq_params"):
             continue
         if not isinstance(val, torch.Tensor) or val.dim() < 2:
             raise ValueError(f"batch[{key!r}] must be a [b, s, ...] tensor or None, got "
@@ -84,6 +87,10 @@ def get_batch_on_this_cp_rank(batch: Dict[str, Any], layout: str = "zigzag",
             raise ValueError(f"batch[{key!r}] has sequence length {val.shape[1]}, other entries "
                              f"have {seq_len}")
     mask = batch.get("attention_mask")
+    if eod_token is not None:
+        if batch.get("tokens") is None:
+            raise ValueError("eod_token (--reset-attention-mask) derives documents from batch['tokens'], which is missing")
+        mask = None  # the documents come from the tokens; the dense mask says the same
     if mask is not None:
         if seq_len is None:
             seq_len = mask.shape[-1]
@@ -96,8 +103,14 @@ def get_batch_on_this_cp_rank(batch: Dict[str, Any], layout: str = "zigzag",
     for key, val in batch.items():
         if key == "attention_mask":
             out[key] = None
+        elif key == "packed_seq_params":
+            out[key] = val
         elif val is None or size == 1:
             out[key] = val
         else:
             out[key] = val.index_select(1, layout_indices_on(seq_len, rank, size, layout, stripe, val.device))
+    if eod_token is not None:  # last, so the other entries keep their order (Megatron-LM unpacks values)
+        from megatron_burst.megatron.packed import document_seq_params
+
+        out["packed_seq_params"] = document_seq_params(batch["tokens"], eod_token)
     return out

@@ -45,6 +45,10 @@ def check_args(args: argparse.Namespace) -> CPOptions:
     of ours). Returns the resolved options.
     """
     opts = cp_options_from_args(args)  # also: layout vs --seq-length, selective ckpt vs recompute
+    if (getattr(args, "reset_attention_mask", False) and getattr(args, "linear_attention_type", None)
+            and opts.algo != STOCK_ATTENTION):
+        raise ValueError("--reset-attention-mask with --linear-attention-type: linear attention layers do not "
+                         "take documents yet (softmax layers do); drop one of the two flags")
     linear_options(args, opts)  # --linear-attention-*: refused with --cp-algo none, among others
     if getattr(args, "use_legacy_models", False):
         raise ValueError("--use-legacy-models: megatron-burst works with megatron.core's GPTModel; drop the flag")
@@ -53,9 +57,6 @@ def check_args(args: argparse.Namespace) -> CPOptions:
                          "--fused-lm-loss")
     if opts.algo == STOCK_ATTENTION:
         return opts
-    if getattr(args, "reset_attention_mask", False):
-        raise ValueError("--reset-attention-mask (document masks) is not supported by megatron-burst's CP "
-                         "attention yet: drop it, or keep Megatron's attention with --cp-algo none")
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
     if groups is not None and groups < tp and not torch.cuda.is_available():
@@ -172,12 +173,38 @@ def wrap_gpt_builder(gpt_builder: Callable[..., Any]) -> Callable[..., Any]:
     return builder
 
 
-def slice_batch(batch: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
+def slice_batch(batch: Dict[str, Any], args: argparse.Namespace, eod_token: Optional[int] = None) -> Dict[str, Any]:
     """This CP rank's part of ``batch``: in ``--cp-layout`` (Megatron's own zigzag slicing with
-    ``--cp-algo none``)."""
+    ``--cp-algo none``). With ``--reset-attention-mask`` the documents come from the EOD tokens
+    (``eod_token``, default Megatron-LM's tokenizer's) and the result's last entry is
+    ``packed_seq_params`` (the patch pops it and hands it to the model)."""
     opts = cp_options_from_args(args)
     if opts.algo == STOCK_ATTENTION:
         from megatron.core.utils import get_batch_on_this_cp_rank as megatron_slicing
 
         return megatron_slicing(batch)
-    return get_batch_on_this_cp_rank(batch, layout=opts.layout, stripe=opts.stripe)
+    if getattr(args, "reset_attention_mask", False) and eod_token is None:
+        from megatron.training import get_tokenizer  # Megatron-LM only
+
+        eod_token = get_tokenizer().eod
+    if not getattr(args, "reset_attention_mask", False):
+        eod_token = None
+    return get_batch_on_this_cp_rank(batch, layout=opts.layout, stripe=opts.stripe, eod_token=eod_token)
+
+
+def slice_thd_batch(batch: Dict[str, Any], cu_seqlens: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor],
+                    max_seqlen: torch.Tensor, args: argparse.Namespace) -> tuple:
+    """A packed THD batch's part on this CP rank and its PackedSeqParams: Megatron-Core's
+    ``get_thd_batch_on_this_cp_rank`` (TransformerEngine's per-sequence zigzag) with ``--cp-algo
+    none``, else megatron_burst's same partitioning without TransformerEngine."""
+    from megatron.core.utils import get_thd_batch_on_this_cp_rank as megatron_thd
+
+    from megatron_burst.megatron.packed import get_thd_batch_on_this_cp_rank
+
+    padded = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
+    if cp_options_from_args(args).algo == STOCK_ATTENTION:
+        return megatron_thd(batch, cu_seqlens, padded, max_seqlen)
+    from megatron.core import parallel_state
+
+    return get_thd_batch_on_this_cp_rank(batch, cu_seqlens, padded, max_seqlen,
+                                         parallel_state.get_context_parallel_group())

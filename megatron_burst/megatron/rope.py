@@ -54,10 +54,17 @@ class LayoutRotaryEmbedding(RotaryEmbedding):
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
                 cp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-        """Embedding rows for this CP rank's tokens: [max_seq_len / cp_size, 1, 1, dim] (cached)."""
+        """Embedding rows for this CP rank's tokens: [max_seq_len / cp_size, 1, 1, dim] (cached).
+
+        ``packed_seq`` (THD batches): the whole table [max_seq_len, 1, 1, dim], as Megatron's
+        RotaryEmbedding returns it; Megatron's THD RoPE picks each sequence's zigzag rows itself,
+        which is the partitioning megatron_burst.megatron.packed slices THD batches with.
+        """
         if packed_seq:
-            raise ValueError("packed (THD) sequences are not supported by megatron-burst; "
-                             "train with unpacked [b, s] batches")
+            key = (max_seq_len, offset, "thd", self.inv_freq.device)
+            if key not in self._rows_cache:
+                self._rows_cache[key] = self._rows(max_seq_len, offset, None)
+            return self._rows_cache[key]
         group = cp_group if cp_group is not None else self.cp_group
         cp = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
         key = (max_seq_len, offset, cp, self.inv_freq.device)

@@ -126,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the built-in corpus and GPTDataset index caches go (default data_cache)")
     g.add_argument("--corpus-max-bytes", type=int, default=None,
                    help="size cap of the built-in corpus (default 4 MiB)")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="documents: attention stops at EOD tokens (Megatron's flag; the attention gets the document "
+                        "boundaries, never a dense mask)")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="position ids restart after each EOD (Megatron's flag; RoPE is relative, so within documents "
+                        "it is unchanged)")
     g.add_argument("--tokenizer-type", default="ByteTokenizer",
                    choices=["ByteTokenizer", "NullTokenizer"], help="default ByteTokenizer")
     g.add_argument("--vocab-size", type=int, default=None, help="for --tokenizer-type NullTokenizer")

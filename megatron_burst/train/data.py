@@ -33,7 +33,8 @@ def build_dataset(args: argparse.Namespace, tokenizer, num_samples: Optional[int
     return data.build_train_dataset(
         data_path=data_path, mock=args.mock_data, seq_length=args.seq_length,
         num_samples=num_samples or args.train_iters * args.global_batch_size, seed=args.seed, tokenizer=tokenizer,
-        split=args.split, cache_path=os.path.join(args.data_cache_path, "index"))
+        split=args.split, cache_path=os.path.join(args.data_cache_path, "index"),
+        reset_position_ids=getattr(args, "reset_position_ids", False))
 
 
 def microbatches(dataset, consumed_samples: int, args: argparse.Namespace, sizes: ParallelSizes, dp_rank: int

@@ -105,6 +105,7 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
                  f"global batch {args.global_batch_size} = {sizes.num_microbatches} microbatches x "
                  f"{args.micro_batch_size} x DP {sizes.dp}; device {device.type}")
     dp_rank = dist.get_rank(groups.dp)
+    eod_token = tokenizer.eod if args.reset_attention_mask else None
     tokens_per_iter = args.global_batch_size * args.seq_length
     metrics: List[Dict[str, float]] = []
     model.train()
@@ -114,7 +115,7 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
         for p in model.parameters():
             p.grad = None
         with megatron_burst.comm_counter() as counter:
-            loss = loss_and_grads(model, batches, opts, groups, device)
+            loss = loss_and_grads(model, batches, opts, groups, device, eod_token=eod_token)
         end_iteration(model)  # selective-checkpoint stores: verified and emptied before the update
         consumed += args.global_batch_size
         allreduce_grads(model, groups)
@@ -147,6 +148,6 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
         with open(args.metrics_file, "w") as f:
             json.dump({"cp": sizes.cp, "tp": sizes.tp, "dp": sizes.dp, "layout": opts.layout,
                        "algo": softmax.options.algo if softmax is not None else None,
-                       "metrics": metrics}, f, indent=1)
+                       "attention": attention_summary(model, args, sizes), "metrics": metrics}, f, indent=1)
     return metrics
 

@@ -2,7 +2,7 @@
 all-reduce over data x context parallel ranks, and global-norm clipping."""
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -13,30 +13,56 @@ from megatron_burst.train.setup import Groups
 
 
 def loss_and_grads(model: torch.nn.Module, batches: Sequence[Dict[str, torch.Tensor]],
-                   opts: CPOptions, groups: Groups, device: torch.device) -> torch.Tensor:
+                   opts: CPOptions, groups: Groups, device: torch.device,
+                   eod_token: Optional[int] = None) -> torch.Tensor:
     """Forward and backward of this rank's microbatches (full sequence [b, s] tensors).
+
+    ``eod_token`` (--reset-attention-mask): attention stays within documents ending at each EOD.
 
     Slices each batch for this CP rank, and scales the summed masked per-token loss by the loss
     tokens of the whole global batch (all microbatches, DP and CP ranks), so gradients summed
     over data x context parallel ranks are exactly those of the global per-token mean, and the
     returned value, all-reduced over dp_cp, is that mean (Megatron's lm loss).
     """
-    local = [megatron_burst.get_batch_on_this_cp_rank(
-        {k: v.to(device) for k, v in b.items()}, layout=opts.layout, cp_group=groups.cp,
-        stripe=opts.stripe) for b in batches]
+    local = [slice_for_cp({k: v.to(device) for k, v in b.items()}, opts, groups, eod_token) for b in batches]
     num_tokens = sum(b["loss_mask"].sum() for b in local).to(torch.float64)
     dist.all_reduce(num_tokens, group=groups.dp_cp)
     if num_tokens.item() == 0:
         raise ValueError("the global batch has no loss tokens (loss_mask is all zero)")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for b in local:
-        losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"],
-                       loss_mask=b["loss_mask"])  # [b, s_local]
+        losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"], loss_mask=b["loss_mask"],
+                       packed_seq_params=b.get("packed_seq_params"))  # [b, s_local]
         loss = (losses.float() * b["loss_mask"].float()).sum() / num_tokens.float()
         loss.backward()
         total += loss.detach().to(torch.float64)
     dist.all_reduce(total, group=groups.dp_cp)
     return total
+
+
+def slice_for_cp(batch: Dict[str, torch.Tensor], opts: CPOptions, groups: Groups,
+                 eod_token: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """This CP rank's part of a microbatch, with ``packed_seq_params`` when it has documents.
+
+    A packed THD batch ([1, t] entries plus ``cu_seqlens``, ``cu_seqlens_padded``, ``max_seqlen``,
+    as Megatron-LM's SFT data gives them) is cut per sequence as TransformerEngine does; a [b, s]
+    batch is cut in ``--cp-layout``, with EOD documents when ``eod_token`` is given.
+    """
+    if "cu_seqlens" not in batch:
+        return megatron_burst.get_batch_on_this_cp_rank(batch, layout=opts.layout, cp_group=groups.cp,
+                                                        stripe=opts.stripe, eod_token=eod_token)
+    from megatron_burst.megatron.packed import get_thd_batch_on_this_cp_rank
+
+    rest = {k: v for k, v in batch.items() if k not in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")}
+    cu = batch["cu_seqlens"].reshape(-1)
+    padded = batch.get("cu_seqlens_padded")
+    padded = cu if padded is None else padded.reshape(-1)
+    max_seqlen = batch.get("max_seqlen")
+    if max_seqlen is None:
+        max_seqlen = (padded[1:] - padded[:-1]).max().reshape(1)
+    local, params = get_thd_batch_on_this_cp_rank(rest, cu, padded, max_seqlen, groups.cp)
+    local["packed_seq_params"] = params
+    return local
 
 
 def allreduce_grads(model: torch.nn.Module, groups: Groups) -> None:
