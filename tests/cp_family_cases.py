@@ -115,3 +115,16 @@ def selective_fallback(algo="ulysses"):
     same = all(torch.equal(a, b) for a, b in [(first, plain.detach()), (again.detach(), plain.detach())]
                + [(x.grad, y.grad) for x, y in zip(leaves, plain_leaves)])
     return same, cache.hits
+
+
+def usp_doc_case(layout, bounds, local_len, ulysses_size=2):
+    """run_doc_case for usp (causal and full, GQA 8:2) after building its 2-D groups."""
+    from document_cases import run_doc_case
+
+    usp_group(ulysses_size)  # registered: cp_attention finds it for the default group
+    out = {}
+    for causal in (True, False):
+        errs = run_doc_case("usp", layout, (8, 2), bounds, local_len, causal=causal, ulysses_size=ulysses_size)
+        out[causal] = errs
+    return {k: (max(e[k] for e in out.values()) if k != "finite" else all(e[k] for e in out.values()))
+            for k in ("out", "dq", "dk", "dv", "finite")}

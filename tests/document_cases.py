@@ -41,11 +41,12 @@ def dense_reference(q, k, v, dout, bounds_per_sample, causal, scale):
 def run_doc_case(algo: str, layout: str, heads: tuple, bounds, local_len: int, *, causal: bool = True,
                  stripe: int = 1, b: int = 2, d: int = 8, seed: int = 0, per_sample: Optional[list] = None,
                  ranks_per_node: Optional[int] = None, ring: Optional[str] = None, kernel: Optional[str] = None,
-                 with_documents: bool = True):
+                 with_documents: bool = True, **cp_kw):
     """Max abs errors of out, dq, dk, dv vs the dense reference on this rank, and the bytes sent.
 
     ``bounds``: cu_seqlens shared by the batch; ``per_sample``: a list of b of them instead.
     ``ranks_per_node``: run on an emulated node split (``ring`` flat or double).
+    ``cp_kw``: more cp_attention arguments (usp's ulysses_size).
     """
     group = mb.build_cp_topology(None, ranks_per_node) if ranks_per_node else None
     W, r = dist.get_world_size(), dist.get_rank()
@@ -69,7 +70,7 @@ def run_doc_case(algo: str, layout: str, heads: tuple, bounds, local_len: int, *
         cu = torch.tensor(bounds, dtype=torch.int32)
     with mb.comm_counter() as counter:
         out = mb.cp_attention(ql, kl, vl, group=group, algo=algo, layout=layout, causal=causal, softmax_scale=scale,
-                              stripe=stripe, ring=ring, kernel=kernel, cu_seqlens=cu)
+                              stripe=stripe, ring=ring, kernel=kernel, cu_seqlens=cu, **cp_kw)
         out.backward(sh(dout))
     got = (out, ql.grad, kl.grad, vl.grad)
     errs = {name: (a - sh(e)).abs().max().item() for name, a, e in zip(("out", "dq", "dk", "dv"), got, ref)}

@@ -5,7 +5,7 @@ import pytest
 
 from attention_cases import run_case
 from cp_family_cases import (auto_choice, bad_family_inputs, family_schedule, link_split, run_family_matrix,
-                             run_usp_case, selective_fallback)
+                             run_usp_case, selective_fallback, usp_doc_case)
 from harness import run_ranks
 from megatron_burst.algorithms import allgather, burst, ring, ulysses
 from test_attention import FP32_TOL, HAND_BYTES, _assert_close
@@ -193,3 +193,38 @@ def test_bytes_are_classed_by_the_link_they_cross():
 def test_selective_checkpointing_falls_back_to_a_plain_recompute_for_ulysses():
     for same, hits in run_ranks(2, selective_fallback, "ulysses"):
         assert same and hits == 0
+
+
+# ----------------------------------------------------------------------------- documents (cu_seqlens, THD)
+# The engine's document masks (megatron_burst.documents, CPConfig.blocks) flow through the family:
+# all-gather attends gathered keys through the same blocks, Ulysses/USP per CP-rank shard pair.
+
+@pytest.mark.parametrize("layout,stripe", LAYOUTS)
+@pytest.mark.parametrize("algo,world_size", [("allgather", 2), ("allgather", 3), ("allgather", 4), ("ulysses", 2),
+                                             ("ulysses", 4)])
+def test_documents_match_dense_reference(algo, world_size, layout, stripe):
+    from document_cases import run_doc_matrix
+    from test_document_masks import LOCAL_LEN, _assert_exact, uneven_bounds
+
+    for rank_results in run_ranks(world_size, run_doc_matrix, algo, layout, uneven_bounds(LOCAL_LEN * world_size),
+                                  LOCAL_LEN, stripe):
+        _assert_exact(rank_results)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_usp_documents_match_dense_reference(layout):
+    from test_document_masks import LOCAL_LEN, _assert_exact, uneven_bounds
+
+    for errs in run_ranks(4, usp_doc_case, layout, uneven_bounds(LOCAL_LEN * 4), LOCAL_LEN):
+        _assert_exact({layout: errs})
+
+
+@pytest.mark.parametrize("algo,world_size", [("allgather", 2), ("allgather", 4), ("ulysses", 2), ("ulysses", 4)])
+def test_packed_thd_sequences(algo, world_size):
+    from document_cases import run_thd_case
+    from test_document_masks import _assert_exact
+
+    c = 2 * world_size
+    seqlens, padded = [3, 2 * c, c + 1, 1], [c, 2 * c, 2 * c, c]
+    for errs in run_ranks(world_size, run_thd_case, algo, seqlens, padded):
+        _assert_exact({"thd": {k: v for k, v in errs.items() if k not in ("shape", "bytes")}})
