@@ -5,6 +5,7 @@ Public API (functional, usable without Megatron):
   cp_attention                            -- context-parallel attention (ring, burst, auto, allgather,
                                              ulysses, usp)
   linear_attention                        -- context-parallel (decayed) linear attention (LASP-2, LASP-1)
+  gated_delta_rule                        -- context-parallel gated delta rule (Gated DeltaNet)
   build_cp_topology                       -- intra/inter-node rings for the topology-aware double ring
   build_usp_topology                      -- USP's 2-D groups (Ulysses groups x rings across them)
   comm_counter                            -- byte accounting of every CP transfer
@@ -15,7 +16,7 @@ from megatron_burst.layout import LAYOUTS, layout_indices, shard, unshard
 from megatron_burst.comm import comm_counter
 from megatron_burst.algorithms import CP_ALGOS, cp_attention
 from megatron_burst.topology import build_cp_topology, build_usp_topology
-from megatron_burst.linear import linear_attention
+from megatron_burst.linear import gated_delta_rule, linear_attention
 
 __version__ = "0.1.0"
 
@@ -35,5 +36,6 @@ def __getattr__(name):
 
 
 __all__ = ["LAYOUTS", "CP_ALGOS", "layout_indices", "shard", "unshard", "cp_attention", "linear_attention",
+           "gated_delta_rule",
            "build_cp_topology", "build_usp_topology", "comm_counter",
            "add_args", "get_batch_on_this_cp_rank", "fused_linear_cross_entropy"]

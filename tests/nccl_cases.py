@@ -110,3 +110,15 @@ def document_schedule(algo: str, ring: str, ranks_per_node: int, layout: str = "
     result = _replays(trace)
     result["max_err"] = max(errs[n] for n in ("out", "dq", "dk", "dv"))
     return result
+
+
+def gdn_schedule(layout: str):
+    """gated_delta_rule forward + backward (errors checked too), recorded and replayed."""
+    from gdn_cases import run_gdn_case
+
+    stripe = 64 if layout == "striped" else 1
+    with record_schedule() as trace:
+        errs = run_gdn_case(layout, 128 if stripe > 1 else 70, stripe=stripe)
+    result = _replays(trace)
+    result["max_err"] = max(v for key, v in errs.items() if key not in ("bytes", "dtype"))
+    return result

@@ -150,6 +150,15 @@ def test_linear_attention_schedules_complete_under_nccl(algo, layout, causal, wo
         assert res["max_err"] < 1e-5
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_gated_delta_rule_schedules_complete_under_nccl(layout, world_size):
+    """The gated delta rule's (A, B) all-gather forward and dS all-gather backward."""
+    for rank, res in enumerate(run_ranks(world_size, nccl_cases.gdn_schedule, layout)):
+        _assert_replays(res, f"gdn {layout} W={world_size} rank {rank}")
+        assert res["max_err"] < 1e-5
+
+
 @pytest.mark.parametrize("algo,ring,world_size", [(a, r, W) for a in ("ring", "burst") for r in ("flat", "double")
                                                   for W in (3, 4)])
 def test_document_mask_schedules_complete_under_nccl(algo, ring, world_size):

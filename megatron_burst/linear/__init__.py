@@ -5,7 +5,8 @@
 Modules: :mod:`~megatron_burst.linear.reference` (the token-by-token recurrence tests compare
 against), :mod:`~megatron_burst.linear.chunked` (one rank's segments, chunked),
 :mod:`~megatron_burst.linear.exchange` (the states that enter the segments: LASP-2's all-gather or
-LASP-1's chain).
+LASP-1's chain), :mod:`~megatron_burst.linear.delta` (the gated delta rule: one all-gather of
+per-segment affine maps).
 """
 from __future__ import annotations
 
@@ -14,48 +15,23 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_burst.layout import check_layout, check_local_len
-from megatron_burst.linear.chunked import CHUNK, segment_output, segment_state
+from megatron_burst.linear.checks import MIN_STRIPE, check_qkv, segment_order, segments_per_rank
+from megatron_burst.linear.chunked import segment_output, segment_state
 from megatron_burst.linear.exchange import (Lasp1Chain, Lasp2Exchange, SegmentMap, local_entering_states,
                                             post_state_gather)
-from megatron_burst.linear.reference import expand_log_decay, naive_linear_attention
+from megatron_burst.linear.delta import gated_delta_rule
+from megatron_burst.linear.reference import expand_log_decay, naive_gated_delta_rule, naive_linear_attention
 
-__all__ = ["linear_attention", "naive_linear_attention", "LINEAR_CP_ALGOS", "MIN_STRIPE"]
+__all__ = ["linear_attention", "naive_linear_attention", "gated_delta_rule", "naive_gated_delta_rule", "LINEAR_CP_ALGOS", "MIN_STRIPE"]
 
 LINEAR_CP_ALGOS = ("lasp2", "lasp1")
-MIN_STRIPE = CHUNK  # block-striped segments shorter than a chunk would make the state exchange dominate
-
-
-def _segment_order(layout: str, world_size: int, rank: int, per_rank: int) -> tuple[int, ...]:
-    """Global indices of ``rank``'s segments, in its local (increasing) order."""
-    if layout == "contiguous":
-        return (rank,)
-    if layout == "zigzag":
-        return (rank, 2 * world_size - 1 - rank)
-    return tuple(j * world_size + rank for j in range(per_rank))
 
 
 def _validate(q, k, v, g, *, world_size, causal, layout, stripe, algo, qkv_format) -> None:
     """Raise ValueError for any input linear_attention cannot take. Local checks only."""
     if algo not in LINEAR_CP_ALGOS:
         raise ValueError(f"unknown linear attention algo {algo!r}: choose one of {', '.join(LINEAR_CP_ALGOS)}")
-    check_layout(layout, stripe)
-    if layout == "striped" and stripe < MIN_STRIPE:
-        raise ValueError(f"layout='striped' with stripe={stripe}: linear attention needs stripes of at least "
-                         f"{MIN_STRIPE} tokens (a state is exchanged per stripe); use layout='zigzag' (balanced "
-                         f"for causal masks) or stripe >= {MIN_STRIPE}")
-    if qkv_format not in ("sbhd", "bshd"):
-        raise ValueError(f"unknown qkv_format {qkv_format!r}: choose sbhd or bshd")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D {qkv_format}, got shape {tuple(t.shape)}")
-    if q.shape != k.shape:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape")
-    if v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v {tuple(v.shape)} must match q {tuple(q.shape)} in tokens, batch and heads")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    s, b, h, dk = q.shape if qkv_format == "sbhd" else (q.shape[1], q.shape[0], q.shape[2], q.shape[3])
+    s, b, h, dk = check_qkv(q, k, v, world_size=world_size, layout=layout, stripe=stripe, qkv_format=qkv_format)
     if g is not None:
         if not causal:
             raise ValueError("a decay g needs causal=True: bidirectional linear attention has no order to decay "
@@ -66,7 +42,6 @@ def _validate(q, k, v, g, *, world_size, causal, layout, stripe, algo, qkv_forma
                              f"head; per key channel) for q {tuple(q.shape)} ({qkv_format})")
         if g.device != q.device:
             raise ValueError(f"g is on {g.device}, q on {q.device}")
-    check_local_len(s, world_size, layout, stripe)
 
 
 def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -102,7 +77,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     scale = dk ** -0.5 if scale is None else scale
     acc = torch.promote_types(q.dtype, torch.float32)
     to_bhsd = (lambda t: t.permute(1, 2, 0, 3)) if sbhd else (lambda t: t.permute(0, 2, 1, 3))  # noqa: E731
-    per_rank = {"contiguous": 1, "zigzag": 2}.get(layout) or s // stripe
+    per_rank = segments_per_rank(layout, s, stripe)
     L = s // per_rank
 
     def segments(t: torch.Tensor) -> torch.Tensor:  # [b, h, s, d] -> [nseg, b, h, L, d]
@@ -113,7 +88,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if g is not None:
         g_sbhd = g if (sbhd or g.dim() == 1) else g.transpose(0, 1)
         gs = segments(expand_log_decay(g_sbhd, b, h, s, dk).to(acc))
-    smap = SegmentMap(pg, rank, world_size, tuple(_segment_order(layout, world_size, r, per_rank)
+    smap = SegmentMap(pg, rank, world_size, tuple(segment_order(layout, world_size, r, per_rank)
                                                    for r in range(world_size)), causal)
 
     M, a, G = segment_state(ks, vs, gs)

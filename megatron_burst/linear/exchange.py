@@ -65,32 +65,44 @@ def _decay_rows(a: torch.Tensor) -> torch.Tensor:
     return a.unsqueeze(-1)
 
 
-def _prefix_states(M: torch.Tensor, a: Optional[torch.Tensor]) -> torch.Tensor:
-    """S_in for segments in global order. M [T, ...state], a [T, ..., dkg] or None -> [T, ...state]."""
+def _transition(a: Optional[torch.Tensor], S: torch.Tensor, matrix: bool) -> torch.Tensor:
+    """The segment's map applied to the state entering it: a * S (diagonal decay), a @ S (``matrix``:
+    a [..., dk, dk], the delta rule) or S (no decay)."""
+    if a is None:
+        return S
+    return a @ S if matrix else _decay_rows(a) * S
+
+
+def _prefix_states(M: torch.Tensor, a: Optional[torch.Tensor], matrix: bool = False) -> torch.Tensor:
+    """S_in for segments in global order. M [T, ...state], a [T, ..., dkg] (or [T, ..., dk, dk] with
+    ``matrix``) or None -> [T, ...state]."""
     S = [torch.zeros_like(M[0])]
     for i in range(1, M.shape[0]):
-        prev = S[-1] if a is None else _decay_rows(a[i - 1]) * S[-1]
-        S.append(prev + M[i - 1])
+        S.append(_transition(a[i - 1] if a is not None else None, S[-1], matrix) + M[i - 1])
     return torch.stack(S)
 
 
-def local_entering_states(M: torch.Tensor, a: Optional[torch.Tensor]) -> torch.Tensor:
+def local_entering_states(M: torch.Tensor, a: Optional[torch.Tensor], matrix: bool = False) -> torch.Tensor:
     """S_in of segments that are all local and in global order (one process): the same scan,
     differentiable by autograd."""
-    return _prefix_states(M, a)
+    return _prefix_states(M, a, matrix)
 
 
-def _reverse_scan(delta: torch.Tensor, S_in: torch.Tensor, a: Optional[torch.Tensor]):
-    """(dM, da) in global order from delta = dL/dS_in (direct) -- see module docstring."""
+def _reverse_scan(delta: torch.Tensor, S_in: torch.Tensor, a: Optional[torch.Tensor], matrix: bool = False):
+    """(dM, da) in global order from delta = dL/dS_in (direct) -- see module docstring. With
+    ``matrix``: G_i = delta_i + a_i^T G_{i+1} and da_i = G_{i+1} S_in(i)^T."""
     T = delta.shape[0]
     G = [None] * T
     G[T - 1] = delta[T - 1]
     for i in range(T - 2, -1, -1):
-        G[i] = delta[i] + (G[i + 1] if a is None else _decay_rows(a[i]) * G[i + 1])
+        back = None if a is None else (a[i].transpose(-1, -2) if matrix else a[i])
+        G[i] = delta[i] + _transition(back, G[i + 1], matrix)
     zero = torch.zeros_like(delta[0])
     dM = torch.stack([G[i + 1] if i + 1 < T else zero for i in range(T)])
     if a is None:
         return dM, None
+    if matrix:
+        return dM, dM @ S_in.transpose(-1, -2)
     prod = dM * S_in  # G_{i+1} * S_in(i)
     da = prod.sum(-1) if a.shape[-1] != 1 else prod.sum((-1, -2)).unsqueeze(-1)
     return dM, da
@@ -134,12 +146,13 @@ def _all_gather(local: torch.Tensor, smap: SegmentMap, phase: str, label: str) -
     return out
 
 
-def post_state_gather(M: torch.Tensor, a: Optional[torch.Tensor], smap: SegmentMap):
+def post_state_gather(M: torch.Tensor, a: Optional[torch.Tensor], smap: SegmentMap,
+                      label: str = "lasp2 state all-gather"):
     """Post the forward all-gather of this rank's (M, a) (async; LASP-2 overlaps it with the
     intra-segment work). Returns (buffer, pending); the buffer is valid after ``pending.wait()``."""
     local = _pack(M.detach(), None if a is None else a.detach())
     out = local.new_empty(smap.world_size * local.numel())
-    return out, comm.all_gather(out, local, smap.group, "forward", label="lasp2 state all-gather")
+    return out, comm.all_gather(out, local, smap.group, "forward", label=label)
 
 
 class Lasp2Exchange(torch.autograd.Function):
@@ -147,31 +160,34 @@ class Lasp2Exchange(torch.autograd.Function):
 
     ``gathered`` is the finished forward all-gather of every rank's (M, a) (see
     :func:`post_state_gather`); M and a are inputs for autograd, so dM, da flow back to them.
+    ``matrix``: a is a [dk, dk] map per segment (the gated delta rule), S_out = a @ S_in + M.
     """
 
     @staticmethod
-    def forward(ctx, M: torch.Tensor, a: Optional[torch.Tensor], gathered: torch.Tensor, smap: SegmentMap):
+    def forward(ctx, M: torch.Tensor, a: Optional[torch.Tensor], gathered: torch.Tensor, smap: SegmentMap,
+                matrix: bool = False):
         shapes = [M.shape] + ([a.shape] if a is not None else [])
         parts = _unpack(gathered, smap.world_size, shapes)
         M_all = _to_global(parts[0], smap)
         a_all = _to_global(parts[1], smap) if a is not None else None
-        ctx.smap, ctx.has_decay = smap, a is not None
+        ctx.smap, ctx.has_decay, ctx.matrix = smap, a is not None, matrix
         if not smap.causal:
             return M_all.sum(0).unsqueeze(0).expand_as(M).contiguous()
-        S_all = _prefix_states(M_all, a_all)
+        S_all = _prefix_states(M_all, a_all, matrix)
         ctx.save_for_backward(S_all, *([a_all] if a_all is not None else []))
         return _mine(S_all, smap)
 
     @staticmethod
     def backward(ctx, dS: torch.Tensor):
         smap: SegmentMap = ctx.smap
-        gathered = _all_gather(dS.contiguous(), smap, "backward", "lasp2 dS all-gather")
+        label = "gdn dS all-gather" if ctx.matrix else "lasp2 dS all-gather"
+        gathered = _all_gather(dS.contiguous(), smap, "backward", label)
         delta_all = _to_global(gathered.view((smap.world_size,) + tuple(dS.shape)), smap)
         if not smap.causal:
-            return delta_all.sum(0).unsqueeze(0).expand_as(dS).contiguous(), None, None, None
+            return delta_all.sum(0).unsqueeze(0).expand_as(dS).contiguous(), None, None, None, None
         saved = ctx.saved_tensors
-        dM_all, da_all = _reverse_scan(delta_all, saved[0], saved[1] if ctx.has_decay else None)
-        return _mine(dM_all, smap), (_mine(da_all, smap) if da_all is not None else None), None, None
+        dM_all, da_all = _reverse_scan(delta_all, saved[0], saved[1] if ctx.has_decay else None, ctx.matrix)
+        return _mine(dM_all, smap), (_mine(da_all, smap) if da_all is not None else None), None, None, None
 
 
 class Lasp1Chain(torch.autograd.Function):

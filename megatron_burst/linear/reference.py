@@ -53,3 +53,27 @@ def naive_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         state = state + kh[:, :, t, :, None] * vh[:, :, t, None, :]
         outs.append(scale * (qh[:, :, t, None, :] @ state)[:, :, 0])
     return torch.stack(outs, dim=0).to(q.dtype)  # [s, b, h, dv]
+
+
+def naive_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           scale: Optional[float] = None) -> torch.Tensor:
+    """The gated delta rule, token by token (flash-linear-attention's recurrence). q, k [s, b, h, dk],
+    v [s, b, h, dv], g (log-decay <= 0) and beta [s, b, h], for the WHOLE sequence; S [dk, dv], S_0 = 0:
+
+        S <- exp(g_t) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = scale * S^T q_t
+
+    Returns o [s, b, h, dv] in q's dtype; fp32 state (fp64 for fp64 inputs)."""
+    s, b, h, dk = q.shape
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scale = dk ** -0.5 if scale is None else scale
+    qh, kh, vh = (t.permute(1, 2, 0, 3).to(acc) for t in (q, k, v))  # [b, h, s, d]
+    gh, bh = (t.permute(1, 2, 0).to(acc) for t in (g, beta))  # [b, h, s]
+    state = torch.zeros(b, h, dk, vh.shape[-1], dtype=acc, device=q.device)
+    outs = []
+    for t in range(s):
+        state = torch.exp(gh[:, :, t])[..., None, None] * state
+        kt = kh[:, :, t]
+        u = bh[:, :, t, None] * (vh[:, :, t] - (kt[..., None, :] @ state)[..., 0, :])
+        state = state + kt[..., :, None] * u[..., None, :]
+        outs.append(scale * (qh[:, :, t, None, :] @ state)[:, :, 0])
+    return torch.stack(outs, dim=0).to(q.dtype)  # [s, b, h, dv]

@@ -1,0 +1,176 @@
+"""The gated delta rule (Gated DeltaNet) under context parallelism: one all-gather of per-segment
+affine maps.
+
+    out = megatron_burst.gated_delta_rule(q, k, v, g, beta, group=cp_group, layout="zigzag")
+
+One token is an affine map of the state S [dk, dv]:
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,
+
+so a run of tokens is one too: S_out = A S_in + B with A [dk, dk], B [dk, dv]. Each rank computes
+(A, B) of its segments from a zero start (chunked, below), all-gathers them (sizes independent of
+the sequence length), composes the prefix to get the state entering each of its segments
+(:class:`~megatron_burst.linear.exchange.Lasp2Exchange` with ``matrix=True``: LASP-2's scan with a
+matrix in place of the diagonal decay), and adds that state's contribution to its outputs.
+
+Chunked form (one chunk of C tokens entering with state S_0; G = cumulative g from the chunk
+start; Gam[t, j] = exp(G_t - G_j) for j <= t, else 0). Unrolling the recurrence,
+S_t = exp(G_t) S_0 + sum_{j<=t} Gam[t, j] k_j u_j^T, and u_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t)
+becomes the unit lower-triangular system
+
+    (I + Lo) U = beta*V - (beta*exp(G)*K) S_0,   Lo[t, j] = beta_t Gam[t, j] k_t.k_j  (j < t),
+
+so U = U0 - W S_0 with U0 = (I + Lo)^-1 (beta*V), W = (I + Lo)^-1 (beta*exp(G)*K) (one
+triangular solve: the WY/UT form). Then, with Kt_j = exp(G_C - G_j) k_j and QK = (Q K^T) * Gam:
+
+    O   = scale * (Qin S_0 + QK U0),   Qin = exp(G)*Q - QK W
+    S_C = Ac S_0 + Bc,                 Ac = exp(G_C) I - Kt^T W,  Bc = Kt^T U0
+
+Chunks compose along the segment (P_c = A_{c-1} ... A_0, S0_c the zero-start state entering chunk
+c): the segment's (A, B) = (P_n, S0_n), its zero-start output Qin S0_c + QK U0, and q_in = Qin P_c
+so that the entering state adds scale * q_in S_in. Every exponent is <= 0; everything is fp32 and
+differentiable by autograd (exact gradients for q, k, v, g and beta).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_burst.linear.checks import check_qkv, segment_order, segments_per_rank
+from megatron_burst.linear.chunked import CHUNK
+from megatron_burst.linear.exchange import Lasp2Exchange, SegmentMap, local_entering_states, post_state_gather
+
+__all__ = ["gated_delta_rule", "delta_segment_maps", "delta_segment_outputs"]
+
+
+class DeltaChunks(NamedTuple):
+    """Per-chunk pieces of one rank's segments ([nseg, b, h, n_chunks, ...]); see the module docstring."""
+
+    qin: torch.Tensor  # [.., n, C, dk]
+    qk: torch.Tensor  # [.., n, C, C]
+    u0: torch.Tensor  # [.., n, C, dv]
+    P: torch.Tensor  # [.., n, dk, dk] map from the segment start to each chunk start
+    S0: torch.Tensor  # [.., n, dk, dv] zero-start state entering each chunk
+    length: int  # the segment length before padding to whole chunks
+
+
+def delta_segment_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, DeltaChunks]:
+    """(A, B, chunks) of each segment: S_out = A S_in + B. q, k [..., L, dk], v [..., L, dv],
+    g, beta [..., L] (fp32) -> A [..., dk, dk], B [..., dk, dv]."""
+    L, dk, dv = q.shape[-2], q.shape[-1], v.shape[-1]
+    pad = (-L) % CHUNK  # padded tokens (k = v = g = beta = 0) are identity maps at the end
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    n = (L + pad) // CHUNK
+    q, k, v = (t.reshape(t.shape[:-2] + (n, CHUNK, t.shape[-1])) for t in (q, k, v))
+    g, beta = (t.reshape(t.shape[:-1] + (n, CHUNK)) for t in (g, beta))
+    G = torch.cumsum(g, dim=-1)
+    ones = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device)
+    incl, strict = ones.tril(), ones.tril(-1)
+    gam = torch.exp((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~incl, float("-inf")))  # [.., C(t), C(j)]
+    kk = k @ k.transpose(-1, -2)
+    lower = (beta.unsqueeze(-1) * kk * gam).masked_fill(~strict, 0.0)
+    eye_c = torch.eye(CHUNK, dtype=q.dtype, device=q.device)
+    rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * torch.exp(G)).unsqueeze(-1) * k], dim=-1)
+    sol = torch.linalg.solve_triangular(eye_c + lower, rhs, upper=False, unitriangular=True)
+    u0, w = sol[..., :dv], sol[..., dv:]
+    qk = (q @ k.transpose(-1, -2)) * gam
+    qin = torch.exp(G).unsqueeze(-1) * q - qk @ w
+    last = G[..., -1:]  # [.., n, 1]
+    kt = torch.exp(last - G).unsqueeze(-1) * k
+    eye_k = torch.eye(dk, dtype=q.dtype, device=q.device)
+    a_chunk = torch.exp(last).unsqueeze(-1) * eye_k - kt.transpose(-1, -2) @ w  # [.., n, dk, dk]
+    b_chunk = kt.transpose(-1, -2) @ u0  # [.., n, dk, dv]
+    P = eye_k.expand(q.shape[:-3] + (dk, dk))
+    S = q.new_zeros(q.shape[:-3] + (dk, dv))
+    Ps, Ss = [], []
+    for c in range(n):
+        Ps.append(P)
+        Ss.append(S)
+        P, S = a_chunk[..., c, :, :] @ P, a_chunk[..., c, :, :] @ S + b_chunk[..., c, :, :]
+    return P, S, DeltaChunks(qin, qk, u0, torch.stack(Ps, dim=-3), torch.stack(Ss, dim=-3), L)
+
+
+def delta_segment_outputs(chunks: DeltaChunks, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o0, q_in) of each segment: the output from a zero entering state [..., L, dv] and the rows
+    q_in [..., L, dk] with which the entering state S_in adds scale * q_in @ S_in."""
+    o0 = scale * (chunks.qin @ chunks.S0 + chunks.qk @ chunks.u0)
+    q_in = chunks.qin @ chunks.P
+
+    def unchunk(t: torch.Tensor) -> torch.Tensor:
+        t = t.reshape(t.shape[:-3] + (t.shape[-3] * t.shape[-2], t.shape[-1]))
+        return t[..., :chunks.length, :]
+
+    return unchunk(o0), unchunk(q_in)
+
+
+def _validate(q, k, v, g, beta, *, world_size, layout, stripe, qkv_format) -> None:
+    """Raise ValueError for any input gated_delta_rule cannot take. Local checks only."""
+    s, b, h, dk = check_qkv(q, k, v, world_size=world_size, layout=layout, stripe=stripe, qkv_format=qkv_format)
+    want = (s, b, h) if qkv_format == "sbhd" else (b, s, h)
+    for name, t in (("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor of shape {want} (per token and head), got {type(t).__name__}")
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} {tuple(t.shape)} must be {want} (per token and head) for q {tuple(q.shape)} "
+                             f"({qkv_format})")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                     group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous", stripe: int = 1,
+                     scale: Optional[float] = None, qkv_format: str = "sbhd") -> torch.Tensor:
+    """Context-parallel gated delta rule; exact, differentiable in q, k, v, g and beta.
+
+    q, k [s, b, h, dk], v [s, b, h, dv], g (log-decay <= 0) and beta (in (0, 1)) [s, b, h] hold this
+    rank's s tokens in ``layout``'s order (``qkv_format="bshd"``: [b, s, ...]). Returns o [s, b, h, dv]
+    in q's dtype, over the global token order with S [dk, dv], S_0 = 0:
+    S <- exp(g_t) S; u_t = beta_t (v_t - S^T k_t); S <- S + k_t u_t^T; o_t = scale * S^T q_t.
+    q and k are used as given (Gated DeltaNet l2-normalizes them first). ``scale`` None: dk ** -0.5.
+    States and maps are fp32 whatever the input dtype.
+
+    Communication: one all-gather of every segment's (A [dk, dk], B [dk, dv]) forward, posted
+    before the local outputs are formed, and one all-gather of the entering-state gradients
+    [dk, dv] backward; ``comm_counter`` counts (W - 1) x this rank's part, independent of s for the
+    contiguous and zigzag layouts. Layouts: contiguous, zigzag, block-striped with stripe >= 64.
+    """
+    pg = group
+    world_size = dist.get_world_size(pg) if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank(pg) if world_size > 1 else 0
+    _validate(q, k, v, g, beta, world_size=world_size, layout=layout, stripe=stripe, qkv_format=qkv_format)
+    sbhd = qkv_format == "sbhd"
+    s, b, h, dk = q.shape if sbhd else (q.shape[1], q.shape[0], q.shape[2], q.shape[3])
+    dv = v.shape[-1]
+    scale = dk ** -0.5 if scale is None else scale
+    acc = torch.promote_types(q.dtype, torch.float32)
+    per_rank = segments_per_rank(layout, s, stripe)
+    L = s // per_rank
+
+    def segments(t: torch.Tensor) -> torch.Tensor:  # sbhd/bshd -> [nseg, b, h, L, d] ([nseg, b, h, L] for g, beta)
+        t = t.unsqueeze(-1) if t.dim() == 3 else t
+        t = t.permute(1, 2, 0, 3) if sbhd else t.permute(0, 2, 1, 3)
+        return t.reshape(b, h, per_rank, L, t.shape[-1]).permute(2, 0, 1, 3, 4).to(acc)
+
+    qs, ks, vs = (segments(t) for t in (q, k, v))
+    gs, bs = (segments(t)[..., 0] for t in (g, beta))
+    smap = SegmentMap(pg, rank, world_size, tuple(segment_order(layout, world_size, r, per_rank)
+                                                   for r in range(world_size)), True)
+    A, B, chunks = delta_segment_maps(qs, ks, vs, gs, bs)
+    pending = None
+    if world_size > 1:  # overlaps with the local outputs below
+        gathered, pending = post_state_gather(B, A, smap, label="gdn (A, B) all-gather")
+    o, q_in = delta_segment_outputs(chunks, scale)
+    if world_size > 1:
+        pending.wait()
+        o = o + scale * (q_in @ Lasp2Exchange.apply(B, A, gathered, smap, True))
+    elif per_rank > 1:  # the local segments are the global ones: no exchange
+        o = o + scale * (q_in @ local_entering_states(B, A, matrix=True))
+    o = o.permute(1, 2, 0, 3, 4).reshape(b, h, s, dv)  # segments back in local order
+    out = o.permute(2, 0, 1, 3) if sbhd else o.permute(0, 2, 1, 3)
+    return out.to(q.dtype).contiguous()

@@ -1,0 +1,81 @@
+"""Rank-side bodies of the gated-delta-rule tests (run on every rank by harness.run_ranks).
+
+Every rank builds the same full-sequence inputs (same seed; k l2-normalized and beta in (0, 1) as
+Gated DeltaNet feeds them), computes the token-by-token reference over the whole sequence in fp64
+with autograd, runs gated_delta_rule on its shard, and returns the largest errors of out and of
+every gradient (relative to the reference's largest magnitude), plus the bytes it sent.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import megatron_burst as mb
+from megatron_burst.linear import gated_delta_rule, naive_gated_delta_rule
+
+B, H, DK, DV = 2, 2, 8, 4
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+def full_inputs(seq: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    mk = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    q, k, v = mk(seq, B, H, DK), F.normalize(mk(seq, B, H, DK), dim=-1), mk(seq, B, H, DV)
+    g = -torch.rand(seq, B, H, generator=gen) * 0.3
+    beta = torch.rand(seq, B, H, generator=gen)
+    return [t.to(dtype) for t in (q, k, v)] + [g, beta], mk(seq, B, H, DV).to(dtype)
+
+
+def run_gdn_case(layout: str, local_len: int, dtype=torch.float32, stripe: int = 1, seed: int = 0,
+                 qkv_format: str = "sbhd") -> dict:
+    W, r = dist.get_world_size(), dist.get_rank()
+    seq = local_len * W
+    inputs, dout = full_inputs(seq, dtype, seed)
+    ref_leaves = [t.double().requires_grad_() for t in inputs]
+    ref_out = naive_gated_delta_rule(*ref_leaves)
+    ref_out.backward(dout.double())
+    sh = lambda t: mb.shard(t, 0, r, W, layout, stripe)  # noqa: E731
+    leaves = [sh(t).clone().requires_grad_() for t in inputs]
+    fmt = (lambda t: t.transpose(0, 1).contiguous()) if qkv_format == "bshd" else (lambda t: t)  # noqa: E731
+    with mb.comm_counter() as counter:
+        out = gated_delta_rule(*(fmt(t) for t in leaves), group=None, layout=layout, stripe=stripe,
+                               qkv_format=qkv_format)
+        out.backward(fmt(sh(dout)))
+    errs = {}
+    pairs = [("out", fmt(out), ref_out)] + [(f"d{n}", l.grad, rl.grad) for n, l, rl in zip(NAMES, leaves, ref_leaves)]
+    for name, got, want in pairs:
+        want = sh(want.detach())
+        errs[name] = ((got.double() - want).abs().max() / want.abs().max()).item()
+    errs["dtype"] = str(out.dtype)
+    errs["bytes"] = {p: counter.bytes("sent", phase=p) for p in ("forward", "backward")}
+    return errs
+
+
+def bad_input_messages() -> tuple:
+    """Each bad input raises ValueError locally, before any collective; the group still works."""
+    s = 8
+    q, k, v = torch.randn(s, 1, 2, 4), torch.randn(s, 1, 2, 4), torch.randn(s, 1, 2, 3)
+    g, beta = -torch.rand(s, 1, 2), torch.rand(s, 1, 2)
+    cases = {
+        "token_stripes": dict(layout="striped", stripe=1),
+        "g_shape": dict(g=-torch.rand(2)),
+        "beta_shape": dict(beta=torch.rand(s, 1, 2, 4)),
+        "seq": dict(layout="zigzag", q=torch.randn(7, 1, 2, 4), k=torch.randn(7, 1, 2, 4), v=torch.randn(7, 1, 2, 3),
+                    g=-torch.rand(7, 1, 2), beta=torch.rand(7, 1, 2)),
+        "kv_mismatch": dict(k=torch.randn(s, 1, 2, 5)),
+        "format": dict(qkv_format="thd"),
+    }
+    messages = {}
+    with mb.comm_counter() as counter:
+        for name, kw in cases.items():
+            args = dict(q=q, k=k, v=v, g=g, beta=beta)
+            args.update({key: kw.pop(key) for key in NAMES if key in kw})
+            try:
+                gated_delta_rule(*(args[n] for n in NAMES), **kw)
+                messages[name] = None
+            except ValueError as exc:
+                messages[name] = str(exc)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return messages, counter.bytes("sent") + counter.bytes("received"), t.item() == dist.get_world_size()

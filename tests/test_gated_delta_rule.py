@@ -1,0 +1,71 @@
+"""megatron_burst.gated_delta_rule on W gloo ranks equals the token-by-token gated delta rule over the
+whole sequence -- output and the gradients of q, k, v, g and beta, every layout -- and sends exactly
+one all-gather of per-segment (A, B) maps forward and one of the state gradients backward, whatever
+the sequence length."""
+import pytest
+import torch
+
+from harness import run_ranks
+from gdn_cases import B, DK, DV, H, bad_input_messages, run_gdn_case
+
+FP32_TOL = 1e-5  # relative to the reference's largest magnitude
+# local lengths: not multiples of the 64-token chunk (70 = a full and a partial chunk; zigzag: two
+# 35-token segments); striped holds two 64-token stripes per rank
+LOCAL = {"contiguous": 70, "zigzag": 70, "striped": 128}
+
+
+def _check(res, tol=FP32_TOL, what=""):
+    for name, err in res.items():
+        if name in ("bytes", "dtype"):
+            continue
+        assert err <= tol, f"{what}: {name} relative error {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_gated_delta_rule_matches_the_recurrence(world_size, layout):
+    stripe = 64 if layout == "striped" else 1
+    for rank, res in enumerate(run_ranks(world_size, run_gdn_case, layout, LOCAL[layout], stripe=stripe)):
+        assert set(res) >= {"out", "dq", "dk", "dv", "dg", "dbeta"}
+        _check(res, what=f"gdn W={world_size} {layout} rank {rank}")
+
+
+def test_long_segments_span_many_chunks_and_bshd():
+    """200 tokens per rank (3 full chunks and a partial one) in the [b, s, h, d] format."""
+    for res in run_ranks(2, run_gdn_case, "contiguous", 200, qkv_format="bshd"):
+        _check(res, what="bshd 200")
+
+
+def test_bf16_inputs_keep_fp32_states():
+    for res in run_ranks(2, run_gdn_case, "zigzag", 70, torch.bfloat16):
+        assert res["dtype"] == "torch.bfloat16"
+        _check(res, tol=2e-2, what="bf16")
+
+
+def _gdn_bytes(world_size, segments, phase):
+    per_segment = B * H * DK * DV + (B * H * DK * DK if phase == "forward" else 0)  # B (+ A forward)
+    return (world_size - 1) * segments * per_segment * 4  # fp32 maps
+
+
+def test_bytes_are_exact_and_independent_of_sequence_length():
+    """Forward: one all-gather of (A [dk, dk], B [dk, dv]) per segment; backward: one of dS_in
+    [dk, dv]; (W - 1) x this rank's part, equal at 70 and 210 tokens per rank."""
+    for layout, segments in (("contiguous", 1), ("zigzag", 2)):
+        seen = []
+        for local_len in (70, 210):
+            for res in run_ranks(4, run_gdn_case, layout, local_len):
+                assert res["bytes"] == {"forward": _gdn_bytes(4, segments, "forward"),
+                                        "backward": _gdn_bytes(4, segments, "backward")}, (layout, res["bytes"])
+                seen.append(res["bytes"])
+        assert seen[0] == seen[-1]
+
+
+def test_bad_inputs_raise_before_any_collective():
+    for messages, moved, group_ok in run_ranks(2, bad_input_messages):
+        assert group_ok and moved == 0
+        assert "stripe=1" in messages["token_stripes"] and "zigzag" in messages["token_stripes"]
+        assert "g (2,)" in messages["g_shape"] and "per token and head" in messages["g_shape"]
+        assert "beta (8, 1, 2, 4)" in messages["beta_shape"]
+        assert "divisible" in messages["seq"]
+        assert messages["kv_mismatch"] is not None
+        assert "thd" in messages["format"]
