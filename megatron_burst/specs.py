@@ -33,6 +33,8 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from megatron_burst.megatron.args import linear_attention_pattern, make_cp_options, make_linear_cp_options
 from megatron_burst.megatron.attention import BurstCoreAttention
+from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+from megatron_burst.megatron.gated_delta_net import GATED_DELTA_NET, CPGatedDeltaNet
 from megatron_burst.megatron.linear_attention import LinearSelfAttention, LinearSelfAttentionSubmodules
 from megatron_burst.megatron.linear_variants import get_variant
 
@@ -187,6 +189,8 @@ def linear_attention_spec(linear_attention: str, *, use_te: bool = False, cp_lay
     ``linear_attention`` (basic, lightning, retention, gla) with the backend's column/row-parallel
     linears (Transformer Engine's when ``use_te``). Options left None resolve at construction
     (Megatron-LM's flags, else the model's layout, else the defaults)."""
+    if linear_attention == GATED_DELTA_NET:
+        return gated_delta_net_spec(use_te=use_te, cp_layout=cp_layout, cp_stripe=cp_stripe)
     get_variant(linear_attention)
     make_linear_cp_options(linear_cp_algo, cp_layout, cp_stripe)  # validate now, not at construction
     backend = _backend(use_te)
@@ -197,6 +201,24 @@ def linear_attention_spec(linear_attention: str, *, use_te: bool = False, cp_lay
         submodules=LinearSelfAttentionSubmodules(linear_qkv=backend.column_parallel_linear(),
                                                  linear_proj=backend.row_parallel_linear(),
                                                  linear_low_rank=backend.column_parallel_linear()))
+
+
+def gated_delta_net_spec(*, use_te: bool = False, rms_norm: bool = True, cp_layout: Optional[str] = None,
+                         cp_stripe: Optional[int] = None) -> ModuleSpec:
+    """The ``self_attention`` spec of a Gated DeltaNet layer: :class:`CPGatedDeltaNet` (Megatron's
+    GatedDeltaNet with context parallelism) with Megatron's submodules for the backend. With
+    Transformer Engine the layer's input norm is fused into ``in_proj`` (as in Megatron's own GDN
+    spec, ``metainfo["fuse_input_layernorm"]``); without it the layer keeps a separate norm.
+    ``rms_norm``: the per-head output norm (Qwen3-Next's RMSNorm)."""
+    make_linear_cp_options(None, cp_layout, cp_stripe)
+    backend = _backend(use_te)
+    fused = use_te and backend.column_parallel_layer_norm_linear() is not None
+    return ModuleSpec(
+        module=CPGatedDeltaNet, params={"cp_layout": cp_layout, "cp_stripe": cp_stripe},
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=backend.column_parallel_layer_norm_linear() if fused else backend.column_parallel_linear(),
+            out_norm=backend.layer_norm(rms_norm=rms_norm, for_qk=False), out_proj=backend.row_parallel_linear()),
+        metainfo={"fuse_input_layernorm": fused})
 
 
 def _backend(use_te: bool):
@@ -275,8 +297,12 @@ def hybrid_block_spec(spec: Any, config: Any, pattern: Sequence[int], *, linear_
     block = _get_block_submodules(config, spec, vp_stage, pp_rank)
     layer_ids = _global_layer_ids(config, len(block.layer_specs), vp_stage, pp_rank)
     make_linear_cp_options(linear_cp_algo, options.get("cp_layout"), options.get("cp_stripe"))
-    linear = linear_attention_spec(linear_attention, use_te=use_te, cp_layout=options.get("cp_layout"),
-                                   cp_stripe=options.get("cp_stripe"), linear_cp_algo=linear_cp_algo)
+    if linear_attention == GATED_DELTA_NET:
+        linear = gated_delta_net_spec(use_te=use_te, rms_norm=config.normalization == "RMSNorm",
+                                      cp_layout=options.get("cp_layout"), cp_stripe=options.get("cp_stripe"))
+    else:
+        linear = linear_attention_spec(linear_attention, use_te=use_te, cp_layout=options.get("cp_layout"),
+                                       cp_stripe=options.get("cp_stripe"), linear_cp_algo=linear_cp_algo)
     layers = [_as_linear_layer(layer, linear, config, use_te, i) if pattern[i]
               else swap_core_attention(layer, **options) for layer, i in zip(block.layer_specs, layer_ids)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=block.layer_norm)
@@ -304,7 +330,9 @@ def _as_linear_layer(layer: Any, linear: ModuleSpec, config: Any, use_te: bool, 
                          "cannot replace with linear attention: use Megatron's SelfAttention layers")
     sub = layer.submodules
     norm = sub.input_layernorm
-    if norm is IdentityOp or _module_of(norm) is IdentityOp:  # fused into TE's LayerNorm+qkv linear
+    if linear.metainfo.get("fuse_input_layernorm"):  # the linear layer's own projection normalizes
+        norm = IdentityOp
+    elif norm is IdentityOp or _module_of(norm) is IdentityOp:  # fused into TE's LayerNorm+qkv linear
         norm = _backend(use_te).layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=False)
     # The input norm is the layer's own here, under that name, in every backend.
     keys_map = {k: v for k, v in (sub.sharded_state_dict_keys_map or {}).items() if not k.startswith("input_layernorm")}

@@ -285,3 +285,40 @@ def _ring_sum(ring: comm.RingComm, local: torch.Tensor, phase: str, label: str) 
         block = ring.exchange([block], [torch.empty_like(block)], phase, label=f"{label} step {step}").wait()[0]
         total += block
     return total
+
+
+class PreviousTokens(torch.autograd.Function):
+    """The last ``width`` tokens of the global segment before each local segment (zeros before
+    the first), from whichever rank holds it: what a short causal convolution needs at a segment
+    start. x [nseg, L, ...] (local segments) -> [nseg, width, ...]. One all-gather of every
+    rank's segment tails forward, one of the halo gradients backward: (W - 1) x nseg x width
+    tokens each way, whatever the sequence length."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, width: int, smap: SegmentMap):
+        ctx.smap, ctx.width, ctx.shape = smap, width, x.shape
+        tails = x[:, x.shape[1] - width:].contiguous()
+        gathered = _all_gather(tails, smap, "forward", "previous tokens all-gather")
+        every = _to_global(gathered.view((smap.world_size,) + tuple(tails.shape)), smap)
+        return _mine(torch.cat([torch.zeros_like(every[:1]), every[:-1]]), smap)
+
+    @staticmethod
+    def backward(ctx, d_halo: torch.Tensor):
+        smap: SegmentMap = ctx.smap
+        gathered = _all_gather(d_halo.contiguous(), smap, "backward", "previous tokens gradient all-gather")
+        every = _to_global(gathered.view((smap.world_size,) + tuple(d_halo.shape)), smap)
+        d_tails = _mine(torch.cat([every[1:], torch.zeros_like(every[:1])]), smap)  # tail i fed segment i + 1
+        dx = d_halo.new_zeros(ctx.shape)
+        dx[:, ctx.shape[1] - ctx.width:] = d_tails
+        return dx, None, None
+
+
+def previous_tokens(x: torch.Tensor, width: int, smap: SegmentMap) -> torch.Tensor:
+    """See :class:`PreviousTokens`; on one rank the segments are all local (autograd indexing)."""
+    if smap.world_size == 1:
+        tails = x[:, x.shape[1] - width:]
+        order = torch.tensor(smap.order[0], device=x.device)
+        every = tails[torch.argsort(order)]  # global order
+        halo = torch.cat([torch.zeros_like(every[:1]), every[:-1]])
+        return halo[order]
+    return PreviousTokens.apply(x, width, smap)

@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 
 from megatron_burst.algorithms import CP_ALGOS
 from megatron_burst.layout import LAYOUTS, check_layout, check_seq_len
-from megatron_burst.megatron.linear_variants import LINEAR_ATTENTION_TYPES, get_variant
+from megatron_burst.megatron.linear_variants import GATED_DELTA_NET, LINEAR_ATTENTION_TYPES, get_variant
 from megatron_burst.topology import RING_SHAPES, check_ranks_per_node
 
 DEFAULT_CP_ALGO = "burst"
@@ -260,7 +260,9 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--linear-attention-type", type=str, default=None, choices=list(LINEAR_ATTENTION_TYPES),
                        help="build linear-attention layers of this variant (basic: elu+1 feature map; "
                             "lightning: Lightning Attention's per-head decay; retention: RetNet; gla: gated "
-                            "linear attention); which layers follows --linear-attention-freq (default: all)")
+                            "linear attention; gated_delta_net: Megatron-Core's GatedDeltaNet, Qwen3-Next style, "
+                            "sized by --linear-num-key-heads etc. under Megatron-LM, by the attention heads in "
+                            "megatron_burst.train); which layers follows --linear-attention-freq (default: all)")
     if "--linear-attention-freq" not in parser._option_string_actions:  # Megatron-LM defines it itself
         group.add_argument("--linear-attention-freq", type=linear_attention_freq_type, default=None,
                            help="Megatron-LM's flag: an integer N makes every N-th layer softmax attention and "
@@ -368,7 +370,6 @@ def linear_options_from_args(args: argparse.Namespace, cp_opts: CPOptions,
             raise ValueError(f"--linear-attention-freq {freq} has no linear layers to place: add "
                              f"--linear-attention-type ({', '.join(LINEAR_ATTENTION_TYPES)}), or drop it")
         return None
-    variant = get_variant(kind)
     if megatron_variant is not None:
         raise ValueError(f"--linear-attention-type {kind} and --experimental-attention-variant {megatron_variant} "
                          "both replace attention layers: pass one of them")
@@ -376,6 +377,9 @@ def linear_options_from_args(args: argparse.Namespace, cp_opts: CPOptions,
         raise ValueError(f"--linear-attention-type {kind} builds megatron-burst's hybrid model, but --cp-algo none "
                          "keeps Megatron's model untouched: drop one of them")
     pattern = tuple(linear_attention_pattern(args.num_layers, freq))
+    if kind == GATED_DELTA_NET:
+        return _gated_delta_net_options(args, cp_opts, pattern)
+    variant = get_variant(kind)
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
     cp = getattr(args, "context_parallel_size", None) or 1
     head_dim = getattr(args, "kv_channels", None) or args.hidden_size // args.num_attention_heads
@@ -398,6 +402,27 @@ def linear_options_from_args(args: argparse.Namespace, cp_opts: CPOptions,
                          f"--cp-stripe {LINEAR_MIN_STRIPE} or more, or --cp-layout zigzag/contiguous")
     return LinearAttentionOptions(type=kind, pattern=pattern, cp_algo=getattr(args, "linear_cp_algo", None)
                                   or DEFAULT_LINEAR_CP_ALGO)
+
+
+def _gated_delta_net_options(args: argparse.Namespace, cp_opts: CPOptions, pattern: tuple) -> LinearAttentionOptions:
+    """--linear-attention-type gated_delta_net: its CP is one all-gather of per-segment maps (no
+    --linear-cp-algo choice); heads split over TP; stripes of at least a chunk."""
+    tp = getattr(args, "tensor_model_parallel_size", None) or 1
+    cp = getattr(args, "context_parallel_size", None) or 1
+    algo = getattr(args, "linear_cp_algo", None)
+    if algo not in (None, DEFAULT_LINEAR_CP_ALGO):
+        raise ValueError(f"--linear-cp-algo {algo}: gated_delta_net always exchanges its per-segment maps in one "
+                         f"all-gather (LASP-2 style); drop --linear-cp-algo or pass {DEFAULT_LINEAR_CP_ALGO}")
+    key_heads = getattr(args, "linear_num_key_heads", None) or getattr(args, "num_query_groups", None) \
+        or args.num_attention_heads
+    if key_heads % tp:
+        raise ValueError(f"--linear-attention-type gated_delta_net: {key_heads} key heads cannot be split over "
+                         f"--tensor-model-parallel-size {tp}")
+    if cp > 1 and 1 in pattern and cp_opts.layout == "striped" and cp_opts.stripe < LINEAR_MIN_STRIPE:
+        raise ValueError(f"--cp-layout striped with --cp-stripe {cp_opts.stripe}: gated_delta_net runs in chunks of "
+                         f"at least {LINEAR_MIN_STRIPE} tokens per stripe under context parallelism; pass "
+                         f"--cp-stripe {LINEAR_MIN_STRIPE} or more, or --cp-layout zigzag/contiguous")
+    return LinearAttentionOptions(type=GATED_DELTA_NET, pattern=pattern, cp_algo=DEFAULT_LINEAR_CP_ALGO)
 
 
 def cp_ranks_per_node_from_args(args: argparse.Namespace) -> Optional[int]:

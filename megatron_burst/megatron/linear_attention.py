@@ -36,7 +36,7 @@ from megatron_burst.megatron.attention import FollowsModelLayout, _check_against
 from megatron_burst.megatron.linear_variants import (GLA_GATE_TEMPERATURE, LinearAttentionVariant, get_variant,
                                                      lightning_log_decay, retention_log_decay)
 
-__all__ = ["LinearSelfAttention", "LinearSelfAttentionSubmodules", "HeadNorm"]
+__all__ = ["LinearSelfAttention", "LinearCPLayer", "LinearSelfAttentionSubmodules", "HeadNorm"]
 
 _FEATURE_MAPS = {None: lambda x: x, "elu+1": lambda x: F.elu(x) + 1.0, "silu": F.silu}
 
@@ -153,7 +153,34 @@ def _per_head_slice(values: torch.Tensor, tp_group: Optional[dist.ProcessGroup])
     return values[start:start + per_rank]
 
 
-class LinearSelfAttention(FollowsModelLayout, MegatronModule):
+class LinearCPLayer(FollowsModelLayout):
+    """Mixin of the linear-family layers (LinearSelfAttention, CPGatedDeltaNet): resolves their CP
+    options (spec params, else Megatron-LM's flags, else the model's layout / the defaults) and
+    checks the CP group against the config. Sets ``options``, ``_layout_fixed`` and ``cp_size``;
+    needs ``config`` and ``cp_group``."""
+
+    def _resolve_cp_options(self, linear_cp_algo: Optional[str], cp_layout: Optional[str],
+                            cp_stripe: Optional[int]) -> None:
+        flags = megatron_lm_cp_flags()
+        if flags is not None:  # Megatron-LM with our flags: they are the one source of truth
+            _check_against_flags(flags, None, cp_layout, cp_stripe)
+            flag_algo = getattr(flags, "linear_cp_algo", None)
+            if linear_cp_algo is not None and flag_algo is not None and linear_cp_algo != flag_algo:
+                raise ValueError(f"the layer spec sets linear_cp_algo={linear_cp_algo!r} but --linear-cp-algo is "
+                                 f"{flag_algo!r}: pass one value (or build the spec without linear_cp_algo)")
+            linear_cp_algo = linear_cp_algo if linear_cp_algo is not None else flag_algo
+        cp_layout, cp_stripe, self._layout_fixed = resolve_layout_from_flags(cp_layout, cp_stripe)
+        self.options: LinearCPOptions = make_linear_cp_options(linear_cp_algo, cp_layout, cp_stripe)
+        cp_size = dist.get_world_size(self.cp_group) if dist.is_initialized() and self.cp_group is not None else 1
+        if self.config.context_parallel_size != cp_size:
+            raise ValueError(f"config.context_parallel_size={self.config.context_parallel_size} but the CP process "
+                             f"group has {cp_size} ranks: build the model after initialize_model_parallel(..., "
+                             f"context_parallel_size={self.config.context_parallel_size}) or pass pg_collection "
+                             "with that cp")
+        self.cp_size = cp_size
+
+
+class LinearSelfAttention(LinearCPLayer, MegatronModule):
     """Linear self-attention with SelfAttention's signatures; the variant comes from the spec's
     params (``linear_attention``), and so do ``cp_layout``, ``cp_stripe`` and ``linear_cp_algo``
     (None: Megatron-LM's flags when present, else the model's layout / the defaults).
@@ -229,26 +256,6 @@ class LinearSelfAttention(FollowsModelLayout, MegatronModule):
                                  persistent=False)
 
     # ------------------------------------------------------------------ construction checks
-
-    def _resolve_cp_options(self, linear_cp_algo: Optional[str], cp_layout: Optional[str],
-                            cp_stripe: Optional[int]) -> None:
-        flags = megatron_lm_cp_flags()
-        if flags is not None:  # Megatron-LM with our flags: they are the one source of truth
-            _check_against_flags(flags, None, cp_layout, cp_stripe)
-            flag_algo = getattr(flags, "linear_cp_algo", None)
-            if linear_cp_algo is not None and flag_algo is not None and linear_cp_algo != flag_algo:
-                raise ValueError(f"the layer spec sets linear_cp_algo={linear_cp_algo!r} but --linear-cp-algo is "
-                                 f"{flag_algo!r}: pass one value (or build the spec without linear_cp_algo)")
-            linear_cp_algo = linear_cp_algo if linear_cp_algo is not None else flag_algo
-        cp_layout, cp_stripe, self._layout_fixed = resolve_layout_from_flags(cp_layout, cp_stripe)
-        self.options: LinearCPOptions = make_linear_cp_options(linear_cp_algo, cp_layout, cp_stripe)
-        cp_size = dist.get_world_size(self.cp_group) if dist.is_initialized() and self.cp_group is not None else 1
-        if self.config.context_parallel_size != cp_size:
-            raise ValueError(f"config.context_parallel_size={self.config.context_parallel_size} but the CP process "
-                             f"group has {cp_size} ranks: build the model after initialize_model_parallel(..., "
-                             f"context_parallel_size={self.config.context_parallel_size}) or pass pg_collection "
-                             "with that cp")
-        self.cp_size = cp_size
 
     def _causal(self, attn_mask_type: AttnMaskType) -> bool:
         if attn_mask_type == AttnMaskType.causal:

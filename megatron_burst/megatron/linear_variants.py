@@ -88,7 +88,8 @@ VARIANTS: Dict[str, LinearAttentionVariant] = {
                                shared_kv_heads=True, output_norm="rmsnorm", output_gate="swish", rotary=False),
     )
 }
-LINEAR_ATTENTION_TYPES = tuple(VARIANTS)
+GATED_DELTA_NET = "gated_delta_net"  # Megatron-Core's GatedDeltaNet layer (megatron_burst.megatron.gated_delta_net)
+LINEAR_ATTENTION_TYPES = tuple(VARIANTS) + (GATED_DELTA_NET,)
 
 
 def get_variant(name: str) -> LinearAttentionVariant:

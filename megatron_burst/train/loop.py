@@ -48,12 +48,16 @@ def attention_summary(model: torch.nn.Module, args, sizes: ParallelSizes) -> str
     per-rank shape) and the ring shape, e.g. "cp-algo auto -> ring (backward), ring double
     (2 nodes x 4)"; with linear layers, which ones and their CP algorithm, e.g.
     "linear attention lightning (lasp2) in layers 1,2,3 of 4"."""
+    from megatron_burst.megatron.gated_delta_net import CPGatedDeltaNet
     from megatron_burst.megatron.linear_attention import LinearSelfAttention
 
-    linear = [m for m in model.modules() if isinstance(m, LinearSelfAttention)]
+    linear = [m for m in model.modules() if isinstance(m, (LinearSelfAttention, CPGatedDeltaNet))]
     parts = [_softmax_summary(model, args, sizes)]
     if linear:
-        parts.append(f"linear attention {linear[0].variant.name} ({linear[0].options.algo}) in layers "
+        first = linear[0]
+        what = (f"{first.variant.name} ({first.options.algo})" if isinstance(first, LinearSelfAttention)
+                else "gated_delta_net (map all-gather)")
+        parts.append(f"linear attention {what} in layers "
                      f"{','.join(str(m.layer_number) for m in linear)} of {args.num_layers}")
     return "; ".join(part for part in parts if part)
 

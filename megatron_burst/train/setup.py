@@ -76,6 +76,11 @@ def model_config(args: argparse.Namespace, sizes: ParallelSizes, device: torch.d
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels, tensor_model_parallel_size=sizes.tp,
+        # --linear-attention-type gated_delta_net: Qwen3-Next-style heads from the attention flags
+        # (keys: the query groups, values: the attention heads, both kv_channels wide; conv kernel 4)
+        linear_key_head_dim=args.kv_channels, linear_value_head_dim=args.kv_channels,
+        linear_num_key_heads=args.num_query_groups, linear_num_value_heads=args.num_attention_heads,
+        linear_conv_kernel_dim=4,
         # a per-layer list reaches our attention through the spec (cp_layer_comm_types): Megatron-Core
         # 0.16.1's TransformerLayer indexes the list with its 1-based layer number (off by one)
         context_parallel_size=sizes.cp,
