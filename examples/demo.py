@@ -4,7 +4,9 @@ rounding. Two models:
 
 * softmax: every layer softmax attention, BurstAttention CP in the striped layout;
 * hybrid (LASP-2H): 3 of every 4 layers Lightning-style linear attention under LASP-2, the 4th
-  softmax attention (BurstAttention), one zigzag layout for both kinds of layer.
+  softmax attention (BurstAttention), one zigzag layout for both kinds of layer;
+* gdn (``--models gdn``, not run by default): the same 3:1 hybrid with Megatron-Core's Gated
+  DeltaNet layers (megatron_burst.gated_delta_rule under CP) in place of the linear ones.
 
     python examples/demo.py [--steps 30] [--nproc 4] [--algo burst] [--layout striped]
                             [--models softmax hybrid]
@@ -91,7 +93,7 @@ def main() -> int:
     p.add_argument("--nproc", type=int, default=4, help="ranks (= CP size) of the CP runs")
     p.add_argument("--algo", default="burst", help="--cp-algo of the softmax layers")
     p.add_argument("--layout", default="striped", help="--cp-layout of the softmax model")
-    p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["softmax", "hybrid"])
     p.add_argument("--tolerance", type=float, default=1e-4)
     p.add_argument("--out", default=os.path.join("runs", "demo"))
     args = p.parse_args()
@@ -126,6 +128,10 @@ MODELS = {
     "hybrid": lambda a: ({"num_layers": "4", "linear_attention_type": "lightning", "linear_attention_freq": "4",
                           "lr": "5e-4", "min_lr": "5e-5"},
                          ["--cp-algo", a.algo, "--cp-layout", "zigzag", "--linear-cp-algo", "lasp2"]),
+    # 3:1 Qwen3-Next-style hybrid: layers 1-3 Gated DeltaNet (8 value / 4 key heads of 16), layer 4 softmax.
+    "gdn": lambda a: ({"num_layers": "4", "linear_attention_type": "gated_delta_net", "linear_attention_freq": "4",
+                       "lr": "5e-4", "min_lr": "5e-5"},
+                      ["--cp-algo", a.algo, "--cp-layout", "zigzag"]),
 }
 
 

@@ -79,3 +79,33 @@ def bad_input_messages() -> tuple:
     t = torch.ones(1)
     dist.all_reduce(t)
     return messages, counter.bytes("sent") + counter.bytes("received"), t.item() == dist.get_world_size()
+
+
+def previous_tokens_case(layout: str, local_len: int, width: int, stripe: int = 1) -> dict:
+    """previous_tokens on every rank's segments vs the global sequence shifted by one segment:
+    halo values, the gradient reaching each token, and the bytes sent."""
+    from megatron_burst.linear.checks import segment_order, segments_per_rank
+    from megatron_burst.linear.exchange import SegmentMap, previous_tokens
+
+    W, r = dist.get_world_size(), dist.get_rank()
+    seq = local_len * W
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(seq, 2, 3, generator=gen)
+    dhalo_full = torch.randn(seq, width, 2, 3, generator=gen)  # a gradient per (token, halo slot)
+    per_rank = segments_per_rank(layout, local_len, stripe)
+    L = local_len // per_rank
+    smap = SegmentMap(None, r, W, tuple(segment_order(layout, W, q, per_rank) for q in range(W)), True)
+    local = mb.shard(x, 0, r, W, layout, stripe).clone().requires_grad_()
+    with mb.comm_counter() as counter:
+        halo = previous_tokens(local.view(per_rank, L, 2, 3), width, smap)
+        starts = [gi * L for gi in smap.order[r]]  # global position of each local segment's start
+        dh = torch.stack([dhalo_full[p] for p in starts])
+        halo.backward(dh)
+    want = torch.stack([x[p - width:p] if p else torch.zeros(width, 2, 3) for p in starts])
+    # token t's gradient: from every segment start p with p - width <= t < p, slot t - p + width
+    grad_full = torch.zeros_like(x)
+    for p in range(L, seq, L):
+        grad_full[p - width:p] += dhalo_full[p, torch.arange(width)]
+    err_grad = (local.grad - mb.shard(grad_full, 0, r, W, layout, stripe)).abs().max().item()
+    return {"halo": (halo - want).abs().max().item(), "grad": err_grad,
+            "bytes": {p: counter.bytes("sent", phase=p) for p in ("forward", "backward")}}

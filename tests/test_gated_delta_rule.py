@@ -69,3 +69,17 @@ def test_bad_inputs_raise_before_any_collective():
         assert "divisible" in messages["seq"]
         assert messages["kv_mismatch"] is not None
         assert "thd" in messages["format"]
+
+
+@pytest.mark.parametrize("layout,local_len,stripe,segments", [("contiguous", 10, 1, 1), ("zigzag", 10, 1, 2),
+                                                               ("striped", 128, 64, 2)])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_previous_tokens_reach_every_segment_start(world_size, layout, local_len, stripe, segments):
+    """The conv1d halo of Gated DeltaNet: each segment gets the 3 tokens before it from whichever
+    rank holds them, the gradient goes back to them; bytes: (W - 1) x segments x 3 tokens each way."""
+    from gdn_cases import previous_tokens_case
+
+    for res in run_ranks(world_size, previous_tokens_case, layout, local_len, 3, stripe):
+        assert res["halo"] == 0 and res["grad"] < 1e-6, res
+        want = (world_size - 1) * segments * 3 * 2 * 3 * 4
+        assert res["bytes"] == {"forward": want, "backward": want}

@@ -1,4 +1,5 @@
-"""LASP-2 vs LASP-1 (and softmax ring / burst attention of the same size) on emulated nodes.
+"""LASP-2 vs LASP-1, the gated delta rule (and softmax ring / burst attention of the same size) on
+emulated nodes.
 
     sudo python -m megatron_burst.bench linear --nodes 2 --ranks-per-node 2 --inter-mbit 100 \\
         --seqs 4096 16384 65536 --softmax-max-seq 16384
@@ -6,7 +7,9 @@
 One network namespace per node (megatron_burst.bench.netns), each rank with its own NIC limited to
 --inter-mbit; ranks of one node share a loopback --ratio times faster. Every rank holds seq / W
 tokens (contiguous layout, LASP's natural one) of one sequence with --heads heads of --head-dim,
-a Lightning-Attention-style constant decay per head, fp32. For each sequence length it times one
+a Lightning-Attention-style constant decay per head, fp32; the gated delta rule (``gdn``:
+megatron_burst.gated_delta_rule, one all-gather of per-segment (A, B) maps) gets l2-normalized keys,
+a per-token decay and beta, as Gated DeltaNet feeds it. For each sequence length it times one
 forward + backward of each variant (median of --repeats after --warmup, the variants interleaved
 in every repeat so machine noise falls on all alike; an iteration takes as long as its slowest
 rank) and records the bytes each rank sent. Softmax attention (quadratic) runs only up to
@@ -23,6 +26,7 @@ import time
 from megatron_burst.bench import plotting
 
 LINEAR = ("lasp2", "lasp1")
+DELTA = "gdn"
 SOFTMAX = ("ring", "burst")
 
 
@@ -44,7 +48,9 @@ def _worker(args) -> None:
         n = seq // W
         torch.manual_seed(1234 + r)
         q, k, v, dout = (torch.randn(n, 1, h, d) * 0.5 for _ in range(4))
-        variants = list(LINEAR) + (list(SOFTMAX) if seq <= args.softmax_max_seq else [])
+        g_tok = -torch.rand(n, 1, h) * 0.1  # the gated delta rule's per-token log-decay and beta
+        beta = torch.rand(n, 1, h)
+        variants = list(LINEAR) + [DELTA] + (list(SOFTMAX) if seq <= args.softmax_max_seq else [])
         runs = {name: [] for name in variants}
         for i in range(args.warmup + args.repeats):
             for name in variants:
@@ -54,6 +60,9 @@ def _worker(args) -> None:
                     t0 = time.perf_counter()
                     if name in LINEAR:
                         out = mb.linear_attention(ql, kl, vl, g=decay, layout="contiguous", algo=name)
+                    elif name == DELTA:
+                        out = mb.gated_delta_rule(ql, torch.nn.functional.normalize(kl, dim=-1), vl, g_tok, beta,
+                                                  layout="contiguous")
                     else:
                         out = mb.cp_attention(ql, kl, vl, algo=name, layout="zigzag")
                     out.backward(dout)
@@ -86,7 +95,7 @@ def _plot(summary, path, title) -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.8))
     seqs = sorted(summary)
-    for name in LINEAR + SOFTMAX:
+    for name in LINEAR + (DELTA,) + SOFTMAX:
         pts = [(s, summary[s][name]["s"]) for s in seqs if name in summary[s]]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
@@ -137,14 +146,16 @@ def main(argv=None) -> None:
     title = (f"{args.nodes} nodes x {args.ranks_per_node} ranks (gloo), inter {args.inter_mbit:g} Mbit/s per rank, "
              f"{args.heads} heads x {args.head_dim}, fp32, fwd+bwd, median of {args.repeats}")
     print(f"# {title}")
-    print("| seq | lasp2 s | lasp1 s | lasp1 / lasp2 | ring s | burst s | lasp2 MB sent/rank | lasp1 MB | ring MB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| seq | lasp2 s | lasp1 s | lasp1 / lasp2 | gdn s | ring s | burst s | lasp2 MB sent/rank | lasp1 MB | "
+          "gdn MB | ring MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for seq in sorted(summary):
         row = summary[seq]
         cell = lambda name, key: f"{row[name][key]:.3f}" if name in row else "—"  # noqa: E731
         print(f"| {seq} | {cell('lasp2', 's')} | {cell('lasp1', 's')} | "
-              f"{row['lasp1']['s'] / row['lasp2']['s']:.2f}x | {cell('ring', 's')} | {cell('burst', 's')} | "
-              f"{cell('lasp2', 'sent_mb')} | {cell('lasp1', 'sent_mb')} | {cell('ring', 'sent_mb')} |")
+              f"{row['lasp1']['s'] / row['lasp2']['s']:.2f}x | {cell(DELTA, 's')} | {cell('ring', 's')} | "
+              f"{cell('burst', 's')} | {cell('lasp2', 'sent_mb')} | {cell('lasp1', 'sent_mb')} | "
+              f"{cell(DELTA, 'sent_mb')} | {cell('ring', 'sent_mb')} |")
     if args.plot:
         _plot(summary, args.plot, title)
 
