@@ -27,8 +27,29 @@ def full_inputs(seq: int, dtype: torch.dtype, seed: int = 0):
     return [t.to(dtype) for t in (q, k, v)] + [g, beta], mk(seq, B, H, DV).to(dtype)
 
 
+def fake_fla(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
+    """flash-linear-attention's chunk_gated_delta_rule API ([N, T, H, d] rows, initial_state
+    [N, H, dk, dv]) computed by the token-by-token reference: stands in for fla's Triton kernel on
+    CPU, so the kernel='fla' plumbing (rows, entering states, their gradients) is tested here."""
+    sb = lambda t: t.transpose(0, 1)  # noqa: E731
+    o = naive_gated_delta_rule(sb(q), sb(k), sb(v), sb(g), sb(beta), scale=scale, initial_state=initial_state)
+    return sb(o), None
+
+
 def run_gdn_case(layout: str, local_len: int, dtype=torch.float32, stripe: int = 1, seed: int = 0,
-                 qkv_format: str = "sbhd") -> dict:
+                 qkv_format: str = "sbhd", kernel: str = "torch") -> dict:
+    from megatron_burst.linear import delta
+
+    real = delta.fla_chunk_gated_delta_rule
+    if kernel == "fla":  # no fla on CPU: its API, by the reference (the pool's workers are reused: restored)
+        delta.fla_chunk_gated_delta_rule = lambda: fake_fla
+    try:
+        return _gdn_case(layout, local_len, dtype, stripe, seed, qkv_format, kernel)
+    finally:
+        delta.fla_chunk_gated_delta_rule = real
+
+
+def _gdn_case(layout, local_len, dtype, stripe, seed, qkv_format, kernel) -> dict:
     W, r = dist.get_world_size(), dist.get_rank()
     seq = local_len * W
     inputs, dout = full_inputs(seq, dtype, seed)
@@ -40,7 +61,7 @@ def run_gdn_case(layout: str, local_len: int, dtype=torch.float32, stripe: int =
     fmt = (lambda t: t.transpose(0, 1).contiguous()) if qkv_format == "bshd" else (lambda t: t)  # noqa: E731
     with mb.comm_counter() as counter:
         out = gated_delta_rule(*(fmt(t) for t in leaves), group=None, layout=layout, stripe=stripe,
-                               qkv_format=qkv_format)
+                               qkv_format=qkv_format, kernel=kernel)
         out.backward(fmt(sh(dout)))
     errs = {}
     pairs = [("out", fmt(out), ref_out)] + [(f"d{n}", l.grad, rl.grad) for n, l, rl in zip(NAMES, leaves, ref_leaves)]
@@ -65,6 +86,7 @@ def bad_input_messages() -> tuple:
                     g=-torch.rand(7, 1, 2), beta=torch.rand(7, 1, 2)),
         "kv_mismatch": dict(k=torch.randn(s, 1, 2, 5)),
         "format": dict(qkv_format="thd"),
+        "kernel": dict(kernel="triton"),
     }
     messages = {}
     with mb.comm_counter() as counter:

@@ -36,6 +36,21 @@ def test_long_segments_span_many_chunks_and_bshd():
         _check(res, what="bshd 200")
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_fla_kernel_path_matches_the_recurrence(world_size, layout):
+    """kernel='fla': the maps and their exchange in torch, the outputs by fla's API (here the
+    reference behind it, see gdn_cases.fake_fla) entering each segment with the exchanged state;
+    gradients reach q, k, v, g, beta through both, and the bytes are the torch path's."""
+    stripe = 64 if layout == "striped" else 1
+    for rank, res in enumerate(run_ranks(world_size, run_gdn_case, layout, LOCAL[layout], stripe=stripe,
+                                         kernel="fla")):
+        _check(res, what=f"fla W={world_size} {layout} rank {rank}")
+        segments = {"contiguous": 1, "zigzag": 2, "striped": 2}[layout]
+        assert res["bytes"] == {"forward": _gdn_bytes(world_size, segments, "forward"),
+                                "backward": _gdn_bytes(world_size, segments, "backward")}
+
+
 def test_bf16_inputs_keep_fp32_states():
     for res in run_ranks(2, run_gdn_case, "zigzag", 70, torch.bfloat16):
         assert res["dtype"] == "torch.bfloat16"
@@ -69,6 +84,7 @@ def test_bad_inputs_raise_before_any_collective():
         assert "divisible" in messages["seq"]
         assert messages["kv_mismatch"] is not None
         assert "thd" in messages["format"]
+        assert "triton" in messages["kernel"] and "torch" in messages["kernel"]
 
 
 @pytest.mark.parametrize("layout,local_len,stripe,segments", [("contiguous", 10, 1, 1), ("zigzag", 10, 1, 2),

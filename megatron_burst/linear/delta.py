@@ -43,7 +43,19 @@ from megatron_burst.linear.checks import check_qkv, segment_order, segments_per_
 from megatron_burst.linear.chunked import CHUNK
 from megatron_burst.linear.exchange import Lasp2Exchange, SegmentMap, local_entering_states, post_state_gather
 
-__all__ = ["gated_delta_rule", "delta_segment_maps", "delta_segment_outputs"]
+__all__ = ["gated_delta_rule", "delta_segment_maps", "delta_segment_outputs", "GDN_KERNELS"]
+
+GDN_KERNELS = ("auto", "torch", "fla")
+
+
+def fla_chunk_gated_delta_rule():
+    """flash-linear-attention's Triton ``chunk_gated_delta_rule`` (q, k, v [N, T, H, d], g, beta
+    [N, T, H], initial_state [N, H, dk, dv]), or None when fla is not installed."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
 
 
 class DeltaChunks(NamedTuple):
@@ -57,42 +69,45 @@ class DeltaChunks(NamedTuple):
     length: int  # the segment length before padding to whole chunks
 
 
-def delta_segment_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, DeltaChunks]:
+def delta_segment_maps(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[DeltaChunks]]:
     """(A, B, chunks) of each segment: S_out = A S_in + B. q, k [..., L, dk], v [..., L, dv],
-    g, beta [..., L] (fp32) -> A [..., dk, dk], B [..., dk, dv]."""
-    L, dk, dv = q.shape[-2], q.shape[-1], v.shape[-1]
+    g, beta [..., L] (fp32) -> A [..., dk, dk], B [..., dk, dv]. ``q=None``: the maps only
+    (chunks None; another kernel forms the outputs)."""
+    L, dk, dv = k.shape[-2], k.shape[-1], v.shape[-1]
     pad = (-L) % CHUNK  # padded tokens (k = v = g = beta = 0) are identity maps at the end
-    if pad:
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
     n = (L + pad) // CHUNK
-    q, k, v = (t.reshape(t.shape[:-2] + (n, CHUNK, t.shape[-1])) for t in (q, k, v))
+    chunked = lambda t: t.reshape(t.shape[:-2] + (n, CHUNK, t.shape[-1]))  # noqa: E731
+    k, v = (chunked(F.pad(t, (0, 0, 0, pad))) for t in (k, v))
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
     g, beta = (t.reshape(t.shape[:-1] + (n, CHUNK)) for t in (g, beta))
     G = torch.cumsum(g, dim=-1)
-    ones = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device)
+    ones = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=k.device)
     incl, strict = ones.tril(), ones.tril(-1)
     gam = torch.exp((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~incl, float("-inf")))  # [.., C(t), C(j)]
     kk = k @ k.transpose(-1, -2)
     lower = (beta.unsqueeze(-1) * kk * gam).masked_fill(~strict, 0.0)
-    eye_c = torch.eye(CHUNK, dtype=q.dtype, device=q.device)
+    eye_c = torch.eye(CHUNK, dtype=k.dtype, device=k.device)
     rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * torch.exp(G)).unsqueeze(-1) * k], dim=-1)
     sol = torch.linalg.solve_triangular(eye_c + lower, rhs, upper=False, unitriangular=True)
     u0, w = sol[..., :dv], sol[..., dv:]
-    qk = (q @ k.transpose(-1, -2)) * gam
-    qin = torch.exp(G).unsqueeze(-1) * q - qk @ w
     last = G[..., -1:]  # [.., n, 1]
     kt = torch.exp(last - G).unsqueeze(-1) * k
-    eye_k = torch.eye(dk, dtype=q.dtype, device=q.device)
+    eye_k = torch.eye(dk, dtype=k.dtype, device=k.device)
     a_chunk = torch.exp(last).unsqueeze(-1) * eye_k - kt.transpose(-1, -2) @ w  # [.., n, dk, dk]
     b_chunk = kt.transpose(-1, -2) @ u0  # [.., n, dk, dv]
-    P = eye_k.expand(q.shape[:-3] + (dk, dk))
-    S = q.new_zeros(q.shape[:-3] + (dk, dv))
+    P = eye_k.expand(k.shape[:-3] + (dk, dk))
+    S = k.new_zeros(k.shape[:-3] + (dk, dv))
     Ps, Ss = [], []
     for c in range(n):
         Ps.append(P)
         Ss.append(S)
         P, S = a_chunk[..., c, :, :] @ P, a_chunk[..., c, :, :] @ S + b_chunk[..., c, :, :]
+    if q is None:
+        return P, S, None
+    q = chunked(F.pad(q, (0, 0, 0, pad)))
+    qk = (q @ k.transpose(-1, -2)) * gam
+    qin = torch.exp(G).unsqueeze(-1) * q - qk @ w
     return P, S, DeltaChunks(qin, qk, u0, torch.stack(Ps, dim=-3), torch.stack(Ss, dim=-3), L)
 
 
@@ -107,6 +122,19 @@ def delta_segment_outputs(chunks: DeltaChunks, scale: float) -> tuple[torch.Tens
         return t[..., :chunks.length, :]
 
     return unchunk(o0), unchunk(q_in)
+
+
+def _choose_kernel(kernel: str, q: torch.Tensor):
+    """fla's kernel for the outputs, or None for the plain-torch chunked kernel."""
+    if kernel not in GDN_KERNELS:
+        raise ValueError(f"unknown gated delta rule kernel {kernel!r}: choose one of {', '.join(GDN_KERNELS)}")
+    if kernel == "torch":
+        return None
+    fla = fla_chunk_gated_delta_rule()
+    if kernel == "fla" and fla is None:
+        raise ValueError("kernel='fla' needs flash-linear-attention (pip install flash-linear-attention); "
+                         "use kernel='torch' or 'auto'")
+    return fla if (kernel == "fla" or q.is_cuda) else None
 
 
 def _validate(q, k, v, g, beta, *, world_size, layout, stripe, qkv_format) -> None:
@@ -125,7 +153,7 @@ def _validate(q, k, v, g, beta, *, world_size, layout, stripe, qkv_format) -> No
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
                      group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous", stripe: int = 1,
-                     scale: Optional[float] = None, qkv_format: str = "sbhd") -> torch.Tensor:
+                     scale: Optional[float] = None, qkv_format: str = "sbhd", kernel: str = "auto") -> torch.Tensor:
     """Context-parallel gated delta rule; exact, differentiable in q, k, v, g and beta.
 
     q, k [s, b, h, dk], v [s, b, h, dv], g (log-decay <= 0) and beta (in (0, 1)) [s, b, h] hold this
@@ -139,11 +167,16 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     before the local outputs are formed, and one all-gather of the entering-state gradients
     [dk, dv] backward; ``comm_counter`` counts (W - 1) x this rank's part, independent of s for the
     contiguous and zigzag layouts. Layouts: contiguous, zigzag, block-striped with stripe >= 64.
+
+    ``kernel``: "torch" (the chunked kernel above, everywhere), "fla" (flash-linear-attention's
+    Triton kernel forms the outputs from the exchanged entering states, its autograd giving their
+    gradients; the maps stay in torch), "auto" (fla on CUDA when installed, else torch).
     """
     pg = group
     world_size = dist.get_world_size(pg) if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank(pg) if world_size > 1 else 0
     _validate(q, k, v, g, beta, world_size=world_size, layout=layout, stripe=stripe, qkv_format=qkv_format)
+    fla = _choose_kernel(kernel, q)
     sbhd = qkv_format == "sbhd"
     s, b, h, dk = q.shape if sbhd else (q.shape[1], q.shape[0], q.shape[2], q.shape[3])
     dv = v.shape[-1]
@@ -157,11 +190,13 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         t = t.permute(1, 2, 0, 3) if sbhd else t.permute(0, 2, 1, 3)
         return t.reshape(b, h, per_rank, L, t.shape[-1]).permute(2, 0, 1, 3, 4).to(acc)
 
-    qs, ks, vs = (segments(t) for t in (q, k, v))
+    ks, vs = (segments(t) for t in (k, v))
     gs, bs = (segments(t)[..., 0] for t in (g, beta))
     smap = SegmentMap(pg, rank, world_size, tuple(segment_order(layout, world_size, r, per_rank)
                                                    for r in range(world_size)), True)
-    A, B, chunks = delta_segment_maps(qs, ks, vs, gs, bs)
+    if fla is not None:
+        return _fla_outputs(fla, q, k, v, g, beta, delta_segment_maps(None, ks, vs, gs, bs)[:2], smap, sbhd, scale)
+    A, B, chunks = delta_segment_maps(segments(q), ks, vs, gs, bs)
     pending = None
     if world_size > 1:  # overlaps with the local outputs below
         gathered, pending = post_state_gather(B, A, smap, label="gdn (A, B) all-gather")
@@ -174,3 +209,26 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     o = o.permute(1, 2, 0, 3, 4).reshape(b, h, s, dv)  # segments back in local order
     out = o.permute(2, 0, 1, 3) if sbhd else o.permute(0, 2, 1, 3)
     return out.to(q.dtype).contiguous()
+
+
+def _fla_outputs(fla, q, k, v, g, beta, maps, smap: SegmentMap, sbhd: bool, scale: float) -> torch.Tensor:
+    """Outputs by fla's kernel, each segment a batch row entering with its exchanged state."""
+    A, B = maps  # [nseg, b, h, dk, dk], [nseg, b, h, dk, dv]
+    nseg, b, h, dk, dv = B.shape
+    S_in = None
+    if smap.world_size > 1:
+        gathered, pending = post_state_gather(B, A, smap, label="gdn (A, B) all-gather")
+        pending.wait()
+        S_in = Lasp2Exchange.apply(B, A, gathered, smap, True)
+    elif nseg > 1:
+        S_in = local_entering_states(B, A, matrix=True)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # sbhd/bshd -> [nseg * b, L, h, ...] (segment-major rows)
+        t = t.transpose(0, 1) if sbhd else t
+        return t.reshape((b, nseg, -1) + tuple(t.shape[2:])).transpose(0, 1).reshape((nseg * b, -1) + tuple(t.shape[2:]))
+
+    init = None if S_in is None else S_in.reshape(nseg * b, h, dk, dv)
+    o, _ = fla(rows(q), rows(k), rows(v), rows(g).float(), rows(beta), scale=scale, initial_state=init,
+               output_final_state=False)
+    o = o.reshape((nseg, b) + tuple(o.shape[1:])).transpose(0, 1).reshape(b, -1, h, dv)  # [b, s, h, dv]
+    return (o.transpose(0, 1) if sbhd else o).to(q.dtype).contiguous()

@@ -56,9 +56,11 @@ def naive_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
 
 def naive_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           scale: Optional[float] = None) -> torch.Tensor:
+                           scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None
+                           ) -> torch.Tensor:
     """The gated delta rule, token by token (flash-linear-attention's recurrence). q, k [s, b, h, dk],
-    v [s, b, h, dv], g (log-decay <= 0) and beta [s, b, h], for the WHOLE sequence; S [dk, dv], S_0 = 0:
+    v [s, b, h, dv], g (log-decay <= 0) and beta [s, b, h], for the WHOLE sequence; S [dk, dv], S_0 = 0
+    (or ``initial_state`` [b, h, dk, dv]):
 
         S <- exp(g_t) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = scale * S^T q_t
 
@@ -69,6 +71,8 @@ def naive_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     qh, kh, vh = (t.permute(1, 2, 0, 3).to(acc) for t in (q, k, v))  # [b, h, s, d]
     gh, bh = (t.permute(1, 2, 0).to(acc) for t in (g, beta))  # [b, h, s]
     state = torch.zeros(b, h, dk, vh.shape[-1], dtype=acc, device=q.device)
+    if initial_state is not None:
+        state = state + initial_state.to(acc)
     outs = []
     for t in range(s):
         state = torch.exp(gh[:, :, t])[..., None, None] * state
