@@ -10,7 +10,7 @@ and (sharded) state dict, so a checkpoint moves between the two. What differs is
   from whichever rank holds them (:func:`~megatron_burst.linear.exchange.previous_tokens`: one
   small all-gather);
 * the core is :func:`megatron_burst.gated_delta_rule` over the CP group (one all-gather of
-  per-segment affine maps), not fla's single-device kernel;
+  per-segment affine maps; fla's Triton kernel forms the outputs when installed on CUDA);
 * q and k are l2-normalized by fla's ``l2norm`` when installed, else by :func:`l2norm` (the same
   formula in torch), so the layer runs on CPU without fla or causal-conv1d.
 
