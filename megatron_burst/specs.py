@@ -244,7 +244,9 @@ def get_gpt_decoder_block_spec(config: Any, *, linear_attention: str = "lightnin
     megatron-burst's softmax CP attention and RoPE (:func:`swap_core_attention` with ``cp_algo``,
     ``cp_layout``, ``cp_stripe`` and the ``cp_ring``/``cp_ranks_per_node``/
     ``seq_selective_ckpt_ratio`` options) or linear attention of the variant ``linear_attention``
-    in the same layout (``linear_cp_algo``: lasp2 or lasp1).
+    in the same layout (``linear_cp_algo``: lasp2 or lasp1). ``linear_attention="gated_delta_net"``:
+    Megatron-Core's GatedDeltaNet layers with CP (:func:`gated_delta_net_spec`, sized by
+    ``config.linear_*``), a Qwen3-Next-style hybrid.
 
     ``linear_attention_freq`` has Megatron-Core's meaning: int N -> every N-th layer softmax, the
     rest linear; a list -> 1 = linear, 0 = softmax per layer; None -> ``config.linear_attention_freq``

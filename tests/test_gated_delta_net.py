@@ -164,3 +164,34 @@ def test_gdn_hybrid_gpt_under_cp_equals_cp1(gdn_reference, tp, cp, extra, seq):
     for rank, res in enumerate(run_ranks(tp * cp, gdn_loss_and_grads, tp, cp, extra, seq)):
         assert res["gdn"] == [(layout, cp)], res["gdn"]
         _assert_matches(res, refs[rank % tp], f"GDN TP={tp} CP={cp} {' '.join(extra)} rank {rank}")
+
+
+def test_flags_and_spec_for_gated_delta_net():
+    """--linear-attention-type gated_delta_net: a pattern of GDN layers, its one exchange (no LASP-1),
+    stripes of a chunk; the spec helper builds CPGatedDeltaNet where the pattern says."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_burst.megatron.args import linear_options_from_args
+    from megatron_burst.megatron.gated_delta_net import CPGatedDeltaNet
+    from megatron_burst.specs import get_gpt_decoder_block_spec
+    from megatron_burst.train import validate_args
+    from test_megatron_model import small_args
+
+    args = small_args(GDN)
+    opts, _ = validate_args(args, 1)
+    linear = linear_options_from_args(args, opts, args.num_query_groups)
+    assert (linear.type, linear.pattern) == ("gated_delta_net", (1, 0, 1, 0))
+    with pytest.raises(ValueError, match="gated_delta_net always exchanges"):
+        validate_args(small_args(GDN + ["--linear-cp-algo", "lasp1"]), 1)
+    with pytest.raises(ValueError, match="--cp-stripe 64"):
+        validate_args(small_args(GDN + ["--context-parallel-size", "2", "--cp-layout", "striped", "--cp-stripe", "8",
+                                      "--seq-length", "32"]),
+                      2)
+    config = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                               linear_value_head_dim=8)
+    block = get_gpt_decoder_block_spec(config, linear_attention="gated_delta_net", linear_attention_freq=4,
+                                       use_te=False)
+    kinds = [layer.submodules.self_attention.module.__name__ for layer in block.layer_specs]
+    assert kinds == ["CPGatedDeltaNet"] * 3 + ["SelfAttention"]
+    assert block.layer_specs[0].submodules.self_attention.module is CPGatedDeltaNet
