@@ -99,10 +99,11 @@ def delta_segment_maps(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tens
     P = eye_k.expand(k.shape[:-3] + (dk, dk))
     S = k.new_zeros(k.shape[:-3] + (dk, dv))
     Ps, Ss = [], []
-    for c in range(n):
+    # unbind, not a_chunk[..., c, :, :]: each indexing's backward would zero-fill a full-size gradient
+    for a_c, b_c in zip(a_chunk.unbind(-3), b_chunk.unbind(-3)):
         Ps.append(P)
         Ss.append(S)
-        P, S = a_chunk[..., c, :, :] @ P, a_chunk[..., c, :, :] @ S + b_chunk[..., c, :, :]
+        P, S = a_c @ P, a_c @ S + b_c
     if q is None:
         return P, S, None
     q = chunked(F.pad(q, (0, 0, 0, pad)))
