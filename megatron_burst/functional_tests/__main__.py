@@ -23,8 +23,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         s.add_argument("cases", nargs="*", help="case names (default: all)")
         s.add_argument("--work-dir", type=Path, default=None,
                        help="scratch directory for data, checkpoints and logs (default: a new temporary one)")
+        s.add_argument("--actual-dir", type=Path, default=None,
+                       help="also write each case's values of this run, in golden-values format, as DIR/<case>.json")
     s = sub.add_parser("data", help="write the corpus the cases read as ${DATA_PATH} (for Megatron-LM's harness)")
     s.add_argument("dir", type=Path)
+    s = sub.add_parser("check-megatron-lm", help="check the cases with Megatron-LM's own python_test_utils and "
+                                                  "argument parser (see megatron_burst/functional_tests/megatron_lm.py)")
+    s.add_argument("cases", nargs="*", help="case names (default: all)")
+    s.add_argument("--megatron-lm", type=Path, default=None,
+                   help="a Megatron-LM checkout with patches/pretrain_gpt.patch applied (default: $MEGATRON_LM_DIR, "
+                        "or one fetched into the temp directory)")
+    s.add_argument("--actual-dir", type=Path, default=None,
+                   help="values of a run (run --actual-dir) to compare with the golden values (default: the golden "
+                        "values themselves)")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")  # megatron.core's import-time notes about Apex / Transformer Engine
     if args.command == "data":
@@ -43,10 +54,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             then = f" -> CP {c.size('--context-parallel-size', True)}" if c.test_type == "ckpt-resume" else ""
             print(f"{c.name:40s} {c.test_type:12s} TP {tp} CP {cp}{then}  ranks {c.world_size()}")
         return 0
+    if args.command == "check-megatron-lm":
+        from megatron_burst.functional_tests.megatron_lm import check
+
+        try:
+            return check(cases, args.megatron_lm, args.actual_dir)
+        except RuntimeError as exc:
+            print(f"check-megatron-lm: {exc}", file=sys.stderr)
+            return 2
+    from megatron_burst.functional_tests.golden import write_golden
     from megatron_burst.functional_tests.runner import Runner, failures, format_table
 
     runner = Runner(args.work_dir, echo=lambda line: print(line, flush=True))
-    results = [runner.run(c, record=args.command == "record") for c in cases]
+    results = []
+    for case in cases:
+        results.append(runner.run(case, record=args.command == "record"))
+        if args.actual_dir and results[-1].actual is not None:
+            args.actual_dir.mkdir(parents=True, exist_ok=True)
+            write_golden(args.actual_dir / f"{case.name}.json", results[-1].actual)
     print(format_table(results))
     bad = failures(results)
     if bad:
