@@ -271,9 +271,10 @@ def cp1_twin(model_args: Mapping[str, Any]) -> Dict[str, Any]:
     return twin
 
 
-def paths_env(work_dir: Path, data_path: Path) -> Dict[str, str]:
-    """The ``${VAR}``s a case may use, as Megatron-LM's launcher names them."""
-    return {"DATA_PATH": str(data_path), "DATA_CACHE_PATH": str(work_dir / "data_cache"),
+def paths_env(work_dir: Path, data_path: Path, data_cache: Optional[Path] = None) -> Dict[str, str]:
+    """The ``${VAR}``s a case may use, as Megatron-LM's launcher names them (``data_cache``: GPTDataset's
+    index cache, shared by cases; default under ``work_dir``)."""
+    return {"DATA_PATH": str(data_path), "DATA_CACHE_PATH": str(data_cache or work_dir / "data_cache"),
             "CHECKPOINT_SAVE_PATH": str(work_dir / "checkpoints"),
             "CHECKPOINT_LOAD_PATH": str(work_dir / "checkpoints"),
             "TENSORBOARD_PATH": str(work_dir / "tensorboard"), "OUTPUT_PATH": str(work_dir)}

@@ -138,7 +138,8 @@ class Runner:
         self._twins: Dict[Tuple[int, Tuple[str, ...]], List[Dict[str, float]]] = {}
 
     def _args(self, case: Case, model_args, work: Path):
-        resolved = resolve_vars(model_args, paths_env(work, self.data_path), f"{case.path}/model_config.yaml")
+        variables = paths_env(work, self.data_path, self.work_root / "data_cache")  # one cache: twins compare equal
+        resolved = resolve_vars(model_args, variables, f"{case.path}/model_config.yaml")
         return resolved, trainer_argv(resolved, f"{case.name}/model_config.yaml")
 
     def _twin(self, case: Case, resolved, world_size: int, tp: int) -> List[Dict[str, float]]:
