@@ -29,6 +29,7 @@ from megatron_burst.functional_tests.cases import (REPO_ROOT, Case, CaseError, c
                                                    trainer_argv)
 
 TWIN_RTOL = 1e-4  # a CP > 1 loss curve vs its CP = 1 twin, every step, unrounded
+TWIN_CHECK, RESUME_CHECK = "lm loss = CP=1 twin", "lm loss after resume"  # the table's names of these checks
 CORPUS_BYTES = 256 * 1024
 CORPUS_NAME = "megatron_burst_stdlib_text_document"  # under ${DATA_PATH}
 RUN_TIMEOUT_S = 600
@@ -187,10 +188,10 @@ class Runner:
         losses = [r["lm_loss"] for r in rows]
         if case.size("--context-parallel-size") > 1:
             twin = [r["lm_loss"] for r in self._twin(case, resolved, world, tp)]
-            result.checks.append(gv.curves_match("lm loss", losses, twin, TWIN_RTOL,
+            result.checks.append(gv.curves_match(TWIN_CHECK, losses, twin, TWIN_RTOL,
                                                  f"CP={case.size('--context-parallel-size')} vs CP=1 twin"))
         if second is not None:
-            self._resume(case, result, rows, second, work)
+            self._resume(case, result, rows, resolved, second, work)
         result.actual = gv.to_golden(rows, case.train_iters, STEP_INTERVAL)
         if record:
             if not all(c.ok for c in result.checks):
@@ -202,11 +203,14 @@ class Runner:
         golden = gv.read_golden(case.golden_path)
         result.checks += gv.compare(golden, result.actual, case.metrics, case.deterministic)
 
-    def _resume(self, case: Case, result: CaseResult, first: List[Dict[str, float]], second, work: Path) -> None:
+    def _resume(self, case: Case, result: CaseResult, first: List[Dict[str, float]], resolved, second,
+                work: Path) -> None:
         """Megatron-LM's ckpt-resume: keep the middle checkpoint, resume, compare the second half."""
         resolved2, targv2 = second
-        save = resolved2.get("--load") or case.model_args.get("--save")
-        save_dir = Path(str(save))
+        if not resolved.get("--save") or resolved2.get("--load") != resolved["--save"]:
+            raise CaseError(f"{case.name}: a ckpt-resume case saves with --save and resumes with --load from the "
+                            "same directory (Megatron-LM: ${CHECKPOINT_SAVE_PATH}, ${CHECKPOINT_LOAD_PATH})")
+        save_dir = Path(str(resolved["--save"]))
         half = case.train_iters // 2
         tracker = save_dir / "latest_checkpointed_iteration.txt"
         if not (save_dir / f"iter_{half:07d}").is_dir():
@@ -222,7 +226,7 @@ class Runner:
         rows2 = launch(world2, targv2.argv, work / "resume", work / "resume.log", env=case.environ())
         steps2 = [int(r["iteration"]) for r in rows2]
         if steps2 != list(range(half + 1, case.train_iters + 1)):
-            result.checks.append(gv.MetricCheck("lm loss", "-", False, f"resumed run logged iterations {steps2}, "
+            result.checks.append(gv.MetricCheck(RESUME_CHECK, "-", False, f"resumed run logged iterations {steps2}, "
                                                 f"not {half + 1}..{case.train_iters}"))
             return
         what = f"resumed at CP={cp2} vs first run at CP={cp1}, iterations {half + 1}-{case.train_iters}"
@@ -230,10 +234,10 @@ class Runner:
             a = gv.to_golden(rows2, case.train_iters, STEP_INTERVAL)
             g = gv.to_golden(first[half:], case.train_iters, STEP_INTERVAL)
             for check in gv.compare(g, a, ["lm loss"], True):
-                check.message = f"{what}: {check.message}"
+                check.metric, check.message = RESUME_CHECK, f"{what}: {check.message}"
                 result.checks.append(check)
         else:  # another CP size: equal up to float rounding, as CP vs its twin
-            result.checks.append(gv.curves_match("lm loss", [r["lm_loss"] for r in rows2],
+            result.checks.append(gv.curves_match(RESUME_CHECK, [r["lm_loss"] for r in rows2],
                                                  [r["lm_loss"] for r in first[half:]], TWIN_RTOL, what))
 
 
@@ -245,9 +249,7 @@ def format_table(results: Sequence[CaseResult]) -> str:
             rows.append((r.case.name, "run", "-", "ERROR", "", f"{r.seconds:.0f}"))
             continue
         for i, c in enumerate(r.checks):
-            check = c.metric if "twin" not in c.message and "resumed" not in c.message else (
-                "lm loss = CP=1 twin" if "twin" in c.message else "lm loss after resume")
-            rows.append((r.case.name if i == 0 else "", check, c.rule, "pass" if c.ok else "FAIL",
+            rows.append((r.case.name if i == 0 else "", c.metric, c.rule, "pass" if c.ok else "FAIL",
                          "" if c.worst is None else f"{c.worst:.1e}", f"{r.seconds:.0f}" if i == 0 else ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " |" for row in rows]
