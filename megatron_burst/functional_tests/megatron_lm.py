@@ -26,6 +26,7 @@ import copy
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -59,10 +60,15 @@ def find_megatron_lm(explicit: Optional[Path] = None, log: Callable[[str], None]
     source = os.environ.get("MEGATRON_LM_GIT", DEFAULT_GIT)
     log(f"fetching Megatron-LM {MEGATRON_LM_TAG} from {source} into {target}")
     tmp = Path(f"{target}.tmp-{os.getpid()}")
-    clone = subprocess.run(["git", "clone", "-q", "--depth", "1", "--branch", MEGATRON_LM_TAG, source, str(tmp)],
-                           capture_output=True, text=True)
-    if clone.returncode != 0:
-        raise RuntimeError(f"cannot fetch Megatron-LM {MEGATRON_LM_TAG} from {source}: {clone.stderr.strip()[-500:]}. "
+    try:
+        clone = subprocess.run(["git", "clone", "-q", "--depth", "1", "--branch", MEGATRON_LM_TAG, source, str(tmp)],
+                               capture_output=True, text=True, timeout=600)
+        error = clone.stderr.strip()[-500:] if clone.returncode else ""
+    except (subprocess.TimeoutExpired, OSError) as exc:
+        error = str(exc)
+    if error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"cannot fetch Megatron-LM {MEGATRON_LM_TAG} from {source}: {error}. "
                            "Pass --megatron-lm DIR (a checkout with patches/pretrain_gpt.patch applied) or set "
                            "MEGATRON_LM_GIT to a reachable clone URL or mirror")
     applied = subprocess.run(["git", "apply", str(PATCH)], cwd=tmp, capture_output=True, text=True)
