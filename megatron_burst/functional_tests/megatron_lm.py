@@ -178,7 +178,8 @@ def check(cases: Sequence[Case], megatron_lm: Optional[Path] = None, actual_dir:
     for case in cases:
         failures = check_case(case, utils, actual_dir)
         bad += bool(failures)
-        what = "golden values pass test_regular_pipeline" + (
+        what = ("golden values" if actual_dir is None else f"{actual_dir}/{case.name}.json against the golden "
+                "values") + " pass test_regular_pipeline" + (
             " and test_resume_checkpoint_pipeline" if case.test_type == "ckpt-resume" else "") + \
             (" (1 % off fails)" if not failures else "") + "; parse_args accepts MODEL_ARGS" + \
             ("/MODEL_ARGS_2" if case.model_args_2 else "")
