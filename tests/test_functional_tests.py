@@ -242,3 +242,47 @@ def test_megatron_lms_harness_accepts_every_case(tmp_path):
         else:
             assert line.startswith("ok  ") and "(1 % off fails)" in line, line
     assert "test_resume_checkpoint_pipeline" in res.stdout and res.returncode == 1
+
+
+def test_ckpt_resume_without_the_middle_checkpoint_is_an_error(tmp_path, monkeypatch):
+    """The resume half of a ckpt-resume case needs the first run's checkpoint at --train-iters / 2."""
+    monkeypatch.setattr(fr, "launch", fake := FakeLaunch())  # trains nothing, so saves nothing
+    case = _copy_case(tmp_path, "gpt_ckpt_resume_cp2_to_cp1")
+    result = fr.Runner(tmp_path / "work").run(case)
+    assert not result.ok and len(fake.calls) == 2  # the first run and its twin, no resumed run
+    assert "the first run left no checkpoint at iteration 5" in result.error
+    assert "--save-interval 5" in result.error
+
+
+class FakeCheckpointingLaunch(FakeLaunch):
+    """FakeLaunch that saves like the trainer (iter_XXXXXXX every --save-interval, tracker at the end)
+    and, given --load, resumes after the tracker's iteration."""
+
+    def __call__(self, world_size, argv, cwd, log_path, env=None):
+        rows = super().__call__(world_size, argv, cwd, log_path, env)
+        flag = lambda name: argv[argv.index(name) + 1] if name in argv else None  # noqa: E731
+        start = 0
+        if flag("--load") and (Path(flag("--load")) / "latest_checkpointed_iteration.txt").exists():
+            start = int((Path(flag("--load")) / "latest_checkpointed_iteration.txt").read_text())
+            self.loaded = (start, sorted(p.name for p in Path(flag("--load")).iterdir()))
+        if flag("--save"):
+            save, every = Path(flag("--save")), int(flag("--save-interval"))
+            for it in range(start + 1, len(rows) + 1):
+                if it % every == 0:
+                    (save / f"iter_{it:07d}").mkdir(parents=True, exist_ok=True)
+            (save / "latest_checkpointed_iteration.txt").write_text(str(len(rows)))
+        return rows[start:]
+
+
+def test_ckpt_resume_drops_the_last_checkpoint_and_resumes_from_the_middle(tmp_path, monkeypatch):
+    """Megatron-LM's ckpt-resume flow: the first run saves at 5 and 10; iter_0000010 goes, the tracker
+    says 5, MODEL_ARGS_2 (CP = 1, one rank) resumes, and its iterations 6-10 are compared."""
+    monkeypatch.setattr(fr, "launch", fake := FakeCheckpointingLaunch())
+    case = _copy_case(tmp_path, "gpt_ckpt_resume_cp2_to_cp1")
+    gv.write_golden(case.golden_path, gv.to_golden(_rows([5.0 - 0.1 * i for i in range(10)]), 10))
+    result = fr.Runner(tmp_path / "work").run(case)
+    assert result.ok, (result.error, [c.message for c in result.checks])
+    assert [w for w, _ in fake.calls] == [2, 1, 1]  # first run, twin, resumed run at CP = 1
+    assert fake.loaded == (5, ["iter_0000005", "latest_checkpointed_iteration.txt"])
+    resume = [c for c in result.checks if c.metric == fr.RESUME_CHECK]
+    assert len(resume) == 1 and "resumed at CP=1 vs first run at CP=2, iterations 6-10" in resume[0].message

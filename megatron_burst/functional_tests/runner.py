@@ -68,6 +68,8 @@ def prepare_data(work_root: Path) -> Path:
     prefix = data.default_corpus(str(Path(work_root) / "corpus"), max_bytes=CORPUS_BYTES)
     for ext in (".bin", ".idx"):
         link = data_path / (CORPUS_NAME + ext)
+        if link.is_symlink() and os.readlink(link) != os.path.abspath(prefix + ext):
+            link.unlink()  # left by an older corpus
         if not link.exists():
             os.symlink(os.path.abspath(prefix + ext), link)
     return data_path
