@@ -286,3 +286,28 @@ def test_ckpt_resume_drops_the_last_checkpoint_and_resumes_from_the_middle(tmp_p
     assert fake.loaded == (5, ["iter_0000005", "latest_checkpointed_iteration.txt"])
     resume = [c for c in result.checks if c.metric == fr.RESUME_CHECK]
     assert len(resume) == 1 and "resumed at CP=1 vs first run at CP=2, iterations 6-10" in resume[0].message
+
+
+def test_a_failing_rank_stops_the_run_with_its_status_and_log(tmp_path):
+    """A bad flag on the trainer: the first rank to exit 2 stops the others; RunError names the statuses
+    and shows the log."""
+    with pytest.raises(fr.RunError) as exc:
+        fr.launch(2, ["--num-layers", "1"], tmp_path, tmp_path / "train.log", timeout=300)
+    text = str(exc.value)
+    assert "training failed (rank 0: " in text and "exit 2" in text and "arguments are required" in text
+    assert fr._status(-6) == "killed by SIGABRT"
+
+
+def test_num_zeros_must_equal_the_twins(tmp_path, monkeypatch):
+    class ZerosOff(FakeLaunch):
+        def __call__(self, world_size, argv, cwd, log_path, env=None):
+            rows = super().__call__(world_size, argv, cwd, log_path, env)
+            if world_size > 1:
+                rows[3]["num_zeros"] += 1
+            return rows
+
+    monkeypatch.setattr(fr, "launch", ZerosOff())
+    case = _copy_case(tmp_path, keep_golden=False)
+    result = fr.Runner(tmp_path / "work").run(case, record=True)
+    assert not result.ok and not case.golden_path.exists()
+    assert "not recording golden values: CP=2 vs CP=1 twin: num-zeros [100, 101, 102, 104," in result.error

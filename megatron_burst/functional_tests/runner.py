@@ -29,7 +29,8 @@ from megatron_burst.functional_tests.cases import (REPO_ROOT, Case, CaseError, c
                                                    trainer_argv)
 
 TWIN_RTOL = 1e-4  # a CP > 1 loss curve vs its CP = 1 twin, every step, unrounded
-TWIN_CHECK, RESUME_CHECK = "lm loss = CP=1 twin", "lm loss after resume"  # the table's names of these checks
+TWIN_CHECK, ZEROS_TWIN_CHECK = "lm loss = CP=1 twin", "num-zeros = CP=1 twin"  # the table's names of these
+RESUME_CHECK = "lm loss after resume"                                            # checks
 CORPUS_BYTES = 256 * 1024
 CORPUS_NAME = "megatron_burst_stdlib_text_document"  # under ${DATA_PATH}
 RUN_TIMEOUT_S = 600
@@ -79,7 +80,27 @@ def launch(world_size: int, argv: Sequence[str], cwd: Path, log_path: Path, time
            env: Optional[Dict[str, str]] = None) -> List[Dict[str, float]]:
     """Run ``python -m megatron_burst.train argv`` on ``world_size`` gloo ranks (one process each, as
     torchrun would set them up); returns rank 0's per-iteration metrics. Any rank failing (a nonzero
-    status, a signal, the timeout) stops the others and raises RunError."""
+    status, a signal, the timeout) stops the others and raises RunError.
+
+    A run that failed in the rendezvous (before the trainer's first line: e.g. another process took the
+    free port between choosing and binding it, on a shared machine) is started once more on a new port.
+    """
+    try:
+        return _launch_once(world_size, argv, cwd, log_path, timeout, env)
+    except RunError as exc:
+        text = log_path.read_text() if log_path.exists() else ""
+        if "megatron-burst train:" in text or not any(s in text for s in _RENDEZVOUS_ERRORS):
+            raise
+        print(f"rendezvous failed ({exc.args[0].splitlines()[0]}); starting the run once more on a new port",
+              flush=True)
+        return _launch_once(world_size, argv, cwd, log_path, timeout, env)
+
+
+_RENDEZVOUS_ERRORS = ("TCPStore", "DistNetworkError", "rendezvous", "Address already in use")
+
+
+def _launch_once(world_size: int, argv: Sequence[str], cwd: Path, log_path: Path, timeout: float,
+                 env: Optional[Dict[str, str]]) -> List[Dict[str, float]]:
     from megatron_burst.world import free_port
 
     cwd.mkdir(parents=True, exist_ok=True)
@@ -189,9 +210,15 @@ class Runner:
         rows = launch(world, targv.argv, work, work / "train.log", env=case.environ())
         losses = [r["lm_loss"] for r in rows]
         if case.size("--context-parallel-size") > 1:
-            twin = [r["lm_loss"] for r in self._twin(case, resolved, world, tp)]
-            result.checks.append(gv.curves_match(TWIN_CHECK, losses, twin, TWIN_RTOL,
-                                                 f"CP={case.size('--context-parallel-size')} vs CP=1 twin"))
+            twin_rows = self._twin(case, resolved, world, tp)
+            what = f"CP={case.size('--context-parallel-size')} vs CP=1 twin"
+            result.checks.append(gv.curves_match(TWIN_CHECK, losses, [r["lm_loss"] for r in twin_rows], TWIN_RTOL,
+                                                 what))
+            if all("num_zeros" in r for r in rows + twin_rows):  # the same gradient zeros (unseen tokens' rows)
+                zeros, twin_zeros = [r["num_zeros"] for r in rows], [r["num_zeros"] for r in twin_rows]
+                result.checks.append(gv.MetricCheck(
+                    ZEROS_TWIN_CHECK, "exact", zeros == twin_zeros,
+                    f"{what}: num-zeros {'equal' if zeros == twin_zeros else f'{zeros} differ from {twin_zeros}'}"))
         if second is not None:
             self._resume(case, result, rows, resolved, second, work)
         result.actual = gv.to_golden(rows, case.train_iters, STEP_INTERVAL)
