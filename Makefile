@@ -12,13 +12,14 @@ MCORE_SPEC ?= megatron-core==0.16.1
 STAMP := $(VENV)/.megatron-burst-env
 PYTEST_ARGS ?=
 
-.PHONY: all env demo test clean-data help
+.PHONY: all env demo test functional-test clean-data help
 
 all: help
 
 help:
 	@echo "make demo   - build data, train a small GPT at CP=4 (4 CPU ranks) and at CP=1, compare"
 	@echo "make test   - run the test suite"
+	@echo "make functional-test - run every Megatron-style functional-test case on CPU, print the pass/fail table"
 	@echo "make env    - only create/refresh $(VENV)"
 
 env: $(STAMP)
@@ -37,6 +38,10 @@ demo: env
 
 test: env
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+
+# Every case under tests/functional_tests/test_cases/gpt (make test runs a CI subset of them).
+functional-test: env
+	$(PY) -m megatron_burst.functional_tests run $(CASES)
 
 clean-data:
 	rm -rf data_cache runs

@@ -28,7 +28,7 @@ import torch
 
 from megatron_burst import comm
 from megatron_burst.algorithms.schedule import CPConfig
-from megatron_burst.kernels import block_backward, block_forward, merge_into
+from megatron_burst.kernels import block_backward, block_forward, empty_accumulator, merge_into
 
 
 def kv_pieces(cfg: CPConfig, n: int) -> list[tuple[int, int]]:
@@ -86,12 +86,8 @@ def allgather_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: CP
     Same contract as :func:`megatron_burst.algorithms.ring.kv_ring_forward` (``out`` an optional
     fp32 accumulator, ``q_rows`` limits the computed rows).
     """
-    b, hq, n, _ = q.shape
-    if out is None:
-        out = torch.zeros(b, hq, n, v.shape[-1], dtype=torch.float32, device=q.device)
-    else:
-        out.zero_()
-    lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
+    n = q.shape[2]
+    out, lse = empty_accumulator(q, v.shape[-1], out)
     if q_rows == 0:
         return out, lse
 

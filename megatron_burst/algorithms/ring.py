@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from megatron_burst.algorithms.schedule import CPConfig, cp_ring_pass
-from megatron_burst.kernels import block_backward, block_forward, merge_into
+from megatron_burst.kernels import block_backward, block_forward, empty_accumulator, merge_into
 
 
 def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: CPConfig,
@@ -31,12 +31,8 @@ def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: CPCo
     [0, q_rows) (the others come back as 0 / -inf): sequence-level selective checkpointing
     recomputes only those. K,V still travel whole.
     """
-    b, hq, n, _ = q.shape
-    if out is None:
-        out = torch.zeros(b, hq, n, v.shape[-1], dtype=torch.float32, device=q.device)
-    else:
-        out.zero_()
-    lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
+    n = q.shape[2]
+    out, lse = empty_accumulator(q, v.shape[-1], out)
 
     def visit(owner, kv):
         for bs, mask in cfg.blocks(cfg.rank, owner, n, q_rows):

@@ -134,6 +134,18 @@ def row_dot(a: torch.Tensor, b: torch.Tensor, chunk_elems: int = 1 << 24) -> tor
     return out
 
 
+def empty_accumulator(q: torch.Tensor, dv: int, out: Optional[torch.Tensor] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Running fp32 (out, lse) for q [b, h, n, d]'s rows before any block: out [b, h, n, dv] zeros
+    (``out`` reused, zeroed, when given) and lse [b, h, n] -inf, what :func:`merge_into` folds into."""
+    b, h, n, _ = q.shape
+    if out is None:
+        out = torch.zeros(b, h, n, dv, dtype=torch.float32, device=q.device)
+    else:
+        out.zero_()
+    return out, torch.full((b, h, n), float("-inf"), dtype=torch.float32, device=q.device)
+
+
 def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
     """Fold a partial result into running fp32 (out, lse), in place, stably.
 

@@ -59,20 +59,22 @@ def segment_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optiona
                    scale: float) -> torch.Tensor:
     """Each segment's output from a zero entering state (causal), walked in chunks of CHUNK tokens.
     q, k [..., L, dk], v [..., L, dv], g [..., L, dkg] or None -> [..., L, dv]."""
-    L = q.shape[-2]
     state = torch.zeros(q.shape[:-2] + (q.shape[-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+    # split, not a slice per chunk: a slice's backward writes a zero-filled full-length gradient per
+    # chunk (quadratic in L); split's backward concatenates the chunk gradients once
+    chunks = [t.split(CHUNK, dim=-2) for t in (q, k, v)]
+    g_chunks = g.split(CHUNK, dim=-2) if g is not None else [None] * len(chunks[0])
     outs = []
-    for c0 in range(0, L, CHUNK):
-        c1 = min(c0 + CHUNK, L)
-        qc, kc, vc = q[..., c0:c1, :], k[..., c0:c1, :], v[..., c0:c1, :]
-        if g is None:
+    for i, (qc, kc, vc, gc) in enumerate(zip(*chunks, g_chunks)):
+        last_chunk = i == len(g_chunks) - 1
+        if gc is None:
             outs.append(scale * (qc @ state + _intra_chunk(qc, kc, None) @ vc))
-            if c1 < L:
+            if not last_chunk:
                 state = state + kc.transpose(-1, -2) @ vc
             continue
-        G = _cumulative(g[..., c0:c1, :])
+        G = _cumulative(gc)
         outs.append(scale * ((qc * torch.exp(G)) @ state + _intra_chunk(qc, kc, G) @ vc))
-        if c1 < L:
+        if not last_chunk:
             last = G[..., -1:, :]  # [..., 1, dkg]
             state = torch.exp(last).transpose(-1, -2) * state + (kc * torch.exp(last - G)).transpose(-1, -2) @ vc
     return torch.cat(outs, dim=-2)

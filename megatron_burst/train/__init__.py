@@ -23,7 +23,7 @@ Modules, in the order a run uses them:
   args           flags and validate_args -> (CPOptions, ParallelSizes), before any collective
   setup          process groups (megatron.core.parallel_state), seeding, model and optimizer
   data           tokenizer, GPTDataset, this rank's microbatches of an iteration
-  step           loss_and_grads, allreduce_grads, clip_grads
+  step           loss_and_grads, allreduce_grads, clip_grads, count_zero_grads
   checkpointing  save_checkpoint / load_checkpoint (Megatron-LM's legacy layout)
   loop           run: one training run on an initialized torch.distributed world
   __main__       main: joins torchrun's world (or a world of one), runs, ends the process
@@ -36,7 +36,7 @@ from megatron_burst.train.loop import run
 from megatron_burst.train.setup import (Groups, build_model, build_optimizer, gpt_model_kwargs,
                                         init_parallel, model_config, padded_vocab_size,
                                         print_rank_0, seed_everything)
-from megatron_burst.train.step import allreduce_grads, clip_grads, loss_and_grads
+from megatron_burst.train.step import allreduce_grads, clip_grads, count_zero_grads, loss_and_grads
 
 
 def __getattr__(name):
@@ -51,5 +51,5 @@ def __getattr__(name):
 __all__ = ["ParallelSizes", "build_parser", "validate_args", "Groups", "init_parallel",
            "seed_everything", "padded_vocab_size", "model_config", "gpt_model_kwargs", "build_model",
            "build_optimizer", "print_rank_0", "build_tokenizer", "build_dataset", "microbatches",
-           "loss_and_grads", "allreduce_grads", "clip_grads", "CKPT_TRACKER", "save_checkpoint",
+           "loss_and_grads", "allreduce_grads", "clip_grads", "count_zero_grads", "CKPT_TRACKER", "save_checkpoint",
            "load_checkpoint", "get_rng_state", "set_rng_state", "run", "main"]

@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=int, default=None, help="for --tokenizer-type NullTokenizer")
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--log-interval", type=int, default=1, help="log every N iterations (default 1)")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="count gradient elements that are exactly zero (after clipping) each iteration: "
+                        "'number of zeros' in the log, num_zeros in --metrics-file")
     g.add_argument("--metrics-file", default=None,
                    help="write per-iteration metrics as JSON here (rank 0)")
     g.add_argument("--save", default=None, help="checkpoint directory to save to")

@@ -16,7 +16,7 @@ from megatron_burst.train.checkpointing import load_checkpoint, save_checkpoint
 from megatron_burst.train.data import build_dataset, build_tokenizer, microbatches
 from megatron_burst.train.setup import (Groups, build_model, build_optimizer, init_parallel,
                                         padded_vocab_size, print_rank_0, seed_everything)
-from megatron_burst.train.step import allreduce_grads, clip_grads, loss_and_grads
+from megatron_burst.train.step import allreduce_grads, clip_grads, count_zero_grads, loss_and_grads
 
 
 def run(argv: Optional[Sequence[str]] = None) -> List[Dict[str, float]]:
@@ -124,6 +124,7 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
         consumed += args.global_batch_size
         allreduce_grads(model, groups)
         grad_norm = clip_grads(model, args.clip_grad, groups)
+        num_zeros = count_zero_grads(model, groups) if args.log_num_zeros_in_grad else None
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step(args.global_batch_size)  # in samples, as Megatron-LM
@@ -135,13 +136,17 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
         row = {"iteration": iteration + 1, "lm_loss": loss.item(), "grad_norm": grad_norm, "lr": lr,
                "elapsed_s": elapsed, "tokens_per_s": tokens_per_iter / elapsed,
                "cp_comm_bytes_per_rank": sent.item() / dist.get_world_size(), "consumed_samples": consumed}
+        if num_zeros is not None:
+            row["num_zeros"] = num_zeros
         metrics.append(row)
         if (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters:
             print_rank_0(f" iteration {iteration + 1:8d}/{args.train_iters:8d} | consumed samples: "
                          f"{consumed:10d} | elapsed time per iteration "
                          f"(ms): {elapsed * 1e3:.1f} | learning rate: {lr:.6E} | global batch size: "
                          f"{args.global_batch_size:5d} | lm loss: {row['lm_loss']:.6E} | grad norm: "
-                         f"{grad_norm:.3f} | tokens per second: {row['tokens_per_s']:.1f} | "
+                         f"{grad_norm:.3f} | "
+                         + (f"number of zeros: {num_zeros} | " if num_zeros is not None else "")
+                         + f"tokens per second: {row['tokens_per_s']:.1f} | "
                          f"cp comm bytes per rank: {int(row['cp_comm_bytes_per_rank'])} |")
         if args.save and args.save_interval and (iteration + 1) % args.save_interval == 0:
             save_checkpoint(args.save, iteration + 1, consumed, model, optimizer, scheduler, args, groups)

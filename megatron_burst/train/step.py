@@ -76,6 +76,19 @@ def allreduce_grads(model: torch.nn.Module, groups: Groups) -> None:
         g.copy_(synced)
 
 
+def count_zero_grads(model: torch.nn.Module, groups: Groups) -> int:
+    """Gradient elements that are exactly zero, over the whole model (Megatron-LM's num-zeros, logged
+    with --log-num-zeros-in-grad): TP shards summed over TP ranks, replicated params counted once."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    zeros = torch.zeros((), dtype=torch.float64, device=params[0].grad.device)
+    tp_rank = dist.get_rank(groups.tp)
+    for p in params:  # the same rule as clip_grads' norm
+        if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+            zeros += (p.grad.detach() == 0).sum()
+    dist.all_reduce(zeros, group=groups.tp)
+    return int(zeros.item())
+
+
 def clip_grads(model: torch.nn.Module, max_norm: float, groups: Groups) -> float:
     """Global L2 grad norm (TP shards summed over TP, replicated params counted once), clipped."""
     params = [p for p in model.parameters() if p.grad is not None]
