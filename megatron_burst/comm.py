@@ -297,29 +297,35 @@ class RingComm:
         return dist.get_global_rank(self.group, group_rank)
 
     def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], phase: str,
-                 send_to: Optional[int] = None, recv_from: Optional[int] = None,
+                 send_to: Optional[int | Sequence[int]] = None, recv_from: Optional[int | Sequence[int]] = None,
                  stream: int = 0, label: str = "") -> PendingExchange:
         """Post one batch: sends of ``send`` to ``send_to`` (default next), receives into ``recv``
-        from ``recv_from`` (default previous).
+        from ``recv_from`` (default previous). A peer is a group rank, or a list of them (one per
+        tensor; e.g. a gradient going home past its neighbours).
 
         ``stream`` tags the messages for gloo, which matches by tag; NCCL ignores tags, so callers
         keep the order of messages between two ranks the same on both ends.
         """
         send_to = self.next if send_to is None else send_to
         recv_from = self.prev if recv_from is None else recv_from
+        send_peers = [send_to] * len(send) if isinstance(send_to, int) else list(send_to)
+        recv_peers = [recv_from] * len(recv) if isinstance(recv_from, int) else list(recv_from)
+        if len(send_peers) != len(send) or len(recv_peers) != len(recv):
+            raise ValueError(f"exchange: {len(send)} sends / {len(recv)} receives but {len(send_peers)} / "
+                             f"{len(recv_peers)} peers")
         ops, traced, links = [], [], set()
-        for t in send:
-            peer = self._global(send_to)
+        for t, to in zip(send, send_peers):
+            peer = self._global(to)
             ops.append(dist.P2POp(dist.isend, t, peer, self.group, tag=stream))
             traced.append(TracedOp("send", peer, nbytes(t)))
-            record("sent", phase, self._link_of(send_to), nbytes(t))
-            links.add(self._link_of(send_to))
-        for t in recv:
-            peer = self._global(recv_from)
+            record("sent", phase, self._link_of(to), nbytes(t))
+            links.add(self._link_of(to))
+        for t, frm in zip(recv, recv_peers):
+            peer = self._global(frm)
             ops.append(dist.P2POp(dist.irecv, t, peer, self.group, tag=stream))
             traced.append(TracedOp("recv", peer, nbytes(t)))
-            record("received", phase, self._link_of(recv_from), nbytes(t))
-            links.add(self._link_of(recv_from))
+            record("received", phase, self._link_of(frm), nbytes(t))
+            links.add(self._link_of(frm))
         if not ops:
             return PendingExchange([], [], phase)
         trace_id = _trace_post(self.group, traced, label or phase)

@@ -81,6 +81,7 @@ def model_config(args: argparse.Namespace, sizes: ParallelSizes, device: torch.d
         context_parallel_size=sizes.cp,
         cp_comm_type=args.cp_comm_type if not isinstance(args.cp_comm_type, list) else None,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        window_size=getattr(args, "window_size", None), window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None),
         init_method_std=args.init_method_std, normalization=args.normalization,
         gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=args.add_bias_linear,
