@@ -148,6 +148,9 @@ class BlockMask:
         :mod:`megatron_burst.documents`): for one document whose causal pattern is none of the
         above (e.g. striped with an offset), or for a run of small adjacent documents merged into
         one kernel call. Every row of such a rectangle sees at least one column.
+      * ``sparse``: per-head block-sparse visibility (vertical-slash patterns): ``plan`` lists the
+        64-row query tiles, their visible 64-column key tiles and per-head masks
+        (megatron_burst.sparse); rows may see nothing (output 0, lse -inf).
     Rows outside [q_start, q_stop) receive nothing from this block.
     """
 
@@ -162,6 +165,8 @@ class BlockMask:
     kv_pos: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
     q_doc: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
     kv_doc: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    # ``sparse`` only: the block-sparse plan (tuple of megatron_burst.sparse.SparseTile)
+    plan: Optional[tuple] = field(default=None, compare=False, repr=False)
     band: tuple = (None, 0)  # ``positions`` only: (left, right) bounds of kv_pos - q_pos (see kind)
 
     @property

@@ -38,13 +38,15 @@ def window_mask(seq: int, window, causal: bool, bounds=None) -> torch.Tensor:
 
 
 def dense_masked_reference(q, k, v, dout, vis, scale):
-    """out, dq, dk, dv [s, b, h, d] of softmax attention under ``vis`` ([s, s] or [hq, s, s] bool)."""
+    """out, dq, dk, dv [s, b, h, d] of softmax attention under ``vis`` ([s, s] or [hq, s, s] bool).
+    A row that sees nothing gets output 0 and no gradient (FlashAttention's convention)."""
     leaves = [t.detach().double().clone().requires_grad_() for t in (q, k, v)]
     qh, kh, vh = (t.permute(1, 2, 0, 3) for t in leaves)  # [b, h, s, d]
     g = qh.shape[1] // kh.shape[1]
     kh, vh = kh.repeat_interleave(g, 1), vh.repeat_interleave(g, 1)
-    scores = (qh @ kh.transpose(-1, -2) * scale).masked_fill(~vis, float("-inf"))
-    out = torch.softmax(scores, -1) @ vh
+    empty = ~vis.any(-1, keepdim=True)  # rows seeing nothing: softmax over all, then zeroed
+    scores = (qh @ kh.transpose(-1, -2) * scale).masked_fill(~(vis | empty), float("-inf"))
+    out = (torch.softmax(scores, -1) * ~empty) @ vh
     out.permute(2, 0, 1, 3).backward(dout.double())
     return (out.permute(2, 0, 1, 3).detach(),) + tuple(t.grad for t in leaves)
 

@@ -32,6 +32,7 @@ import torch
 from megatron_burst.comm import PendingExchange
 from megatron_burst.documents import Documents, visible_blocks
 from megatron_burst.layout import BlockMask
+from megatron_burst.sparse import VerticalSlash, pattern_blocks
 from megatron_burst.topology import CPTopology, Ring
 
 # gloo tags of the two rings when they share no batch (separate communicators); NCCL ignores tags
@@ -55,6 +56,7 @@ class CPConfig:
     # ranks (after the all-to-all), so a block of the ring is a U x U grid of CP-rank blocks
     ulysses_size: int = 1
     window: Optional[tuple[Optional[int], Optional[int]]] = None  # sliding window (left, right); None bound = unbounded
+    pattern: Optional[VerticalSlash] = None  # static sparse pattern (sparse_cp_attention); ring members = CP ranks
 
     @property
     def prune(self) -> bool:
@@ -82,6 +84,9 @@ class CPConfig:
         Document masks (``documents``) apply the same way per shard pair.
         """
         U = self.ulysses_size
+        if self.pattern is not None:
+            return pattern_blocks(self.pattern, self.layout, q_member, kv_member, self.world_size, member_len,
+                                  self.stripe, q_rows)
         if U == 1:
             return visible_blocks(self.documents, self.layout, q_member, kv_member, self.world_size, member_len,
                                   self.causal, self.stripe, q_rows, self.window)
