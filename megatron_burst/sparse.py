@@ -160,14 +160,48 @@ def sparse_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, patte
     return call.apply()
 
 
+def _correlate(q_in: torch.Tensor, kv_in: torch.Tensor) -> torch.Tensor:
+    """c[o] = #{i : q_in[i] and kv_in[i - o]} for every offset o in [0, S) (exact, via an FFT)."""
+    S = q_in.numel()
+    n = 2 * S
+    fq = torch.fft.rfft(q_in.double(), n)
+    fk = torch.fft.rfft(kv_in.double(), n)
+    return torch.fft.irfft(fq * fk.conj(), n)[:S].round().long()
+
+
+def pair_work(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> int:
+    """Visible (head, query, key) pairs of queries at ``q_pos`` x keys at ``kv_pos``, counted per
+    line (no [sq, sk] matrix): vertical hits + slash hits - pairs on both."""
+    q_in = torch.zeros(seq_len, dtype=torch.bool)
+    q_in[q_pos] = True
+    kv_in = torch.zeros(seq_len, dtype=torch.bool)
+    kv_in[kv_pos] = True
+    q_sorted = torch.sort(q_pos).values
+    per_offset = _correlate(q_in, kv_in)  # query i = o + j sees key j on diagonal o
+    total = 0
+    for h in range(pattern.vertical.shape[0]):
+        vert = torch.unique(pattern.vertical[h].long())
+        vert = vert[kv_in[vert]]
+        total += int((q_sorted.numel() - torch.searchsorted(q_sorted, vert)).sum())  # j seen by every i >= j
+        offsets = torch.unique(pattern.slash[h].long())
+        total += int(per_offset[offsets].sum())
+        if vert.numel():
+            on_vert = torch.zeros(seq_len, dtype=torch.bool)
+            on_vert[vert] = True
+            total -= int(_correlate(q_in, on_vert)[offsets].sum())
+    return total
+
+
 def imbalance(pattern: VerticalSlash, seq_len: int, world_size: int, layout: str, stripe: int = 1,
               ring: str = "flat", ranks_per_node: Optional[int] = None) -> dict:
     """MTraining's imbalance degrees of ``pattern``'s work on a ring (work = visible query-key pairs
     over all heads of a block pair; the ring visits pair (r, owner) at the step the schedule does).
 
-    Returns {"worker": the barrier-synchronized ring's time over the ideal, sum over steps of the
-    max over ranks / sum over steps of the mean over ranks (max/mean over ranks for one step);
-    "step": the mean over ranks of each rank's max/mean over its ring steps; "work": [rank][step]}.
+    Returns {"worker": max/mean over ranks at each ring step, aggregated as the sum over steps of
+    the max over ranks / the sum over steps of the mean (a ring waits for its slowest rank every
+    step, so this is its time over the ideal); "worker_total": max/mean over ranks of the whole
+    pass's work; "step": the mean over ranks of each rank's max/mean over its ring steps;
+    "work": [rank][step] visible pairs}.
     ``ring="double"`` orders steps as the hierarchical (outer x inner) ring does, ``ranks_per_node`` per node.
     """
     check_seq_len(seq_len, world_size, layout, stripe)
@@ -185,9 +219,10 @@ def imbalance(pattern: VerticalSlash, seq_len: int, world_size: int, layout: str
                 owner = ((node - T) % (W // R)) * R + (local - t) % R
             else:
                 owner = (r - step) % W
-            work[r][step] = int(pattern.visibility(seq_len, idx[r], idx[owner]).sum())
+            work[r][step] = pair_work(pattern, seq_len, idx[r], idx[owner])
     per_step_max = sum(max(work[r][s] for r in range(W)) for s in range(W))
     total = sum(map(sum, work))
     worker = per_step_max / (total / W) if total else 1.0
+    worker_total = max(map(sum, work)) / (total / W) if total else 1.0
     step = sum(max(w) / (sum(w) / W) if sum(w) else 1.0 for w in work) / W
-    return {"worker": worker, "step": step, "work": work}
+    return {"worker": worker, "worker_total": worker_total, "step": step, "work": work}

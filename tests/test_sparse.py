@@ -78,3 +78,48 @@ def test_sparse_validation_names_the_value():
             mb.sparse_cp_attention(q, q, q, pattern, layout="contiguous", stripe=1)
     with pytest.raises(ValueError, match="'ring' or 'burst'"):
         mb.sparse_cp_attention(q, q, q, ok, algo="ulysses", layout="contiguous", stripe=1)
+
+
+def _balance_pattern(S=32768, h=2, seed=0):
+    """MTraining-like: 4 sink tokens and 12 random vertical lines, a local band of 1024 slash
+    offsets and 64 random ones (93.6 % sparse at S = 32768)."""
+    g = torch.Generator().manual_seed(seed)
+    vertical = torch.cat([torch.arange(4).expand(h, 4), torch.randint(0, S, (h, 12), generator=g)], 1)
+    slash = torch.cat([torch.arange(1024).expand(h, 1024), torch.randint(1024, S, (h, 64), generator=g)], 1)
+    return VerticalSlash(vertical, slash)
+
+
+def test_imbalance_block_striped_balances_zigzag_does_not():
+    """The issue's Done-when at W = 8: block-striped worker-level <= 1.05 and step-level <= 1.2,
+    zigzag's step-level >= 2 on the same 90 %+ sparse pattern."""
+    S, W = 32768, 8
+    pattern = _balance_pattern(S)
+    block = imbalance(pattern, S, W, "striped", stripe=64)
+    zigzag = imbalance(pattern, S, W, "zigzag")
+    total = sum(map(sum, block["work"]))
+    assert total == sum(map(sum, zigzag["work"]))  # the same pairs, dealt differently
+    assert 1 - total / (2 * S * (S + 1) / 2) > 0.9
+    assert block["worker"] <= 1.05 and block["step"] <= 1.2, block
+    assert zigzag["step"] >= 2, zigzag
+    assert zigzag["worker"] > block["worker"]
+
+
+def test_imbalance_counts_pairs_exactly():
+    """pair_work (per-line counting with FFT correlations) equals the dense mask's count, and the
+    work table puts pair (rank, owner) at the ring's step, flat and double."""
+    S, W = 512, 4
+    g = torch.Generator().manual_seed(1)
+    pattern = VerticalSlash(torch.randint(0, S, (2, 9), generator=g), torch.randint(0, S, (2, 7), generator=g))
+    vis = sc.definition_mask(pattern, S)
+    for ring in ("flat", "double"):
+        res = imbalance(pattern, S, W, "striped", stripe=4, ring=ring, ranks_per_node=2)
+        for r in range(W):
+            for step in range(W):
+                if ring == "flat":
+                    owner = (r - step) % W
+                else:
+                    T, t = divmod(step, 2)
+                    owner = ((r // 2 - T) % 2) * 2 + (r % 2 - t) % 2
+                qi = mb.layout_indices(S, r, W, "striped", 4)
+                ki = mb.layout_indices(S, owner, W, "striped", 4)
+                assert res["work"][r][step] == int(vis[:, qi][:, :, ki].sum()), (ring, r, step)
