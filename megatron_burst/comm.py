@@ -393,6 +393,21 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.Proces
                        inp.device, label)
 
 
+def all_reduce(t: torch.Tensor, group: Optional[dist.ProcessGroup], phase: str, op: str = "sum",
+               link: str = "intra", label: str = "") -> PendingExchange:
+    """Post an in-place ``all_reduce(t)`` (``op`` "sum" or "max").
+
+    Counted as a ring all-reduce: each rank sends (and receives) 2 (W - 1) / W x t's bytes.
+    """
+    if op not in ("sum", "max"):
+        raise ValueError(f"all_reduce: op={op!r}, choose 'sum' or 'max'")
+    W = dist.get_world_size(group)
+    moved = {link: 2 * (W - 1) * nbytes(t) // W}
+    red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+    return _collective("all_reduce", group, phase, moved, nbytes(t),
+                       lambda: dist.all_reduce(t, op=red, group=group, async_op=True), t.device, label)
+
+
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup], phase: str,
                    link: str = "intra", label: str = "") -> PendingExchange:
     """Post ``reduce_scatter_tensor(out, inp)`` (sum): inp [W * n, ...] rank-major, out [n, ...] this

@@ -18,7 +18,6 @@ A query that sees no key at all (no vertical line before it and no slash through
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -105,13 +104,17 @@ def plan_tiles(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos
     return tuple(tiles)
 
 
-@functools.lru_cache(maxsize=1024)
 def _pair_plan(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: int, world_size: int, local_len: int,
                stripe: int) -> tuple[SparseTile, ...]:
-    seq_len = local_len * world_size
-    q_pos = layout_indices(seq_len, q_rank, world_size, layout, stripe)
-    kv_pos = layout_indices(seq_len, kv_rank, world_size, layout, stripe)
-    return plan_tiles(pattern, seq_len, q_pos, kv_pos)
+    """The plan of a block pair, cached on the pattern (a dynamic pattern's plans go with it)."""
+    plans = pattern.__dict__.setdefault("_plans", {})
+    key = (layout, q_rank, kv_rank, world_size, local_len, stripe)
+    if key not in plans:
+        seq_len = local_len * world_size
+        q_pos = layout_indices(seq_len, q_rank, world_size, layout, stripe)
+        kv_pos = layout_indices(seq_len, kv_rank, world_size, layout, stripe)
+        plans[key] = plan_tiles(pattern, seq_len, q_pos, kv_pos)
+    return plans[key]
 
 
 def pattern_blocks(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: int, world_size: int,
@@ -145,17 +148,30 @@ def sparse_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, patte
     in ``layout``'s order (block-striped by default: stripes of ``stripe`` tokens dealt round-robin,
     MTraining's balanced sparse ring). ``pattern`` lines are global positions over S = s x CP size.
     ``algo``: "ring" or "burst" backward; ``ring``: "flat" or "double" (group a CPTopology).
+    ``pattern`` "dynamic" or a :class:`megatron_burst.dynamic_pattern.Dynamic` (budgets p_v, p_s,
+    last_q) estimates MTraining's dynamic pattern from this call's q and k first (identical on
+    every rank; not differentiated through).
     Returns this rank's output like q; differentiable. Block pairs and 64 x 64 tiles with no
     visible pair skip compute; the ring carries every block (the bytes of dense attention).
     """
     from megatron_burst.algorithms import prepare, to_bhsd  # the engine imports this module
+    from megatron_burst.dynamic_pattern import Dynamic, estimate
 
     if qkv_format not in ("sbhd", "bshd"):
         raise ValueError(f"qkv_format={qkv_format!r}: sparse_cp_attention takes 'sbhd' or 'bshd'")
     call = prepare(q, k, v, group=group, algo=algo if algo in ("ring", "burst") else "ring", layout=layout,
                    causal=True, ring=ring, softmax_scale=softmax_scale, qkv_format=qkv_format, stripe=stripe)
     shape = to_bhsd(q, qkv_format).shape
-    check_pattern_call(pattern, shape[2] * call.cfg.world_size, shape[1], algo)
+    seq_len = shape[2] * call.cfg.world_size
+    if isinstance(pattern, str) and pattern == "dynamic":
+        pattern = Dynamic()
+    if isinstance(pattern, Dynamic):  # validated here, before the estimate's collectives
+        if algo not in ("ring", "burst"):
+            raise ValueError(f"algo={algo!r}: sparse attention runs on the ring schedules, choose 'ring' or 'burst'")
+        pattern.check(seq_len)
+        pattern = estimate(to_bhsd(q, qkv_format), to_bhsd(k, qkv_format), pattern, group=call.cfg.topology.group,
+                           layout=layout, stripe=stripe, softmax_scale=call.cfg.scale)
+    check_pattern_call(pattern, seq_len, shape[1], algo)
     call.cfg.pattern = pattern
     return call.apply()
 

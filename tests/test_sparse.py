@@ -123,3 +123,26 @@ def test_imbalance_counts_pairs_exactly():
                 qi = mb.layout_indices(S, r, W, "striped", 4)
                 ki = mb.layout_indices(S, owner, W, "striped", 4)
                 assert res["work"][r][step] == int(vis[:, qi][:, :, ki].sum()), (ring, r, step)
+
+
+@pytest.mark.parametrize("W,layout,stripe", [(2, "zigzag", 1), (3, "striped", 8), (4, "contiguous", 1),
+                                             (4, "striped", 8)])
+def test_dynamic_pattern_identical_on_all_ranks_and_exact(W, layout, stripe):
+    """MTraining's Algorithm 1 under CP: every rank estimates the same pattern, the one a single
+    process estimates from the whole sequence; attention under it is exact."""
+    res = run_ranks(W, sc.run_dynamic_case, layout, stripe, 48)
+    whole = run_ranks(1, sc.run_dynamic_case, "contiguous", 1, 0, seq=48 * W)[0]["whole"]
+    for rank, r in enumerate(res):
+        assert r["pattern"] == res[0]["pattern"], f"rank {rank} estimated another pattern"
+        assert r["pattern"] == whole, "the CP estimate differs from the whole-sequence one"
+    assert 0.3 < res[0]["sparsity"] < 1
+    _check(res, f"dynamic {layout}/{stripe} W={W}")
+
+
+def test_dynamic_budgets_validated():
+    from megatron_burst.dynamic_pattern import Dynamic
+
+    q = torch.zeros(16, 1, 2, 4)
+    for bad, needle in ((Dynamic(p_v=0.0), "p_v=0.0"), (Dynamic(p_s=1.5), "p_s=1.5"), (Dynamic(last_q=17), "last_q=17")):
+        with pytest.raises(ValueError, match=needle):
+            mb.sparse_cp_attention(q, q, q, bad, layout="contiguous", stripe=1)
