@@ -146,3 +146,16 @@ def test_dynamic_budgets_validated():
     for bad, needle in ((Dynamic(p_v=0.0), "p_v=0.0"), (Dynamic(p_s=1.5), "p_s=1.5"), (Dynamic(last_q=17), "last_q=17")):
         with pytest.raises(ValueError, match=needle):
             mb.sparse_cp_attention(q, q, q, bad, layout="contiguous", stripe=1)
+
+
+def test_bench_sparse_runs_and_refuses_bad_lengths(capsys):
+    from megatron_burst.bench import sparse as bench
+
+    bench.main(["--world-size", "2", "--ranks-per-node", "1", "--seq", "512", "--band", "32", "--verticals", "2",
+                "--slashes", "4", "--repeats", "1", "--warmup", "0"])
+    out = capsys.readouterr().out
+    for name in ("dense", "zigzag", "token-striped", "block-striped", "hierarchical"):
+        assert f"| {name} |" in out, out
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--world-size", "4", "--seq", "384"])
+    assert exc.value.code == 2 and "schedule block-striped" in capsys.readouterr().err
