@@ -270,6 +270,31 @@ def test_window_size_gpt_cp2_equals_cp1(reference, window_reference, layout, str
         _assert_matches(res, ref, f"CP=2 {layout}/{stripe} window {window} rank {rank}")
 
 
+SPARSE_FLAGS = ["--sparse-attention", "vertical_slash", "--sparse-budget", "0.5", "0.5", "--sparse-last-q", "8"]
+
+
+@pytest.mark.parametrize("layout,stripe,algo", [("zigzag", 1, "burst"), ("striped", 2, "ring")])
+def test_sparse_attention_gpt_cp2_equals_cp1(layout, stripe, algo):
+    """--sparse-attention vertical_slash (MTraining's dynamic pattern, estimated per step from the
+    last 8 queries; 128 tokens: two 64-offset slash pools) through the trainer: CP = 2 equals CP = 1
+    in loss and every gradient, and the pattern changes the loss against dense attention."""
+    ref = run_ranks(1, loss_and_full_grads, 1, 1, SPARSE_FLAGS + ["--cp-algo", algo], 128)[0]
+    dense = run_ranks(1, loss_and_full_grads, 1, 1, ["--cp-algo", algo], 128)[0]
+    assert abs(ref["loss"] - dense["loss"]) > 1e-4 * abs(ref["loss"])
+    results = run_ranks(2, loss_and_full_grads, 1, 2, SPARSE_FLAGS + ["--cp-layout", layout, "--cp-stripe",
+                                                                     str(stripe), "--cp-algo", algo], 128)
+    for rank, res in enumerate(results):
+        assert res["resolved"] == [f"{algo} sparse"] * 2
+        _assert_matches(res, ref, f"sparse CP=2 {layout}/{stripe} {algo} rank {rank}")
+
+
+def test_sparse_attention_refuses_what_it_cannot_do():
+    msg = run_ranks(2, construct_core_attention, 2, cp_algo="allgather", cp_sparse=(0.9, 0.9, 8))[0]
+    assert "--sparse-attention vertical_slash runs on the ring/burst schedules alone: drop --cp-algo allgather" in msg
+    msg = run_ranks(2, construct_core_attention, 2, cp_sparse=(1.5, 0.9, 8))[0]
+    assert "p_v=1.5" in msg
+
+
 def test_layer_window_follows_megatron_core():
     from types import SimpleNamespace
 

@@ -30,6 +30,7 @@ from megatron_burst.checkpoint import SelectiveAttentionCache, selective_cp_atte
 from megatron_burst.algorithms import prepare
 from megatron_burst.documents import THD, check_window
 from megatron_burst.megatron.args import (STOCK_ATTENTION, CPOptions, check_cp_dropout, check_selective_ckpt_algo,
+                                          sparse_from_args,
                                           cp_ranks_per_node_from_args, make_cp_options, megatron_lm_cp_flags)
 from megatron_burst.megatron.groups import needs_node_topology, needs_usp_topology, resolve_cp_ranks_per_node
 from megatron_burst.megatron.packed import documents_of
@@ -172,6 +173,7 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
         seq_selective_ckpt_ratio: Optional[float] = None,
         cp_ulysses_size: Optional[int] = None,
         cp_layer_comm_types: Optional[tuple] = None,
+        cp_sparse: Optional[tuple] = None,
     ) -> None:
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
@@ -193,6 +195,8 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
             cp_ranks_per_node = cp_ranks_per_node or cp_ranks_per_node_from_args(flags)
             if seq_selective_ckpt_ratio is None:
                 seq_selective_ckpt_ratio = getattr(flags, "seq_selective_ckpt_ratio", None)
+            if cp_sparse is None:
+                cp_sparse = sparse_from_args(flags)
             sizes = getattr(flags, "hierarchical_context_parallel_sizes", None)
             if cp_ulysses_size is None and sizes:
                 cp_ulysses_size = int(sizes[0])
@@ -228,6 +232,21 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
         if self.window is not None and self.dropout_p > 0:
             raise ValueError(f"window_size={config.window_size} with attention dropout {self.dropout_p}: the dropout "
                              "path (CP=1) has no sliding window; set --attention-dropout 0")
+        # MTraining's dynamic vertical-slash pattern (--sparse-attention vertical_slash): (p_v, p_s, last_q)
+        self.sparse = None
+        if cp_sparse is not None:
+            from megatron_burst.dynamic_pattern import Dynamic
+
+            self.sparse = Dynamic(*cp_sparse)
+            self.sparse.check(self.sparse.last_q)
+            clash = [name for name, bad in (("--window-size", self.window is not None),
+                                            ("--seq-selective-ckpt-ratio", self.options.selective_ckpt_ratio is not None),
+                                            (f"--cp-algo {self.options.algo}", self.options.algo not in ("ring", "burst")),
+                                            ("attention dropout", self.dropout_p > 0))
+                     if bad]
+            if clash:
+                raise ValueError(f"--sparse-attention vertical_slash runs on the ring/burst schedules alone: drop "
+                                 f"{', '.join(clash)} (use --cp-algo ring or burst)")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by "
                              "megatron-burst: use softmax_type='vanilla'")
@@ -317,7 +336,17 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
             if packed:
                 layout, fmt = THD, "thd"
         s, b = query.shape[0], (1 if fmt == "thd" else query.shape[1])
-        if self.dropout_p > 0 and self.training:
+        if self.sparse is not None:
+            if documents is not None or fmt != "sbhd":
+                raise ValueError("--sparse-attention with documents (packed_seq_params) is not supported: drop "
+                                 "--reset-attention-mask / packed sequences, or the sparse attention")
+            from megatron_burst.sparse import sparse_cp_attention
+
+            out = sparse_cp_attention(query, key, value, self.sparse, group=self.cp_target, layout=layout,
+                                      stripe=opts.stripe, algo=opts.algo, ring=opts.ring,
+                                      softmax_scale=self.softmax_scale)
+            self.resolved_algo = f"{opts.algo} sparse"
+        elif self.dropout_p > 0 and self.training:
             if documents is not None:
                 raise ValueError("attention dropout with documents (packed_seq_params) is not supported by "
                                  "megatron-burst: set --attention-dropout 0")
