@@ -48,12 +48,21 @@ def test_block_sparse_kernel_skips_empty_tiles_and_matches_reference():
     S, h = 256, 2
     pattern = VerticalSlash(torch.tensor([[0, 3], [5, 200]]), torch.tensor([[0, 1], [0, 7]]))
     pos = torch.arange(S)
-    plan = plan_tiles(pattern, S, pos, pos)
+    tiled = plan_tiles(pattern, S, pos, pos, columns="tiles")
     # tiles: 4 x 4 causal; column tiles 0 (verticals 0, 3, 5) and the diagonal (slash) are visible, plus
     # tile 3 from the vertical line at 200 and the tile before the diagonal where offset 7 crosses it
-    assert [len(t.cols) // 64 for t in plan] == [1, 2, 3, 3]
+    assert [len(t.cols) // 64 for t in tiled] == [1, 2, 3, 3]
+    exact = plan_tiles(pattern, S, pos, pos, columns="exact")
+    vis_all = pattern.dense(S)
+    for t in exact:  # exactly the columns some row of the tile sees, in any head
+        assert t.cols.tolist() == vis_all[:, t.q0:t.q1].any(0).any(0).nonzero().squeeze(1).tolist()
+    assert sum(len(t.cols) for t in exact) < sum(len(t.cols) for t in tiled)
+    plan = exact
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, h, S, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    for other in (tiled, plan_tiles(pattern, S, pos, pos, tile=16)):  # other tilings: the same result
+        torch.testing.assert_close(block_sparse.forward(q, k, v, "sparse", 1, 0.3, plan=other)[0],
+                                   block_sparse.forward(q, k, v, "sparse", 1, 0.3, plan=plan)[0])
     out, lse = block_sparse.forward(q, k, v, "sparse", 1, 0.3, plan=plan)
     vis = pattern.dense(S)
     s = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~vis, float("-inf"))
