@@ -320,7 +320,7 @@ def window_blocks(masks: Sequence[BlockMask], q_pos: torch.Tensor, kv_pos: torch
             ka, kb = lo[a], hi[b - 1]
             cut = lambda t, x, y: None if t is None else t[x:y]  # noqa: E731
             out.append(BlockMask("positions", m.q_start + a, m.q_start + b, m.kv_start + ka, m.kv_start + kb, 1,
-                                 qp[a:b], kp[ka:kb], cut(q_doc, a, b), cut(kv_doc, ka, kb), band))
+                                 qp[a:b], kp[ka:kb], cut(q_doc, a, b), cut(kv_doc, ka, kb), band=band))
             a = b
     return out
 

@@ -203,7 +203,7 @@ class BlockMask:
             cut = lambda t, m: None if t is None else t[:m]  # noqa: E731
             return BlockMask("positions", self.q_start, rows, self.kv_start, self.kv_start + seen, 1,
                              cut(self.q_pos, height), cut(self.kv_pos, seen), cut(self.q_doc, height),
-                             cut(self.kv_doc, seen), self.band)
+                             cut(self.kv_doc, seen), band=self.band)
         else:
             kv_stop = self.kv_stop
         return BlockMask(self.kind, self.q_start, rows, self.kv_start, kv_stop, self.block)

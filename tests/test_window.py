@@ -96,3 +96,14 @@ def test_window_validation_names_the_value():
     # (-1, 0) causal is plain causal attention
     torch.testing.assert_close(mb.cp_attention(q, q, q, window=(-1, 0), layout="contiguous"),
                                mb.cp_attention(q, q, q, layout="contiguous"))
+
+
+def test_window_single_process_against_reference():
+    """W = 1 (Megatron at CP = 1) takes the same path: the window changes the result, exactly."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(24, 2, h, 8, generator=g) for h in (4, 2, 2))
+    for window, causal in (((3, 0), True), ((5, 2), False), ((24, 0), True)):
+        out = mb.cp_attention(q, k, v, window=window, causal=causal, layout="contiguous")
+        ref = wc.dense_masked_reference(q, k, v, torch.zeros_like(q), wc.window_mask(24, window, causal), 8 ** -0.5)[0]
+        torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=0)
+    assert not torch.allclose(mb.cp_attention(q, k, v, window=(3, 0)), mb.cp_attention(q, k, v))
