@@ -9,6 +9,7 @@ Public API (functional, usable without Megatron):
   build_cp_topology                       -- intra/inter-node rings for the topology-aware double ring
   build_usp_topology                      -- USP's 2-D groups (Ulysses groups x rings across them)
   comm_counter                            -- byte accounting of every CP transfer
+  VerticalSlash, sparse_cp_attention      -- static vertical-slash sparse attention (megatron_burst.sparse)
   fused_linear_cross_entropy               -- LM head + vocab-parallel CE without N x V logits
 Megatron integration: megatron_burst.specs, megatron_burst.add_args, get_batch_on_this_cp_rank.
 """
@@ -17,6 +18,7 @@ from megatron_burst.comm import comm_counter
 from megatron_burst.algorithms import CP_ALGOS, cp_attention
 from megatron_burst.topology import build_cp_topology, build_usp_topology
 from megatron_burst.linear import gated_delta_rule, linear_attention
+from megatron_burst.sparse import VerticalSlash, sparse_cp_attention
 
 __version__ = "0.1.0"
 
@@ -36,6 +38,6 @@ def __getattr__(name):
 
 
 __all__ = ["LAYOUTS", "CP_ALGOS", "layout_indices", "shard", "unshard", "cp_attention", "linear_attention",
-           "gated_delta_rule",
-           "build_cp_topology", "build_usp_topology", "comm_counter",
+           "gated_delta_rule", "build_cp_topology", "build_usp_topology", "comm_counter", "VerticalSlash",
+           "sparse_cp_attention",
            "add_args", "get_batch_on_this_cp_rank", "fused_linear_cross_entropy"]

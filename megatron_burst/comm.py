@@ -297,29 +297,35 @@ class RingComm:
         return dist.get_global_rank(self.group, group_rank)
 
     def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], phase: str,
-                 send_to: Optional[int] = None, recv_from: Optional[int] = None,
+                 send_to: Optional[int | Sequence[int]] = None, recv_from: Optional[int | Sequence[int]] = None,
                  stream: int = 0, label: str = "") -> PendingExchange:
         """Post one batch: sends of ``send`` to ``send_to`` (default next), receives into ``recv``
-        from ``recv_from`` (default previous).
+        from ``recv_from`` (default previous). A peer is a group rank, or a list of them (one per
+        tensor; e.g. a gradient going home past its neighbours).
 
         ``stream`` tags the messages for gloo, which matches by tag; NCCL ignores tags, so callers
         keep the order of messages between two ranks the same on both ends.
         """
         send_to = self.next if send_to is None else send_to
         recv_from = self.prev if recv_from is None else recv_from
+        send_peers = [send_to] * len(send) if isinstance(send_to, int) else list(send_to)
+        recv_peers = [recv_from] * len(recv) if isinstance(recv_from, int) else list(recv_from)
+        if len(send_peers) != len(send) or len(recv_peers) != len(recv):
+            raise ValueError(f"exchange: {len(send)} sends / {len(recv)} receives but {len(send_peers)} / "
+                             f"{len(recv_peers)} peers")
         ops, traced, links = [], [], set()
-        for t in send:
-            peer = self._global(send_to)
+        for t, to in zip(send, send_peers):
+            peer = self._global(to)
             ops.append(dist.P2POp(dist.isend, t, peer, self.group, tag=stream))
             traced.append(TracedOp("send", peer, nbytes(t)))
-            record("sent", phase, self._link_of(send_to), nbytes(t))
-            links.add(self._link_of(send_to))
-        for t in recv:
-            peer = self._global(recv_from)
+            record("sent", phase, self._link_of(to), nbytes(t))
+            links.add(self._link_of(to))
+        for t, frm in zip(recv, recv_peers):
+            peer = self._global(frm)
             ops.append(dist.P2POp(dist.irecv, t, peer, self.group, tag=stream))
             traced.append(TracedOp("recv", peer, nbytes(t)))
-            record("received", phase, self._link_of(recv_from), nbytes(t))
-            links.add(self._link_of(recv_from))
+            record("received", phase, self._link_of(frm), nbytes(t))
+            links.add(self._link_of(frm))
         if not ops:
             return PendingExchange([], [], phase)
         trace_id = _trace_post(self.group, traced, label or phase)
@@ -385,6 +391,21 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.Proces
     return _collective("all_to_all", group, phase, moved, nbytes(inp),
                        lambda: dist.all_to_all_single(out, inp.contiguous(), group=group, async_op=True),
                        inp.device, label)
+
+
+def all_reduce(t: torch.Tensor, group: Optional[dist.ProcessGroup], phase: str, op: str = "sum",
+               link: str = "intra", label: str = "") -> PendingExchange:
+    """Post an in-place ``all_reduce(t)`` (``op`` "sum" or "max").
+
+    Counted as a ring all-reduce: each rank sends (and receives) 2 (W - 1) / W x t's bytes.
+    """
+    if op not in ("sum", "max"):
+        raise ValueError(f"all_reduce: op={op!r}, choose 'sum' or 'max'")
+    W = dist.get_world_size(group)
+    moved = {link: 2 * (W - 1) * nbytes(t) // W}
+    red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+    return _collective("all_reduce", group, phase, moved, nbytes(t),
+                       lambda: dist.all_reduce(t, op=red, group=group, async_op=True), t.device, label)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup], phase: str,

@@ -140,12 +140,17 @@ class BlockMask:
       * ``block_causal``: inside the rectangle, row i sees column j iff
         (i - q_start) // block >= (j - kv_start) // block.
       * ``positions``: inside the rectangle, row i sees column j iff
-        kv_pos[j'] <= q_pos[i'] (global token positions, both increasing; i' = i - q_start,
-        j' = j - kv_start) and, when document ids are given, q_doc[i'] == kv_doc[j']. Either pair
-        may be None (no causal condition / one document). Document masks produce it (see
+        q_pos[i'] - left <= kv_pos[j'] <= q_pos[i'] + right with ``band`` = (left, right) (global
+        token positions, both increasing; i' = i - q_start, j' = j - kv_start; a None bound is
+        unbounded; the default (None, 0) is causal, a sliding window narrows it) and, when
+        document ids are given, q_doc[i'] == kv_doc[j']. Either pair may be None (no position
+        condition / one document). Document masks produce it (see
         :mod:`megatron_burst.documents`): for one document whose causal pattern is none of the
         above (e.g. striped with an offset), or for a run of small adjacent documents merged into
         one kernel call. Every row of such a rectangle sees at least one column.
+      * ``sparse``: per-head block-sparse visibility (vertical-slash patterns): ``plan`` lists the
+        64-row query tiles, their visible 64-column key tiles and per-head masks
+        (megatron_burst.sparse); rows may see nothing (output 0, lse -inf).
     Rows outside [q_start, q_stop) receive nothing from this block.
     """
 
@@ -160,11 +165,14 @@ class BlockMask:
     kv_pos: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
     q_doc: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
     kv_doc: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    # ``sparse`` only: the block-sparse plan (tuple of megatron_burst.sparse.SparseTile)
+    plan: Optional[tuple] = field(default=None, compare=False, repr=False)
+    band: tuple = (None, 0)  # ``positions`` only: (left, right) bounds of kv_pos - q_pos (see kind)
 
     @property
     def mask_data(self) -> tuple:
-        """(q_pos, kv_pos, q_doc, kv_doc) of a ``positions`` block (see :func:`positions_visibility`)."""
-        return self.q_pos, self.kv_pos, self.q_doc, self.kv_doc
+        """(q_pos, kv_pos, q_doc, kv_doc, band) of a ``positions`` block (see :func:`positions_visibility`)."""
+        return self.q_pos, self.kv_pos, self.q_doc, self.kv_doc, self.band
 
     @property
     def q_slice(self) -> slice:
@@ -187,14 +195,15 @@ class BlockMask:
             kv_stop = min(self.kv_stop, self.kv_start + ((height - 1) // self.block + 1) * self.block)
         elif self.kind == "positions":  # the last kept row's position and document bound the columns
             seen = self.kv_stop - self.kv_start
-            if self.q_pos is not None:
-                seen = min(seen, int(torch.searchsorted(self.kv_pos, self.q_pos[height - 1:height], right=True)[0]))
+            if self.q_pos is not None and self.band[1] is not None:
+                last = self.q_pos[height - 1:height] + self.band[1]
+                seen = min(seen, int(torch.searchsorted(self.kv_pos, last, right=True)[0]))
             if self.q_doc is not None:
                 seen = min(seen, int(torch.searchsorted(self.kv_doc, self.q_doc[height - 1:height], right=True)[0]))
             cut = lambda t, m: None if t is None else t[:m]  # noqa: E731
             return BlockMask("positions", self.q_start, rows, self.kv_start, self.kv_start + seen, 1,
                              cut(self.q_pos, height), cut(self.kv_pos, seen), cut(self.q_doc, height),
-                             cut(self.kv_doc, seen))
+                             cut(self.kv_doc, seen), band=self.band)
         else:
             kv_stop = self.kv_stop
         return BlockMask(self.kind, self.q_start, rows, self.kv_start, kv_stop, self.block)
@@ -249,13 +258,19 @@ class BlockMask:
 
 
 def positions_visibility(q_pos: Optional[torch.Tensor], kv_pos: Optional[torch.Tensor], q_doc: Optional[torch.Tensor],
-                         kv_doc: Optional[torch.Tensor], sq: int, sk: int,
+                         kv_doc: Optional[torch.Tensor], band: tuple, sq: int, sk: int,
                          device: Optional[torch.device] = None) -> torch.Tensor:
-    """Boolean [sq, sk] visibility of a ``positions`` block: kv_pos <= q_pos (if given) and
+    """Boolean [sq, sk] visibility of a ``positions`` block: q_pos - left <= kv_pos <= q_pos + right
+    with band = (left, right) (if positions are given; a None bound is unbounded) and
     q_doc == kv_doc (if given), from the (already sliced) per-row and per-column vectors."""
     vis = torch.ones(sq, sk, dtype=torch.bool, device=device)
     if q_pos is not None:
-        vis &= kv_pos.to(device)[None, :] <= q_pos.to(device)[:, None]
+        left, right = band
+        diff = q_pos.to(device)[:, None] - kv_pos.to(device)[None, :]  # q_pos - kv_pos
+        if right is not None:
+            vis &= diff >= -right
+        if left is not None:
+            vis &= diff <= left
     if q_doc is not None:
         vis &= kv_doc.to(device)[None, :] == q_doc.to(device)[:, None]
     return vis

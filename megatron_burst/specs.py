@@ -43,7 +43,7 @@ __all__ = ["get_gpt_layer_spec", "gpt_layer_spec", "swap_core_attention", "trans
 
 # swap_core_attention's options (the softmax layers'); get_gpt_decoder_block_spec passes the rest to Megatron
 _SOFTMAX_OPTIONS = ("cp_ring", "cp_ranks_per_node", "seq_selective_ckpt_ratio", "cp_ulysses_size",
-                    "cp_layer_comm_types")
+                    "cp_layer_comm_types", "cp_sparse")
 
 # Megatron's softmax core attentions, by class name (importing TE's class would need TE): these are
 # what swap_core_attention replaces. Anything else in a core_attention slot is refused.
@@ -63,7 +63,8 @@ def get_gpt_layer_spec(cp_algo: Optional[str] = None, cp_layout: Optional[str] =
                        cp_stripe: Optional[int] = None, use_te: Optional[bool] = None,
                        cp_ring: Optional[str] = None, cp_ranks_per_node: Optional[int] = None,
                        seq_selective_ckpt_ratio: Optional[float] = None, cp_ulysses_size: Optional[int] = None,
-                       cp_layer_comm_types: Optional[tuple] = None, **more_options: Any) -> ModuleSpec:
+                       cp_layer_comm_types: Optional[tuple] = None, cp_sparse: Optional[tuple] = None,
+                       **more_options: Any) -> ModuleSpec:
     """Megatron's GPT layer spec with :class:`BurstCoreAttention` as core attention.
 
     Args:
@@ -102,7 +103,8 @@ def get_gpt_layer_spec(cp_algo: Optional[str] = None, cp_layout: Optional[str] =
     return swap_core_attention(base, cp_algo=cp_algo, cp_layout=cp_layout, cp_stripe=cp_stripe, cp_ring=cp_ring,
                                cp_ranks_per_node=cp_ranks_per_node, seq_selective_ckpt_ratio=seq_selective_ckpt_ratio,
                                **({} if cp_ulysses_size is None else {"cp_ulysses_size": cp_ulysses_size}),
-                               **({} if cp_layer_comm_types is None else {"cp_layer_comm_types": cp_layer_comm_types}))
+                               **({} if cp_layer_comm_types is None else {"cp_layer_comm_types": cp_layer_comm_types}),
+                               **({} if cp_sparse is None else {"cp_sparse": cp_sparse}))
 
 
 def _module_of(entry: Any) -> Any:

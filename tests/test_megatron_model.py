@@ -241,13 +241,76 @@ def test_core_attention_dropout_at_cp1_uses_local_path():
     ({"cp_comm_type": "ring", "cp_algo": "burst"}, "conflicting"),
     ({"cp_layout": "diagonal"}, "cp_layout='diagonal'"),
     ({"cp_layout": "zigzag", "cp_stripe": 2}, "--cp-stripe"),
-    ({"config": {"window_size": (4, 0)}}, "window_size"),
+    ({"config": {"window_size": (-2, 0)}}, "window_size=(-2, 0)"),
 ])
 def test_core_attention_rejects_at_construction(kwargs, needle):
     msgs = run_ranks(2, construct_core_attention, 2, **kwargs)
     for msg in msgs:
         assert msg != "ok", f"{kwargs} was accepted"
         assert needle in msg, msg
+
+
+@pytest.fixture(scope="module")
+def window_reference():
+    """CP = 1 with sliding windows on layer 1 only (every 2nd layer full): (3, 0) and (9, 0)."""
+    return {w: run_ranks(1, loss_and_full_grads, 1, 1, ["--window-size", w, "--window-attn-skip-freq", "2"])[0]
+            for w in ("3,0", "9,0")}
+
+
+@pytest.mark.parametrize("layout,stripe", [("zigzag", 1), ("striped", 2)])
+@pytest.mark.parametrize("window", ["3,0", "9,0"])
+def test_window_size_gpt_cp2_equals_cp1(reference, window_reference, layout, stripe, window):
+    """--window-size (a window shorter than and longer than a rank's 12 tokens) reaches our
+    attention: CP = 2 equals CP = 1 in loss and every gradient, and the window changes the loss."""
+    ref = window_reference[window]
+    assert abs(ref["loss"] - reference["rope"]["loss"]) > 1e-4 * abs(ref["loss"])  # the window is applied
+    results = run_ranks(2, loss_and_full_grads, 1, 2, ["--cp-layout", layout, "--cp-stripe", str(stripe),
+                                                       "--window-size", window, "--window-attn-skip-freq", "2"])
+    for rank, res in enumerate(results):
+        _assert_matches(res, ref, f"CP=2 {layout}/{stripe} window {window} rank {rank}")
+
+
+SPARSE_FLAGS = ["--sparse-attention", "vertical_slash", "--sparse-budget", "0.5", "0.5", "--sparse-last-q", "8"]
+
+
+@pytest.mark.parametrize("layout,stripe,algo", [("zigzag", 1, "burst"), ("striped", 2, "ring")])
+def test_sparse_attention_gpt_cp2_equals_cp1(layout, stripe, algo):
+    """--sparse-attention vertical_slash (MTraining's dynamic pattern, estimated per step from the
+    last 8 queries; 128 tokens: two 64-offset slash pools) through the trainer: CP = 2 equals CP = 1
+    in loss and every gradient, and the pattern changes the loss against dense attention."""
+    ref = run_ranks(1, loss_and_full_grads, 1, 1, SPARSE_FLAGS + ["--cp-algo", algo], 128)[0]
+    dense = run_ranks(1, loss_and_full_grads, 1, 1, ["--cp-algo", algo], 128)[0]
+    assert abs(ref["loss"] - dense["loss"]) > 1e-4 * abs(ref["loss"])
+    results = run_ranks(2, loss_and_full_grads, 1, 2, SPARSE_FLAGS + ["--cp-layout", layout, "--cp-stripe",
+                                                                     str(stripe), "--cp-algo", algo], 128)
+    for rank, res in enumerate(results):
+        assert res["resolved"] == [f"{algo} sparse"] * 2
+        _assert_matches(res, ref, f"sparse CP=2 {layout}/{stripe} {algo} rank {rank}")
+
+
+def test_sparse_attention_refuses_what_it_cannot_do():
+    msg = run_ranks(2, construct_core_attention, 2, cp_algo="allgather", cp_sparse=(0.9, 0.9, 8))[0]
+    assert "--sparse-attention vertical_slash runs on the ring/burst schedules alone: drop --cp-algo allgather" in msg
+    msg = run_ranks(2, construct_core_attention, 2, cp_sparse=(1.5, 0.9, 8))[0]
+    assert "p_v=1.5" in msg
+
+
+def test_layer_window_follows_megatron_core():
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    from megatron_burst.megatron.attention import layer_window
+
+    for freq in (None, 2, 3, [1, 0, 1, 1]):
+        cfg = SimpleNamespace(window_size=(5, 0), window_attn_skip_freq=freq)
+        for layer in range(1, 5):
+            expect = (5, 0) if is_layer_window_attention((5, 0), freq, layer) else None
+            assert layer_window(cfg, layer) == expect, (freq, layer)
+    assert layer_window(SimpleNamespace(window_size=None, window_attn_skip_freq=2), 1) is None
+    # CP = 1 takes the dropout path, which has no window: refused at construction
+    msg = run_ranks(1, construct_core_attention, 1, config={"window_size": (4, 0), "attention_dropout": 0.1})[0]
+    assert "window_size=(4, 0) with attention dropout" in msg, msg
 
 
 def test_core_attention_accepts_supported_settings():

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_burst.algorithms import allgather, burst, ring, ulysses
 from megatron_burst.algorithms.schedule import CPConfig
-from megatron_burst.documents import THD, CuSeqlens, Documents, check_cu_seqlens, check_thd
+from megatron_burst.documents import THD, CuSeqlens, Documents, check_cu_seqlens, check_thd, check_window
 from megatron_burst.kernels import row_dot
 from megatron_burst.layout import check_layout, check_local_len
 from megatron_burst.topology import (RING_SHAPES, CPTopology, USPTopology, check_ulysses_size,
@@ -260,8 +260,11 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
             dropout_p: float = 0.0, attn_bias: Optional[torch.Tensor] = None,
             kernel: Optional[str] = None, ulysses_size: Optional[int] = None,
             ring_backward: str = "auto", cu_seqlens: Optional[CuSeqlens] = None,
-            cu_seqlens_padded: Optional[CuSeqlens] = None) -> Prepared:
+            cu_seqlens_padded: Optional[CuSeqlens] = None, window: Optional[tuple[int, int]] = None) -> Prepared:
     """Validate a cp_attention call (before any collective) and resolve its configuration."""
+    window = check_window(window)
+    if window is not None and window[0] is None and (window[1] is None or causal):
+        window = None  # unbounded on every side the mask has: plain (causal) attention, the dense path
     packed = qkv_format == "thd"
     if packed:
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -323,7 +326,7 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
             raise ValueError(f"algo={algo!r} runs over a CP group or CPTopology, not a USPTopology")
         backward_algo = resolve_algo(algo, b, hq, hkv, n, d, q.element_size(), world_size, nodes=topo.num_nodes,
                                      ring=ring, causal=causal)
-        cfg = CPConfig(topo, ring, layout, stripe, causal, scale, kernel, documents)
+        cfg = CPConfig(topo, ring, layout, stripe, causal, scale, kernel, documents, window=window)
         return Prepared(q, k, v, cfg, backward_algo, qkv_format, packed=packed)
     U = ulysses_size
     if U == world_size:  # plain Ulysses: the CP group is the all-to-all group, the ring is a single member
@@ -340,7 +343,7 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
         ring = "flat"
     ring_scheme = resolve_algo(ring_backward, b, hq // U, kv_sent // U, n * U, d, q.element_size(), members,
                                nodes=rank_topo.num_nodes, ring=ring, causal=causal) if members > 1 else "ring"
-    cfg = CPConfig(rank_topo, ring, layout, stripe, causal, scale, kernel, documents, ulysses_size=U)
+    cfg = CPConfig(rank_topo, ring, layout, stripe, causal, scale, kernel, documents, ulysses_size=U, window=window)
     return Prepared(q, k, v, cfg, "ulysses", qkv_format, (a2a_group, link), ring_scheme, packed)
 
 
@@ -351,7 +354,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  dropout_p: float = 0.0, attn_bias: Optional[torch.Tensor] = None,
                  kernel: Optional[str] = None, ulysses_size: Optional[int] = None,
                  ring_backward: str = "auto", cu_seqlens: Optional[CuSeqlens] = None,
-                 cu_seqlens_padded: Optional[CuSeqlens] = None) -> torch.Tensor:
+                 cu_seqlens_padded: Optional[CuSeqlens] = None, window: Optional[tuple[int, int]] = None
+                 ) -> torch.Tensor:
     """Context-parallel softmax attention over the ranks of ``group``.
 
     q [s, b, hq, d], k/v [s, b, hkv, d] (``qkv_format="sbhd"``, Megatron's; or [b, s, h, d] for
@@ -375,8 +379,14 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     ``layout="thd"`` with ``cu_seqlens`` (real sequence boundaries) and ``cu_seqlens_padded``
     (padded ones, each a multiple of 2 x CP size; None: unpadded): rank r holds chunks r and 2W-1-r
     of every sequence. ``qkv_format="thd"`` takes and returns [t, h, d] tensors.
+    ``window=(left, right)``: sliding-window attention with Megatron's ``window_size`` meaning
+    (-1 = unbounded): query i sees keys i-left ... i+right (i-left ... i when causal; causal
+    sliding-window attention is (left, 0)), intersected with documents if given. Block pairs
+    outside the window skip compute, and ring/burst stop circulating a block once no later rank
+    needs it, so traffic shrinks with the window (schedule.ring_pass).
     """
     return prepare(q, k, v, group=group, algo=algo, layout=layout, causal=causal, ring=ring,
                    softmax_scale=softmax_scale, qkv_format=qkv_format, stripe=stripe, dropout_p=dropout_p,
                    attn_bias=attn_bias, kernel=kernel, ulysses_size=ulysses_size,
-                   ring_backward=ring_backward, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded).apply()
+                   ring_backward=ring_backward, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
+                   window=window).apply()

@@ -37,7 +37,7 @@ def kv_pieces(cfg: CPConfig, n: int) -> list[tuple[int, int]]:
     Two pieces where a layout allows a cut that keeps every mask a rectangle: zigzag's two chunks,
     a stripe boundary near the middle (striped), the middle (contiguous); one otherwise.
     """
-    if cfg.documents is not None:  # document rectangles are not cut into pieces (BlockMask.restrict_kv)
+    if cfg.documents is not None or cfg.window is not None:  # 'positions' rectangles are not cut into pieces
         return [(0, n)]
     if cfg.layout == "zigzag":
         cut = n // 2

@@ -2,7 +2,10 @@
 
 Forward: K,V circulate; each rank merges the visible part of every block into its (out, lse).
 The visible parts come from ``cfg.blocks`` (causal/full, or one rectangle per document with
-cu_seqlens); a block pair with none is skipped, and the bytes sent do not depend on the mask.
+cu_seqlens, intersected with a sliding window); a block pair with none is skipped. The bytes sent
+do not depend on the mask, except under a sliding window: then a block travels only as far as the
+last rank that needs it and its gradient goes home from there (schedule.ring_pass), so the
+figures below become upper bounds that shrink with the window.
 Backward: K,V circulate again and dK,dV travel with them (fp32), accumulated by every rank whose
 queries see the block; dQ stays home.
 
@@ -43,7 +46,7 @@ def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: CPCo
         return out, lse
     kv_len = n if q_rows is None else needed_kv_rows(cfg, n, q_rows)
     cp_ring_pass(cfg, [torch.stack([k[:, :, :kv_len], v[:, :, :kv_len]])], lambda owner, t: visit(owner, t[0]),
-                 "forward")
+                 "forward", needs=lambda holder, owner: bool(cfg.blocks(holder, owner, n, q_rows)))
     return out, lse
 
 
@@ -77,7 +80,8 @@ def ring_backward(dout, q, k, v, D, lse, cfg: CPConfig):
             dkv[1][bs, :, mask.kv_slice] += dvb
         return dkv
 
-    dkv = cp_ring_pass(cfg, [torch.stack([k, v])], visit, "backward", grad_like=dkv_like)
+    dkv = cp_ring_pass(cfg, [torch.stack([k, v])], visit, "backward", grad_like=dkv_like,
+                       needs=lambda holder, owner: bool(cfg.blocks(holder, owner, n)))
     return dq, dkv[0], dkv[1]
 
 

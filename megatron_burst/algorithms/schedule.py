@@ -32,6 +32,7 @@ import torch
 from megatron_burst.comm import PendingExchange
 from megatron_burst.documents import Documents, visible_blocks
 from megatron_burst.layout import BlockMask
+from megatron_burst.sparse import VerticalSlash, pattern_blocks
 from megatron_burst.topology import CPTopology, Ring
 
 # gloo tags of the two rings when they share no batch (separate communicators); NCCL ignores tags
@@ -54,6 +55,15 @@ class CPConfig:
     # >1 under USP/Ulysses: each ring member holds the sequences of ``ulysses_size`` consecutive CP
     # ranks (after the all-to-all), so a block of the ring is a U x U grid of CP-rank blocks
     ulysses_size: int = 1
+    window: Optional[tuple[Optional[int], Optional[int]]] = None  # sliding window (left, right); None bound = unbounded
+    pattern: Optional[VerticalSlash] = None  # static sparse pattern (sparse_cp_attention); ring members = CP ranks
+
+    @property
+    def prune(self) -> bool:
+        """Whether rings stop circulating a block once no later member needs it. Only under a
+        sliding window, where it shrinks traffic with the window; dense and document masks keep
+        the full ring (their bytes do not depend on the mask)."""
+        return self.window is not None
 
     @property
     def rank(self) -> int:
@@ -74,9 +84,12 @@ class CPConfig:
         Document masks (``documents``) apply the same way per shard pair.
         """
         U = self.ulysses_size
+        if self.pattern is not None:
+            return pattern_blocks(self.pattern, self.layout, q_member, kv_member, self.world_size, member_len,
+                                  self.stripe, q_rows)
         if U == 1:
             return visible_blocks(self.documents, self.layout, q_member, kv_member, self.world_size, member_len,
-                                  self.causal, self.stripe, q_rows)
+                                  self.causal, self.stripe, q_rows, self.window)
         if q_rows is not None:
             raise ValueError("selective row recompute (q_rows) is not available under Ulysses/USP")
         n, cp_world = member_len // U, self.world_size * U
@@ -84,90 +97,140 @@ class CPConfig:
         for a in range(U):
             for b in range(U):
                 for bs, m in visible_blocks(self.documents, self.layout, q_member * U + a, kv_member * U + b,
-                                            cp_world, n, self.causal, self.stripe):
+                                            cp_world, n, self.causal, self.stripe, window=self.window):
                     out.append((bs, m.shifted(a * n, b * n)))
         return out
 
 
 Visit = Callable[[int, Sequence[torch.Tensor]], Optional[torch.Tensor]]
+Needs = Callable[[int, int], bool]  # needs(holder, owner): the holder has work on the owner's block
 
 
 class _StepExchange:
-    """One step's posted transfers: activations for the next step and/or one gradient block."""
+    """One step's posted transfers: activations for the next step, and gradient blocks (one sent
+    at most; received: the previous member's partial sum and/or this member's finished block)."""
 
-    def __init__(self, ring: Ring, activations: Sequence[torch.Tensor], gradient: Optional[torch.Tensor],
+    def __init__(self, ring: Ring, activations: Sequence[torch.Tensor], act_like: Sequence[torch.Tensor],
+                 grad_send: Optional[tuple[torch.Tensor, int]], grad_recv: Sequence[tuple[torch.Tensor, int]],
                  phase: str, label: str) -> None:
-        act_recv = [torch.empty_like(t) for t in activations]
-        grad_send = [] if gradient is None else [gradient]
-        grad_recv = [torch.empty_like(t) for t in grad_send]
+        comm = ring.act
+        act_recv = [torch.empty_like(t) for t in act_like]
+        g_send = [] if grad_send is None else [grad_send[0]]
+        g_peer = lambda p: ring.grad.ring[p]  # noqa: E731
+        g_to = [] if grad_send is None else [g_peer(grad_send[1])]
+        g_recv = [torch.empty_like(t) for t, _ in grad_recv]
+        g_from = [g_peer(p) for _, p in grad_recv]
         self._n_act = len(act_recv)
+        a_to, a_from = [comm.next] * len(activations), [comm.prev] * len(act_recv)
         if ring.act is ring.grad:  # one communicator: one batch for both
-            both = ring.act.exchange(list(activations) + grad_send, act_recv + grad_recv, phase, label=label)
+            both = comm.exchange(list(activations) + g_send, act_recv + g_recv, phase, send_to=a_to + g_to,
+                                 recv_from=a_from + g_from, label=label)
             self._act: PendingExchange = both
             self._grad: PendingExchange = both
         else:
-            self._act = ring.act.exchange(activations, act_recv, phase, stream=ACTIVATION_STREAM,
-                                          label=label + " act")
-            self._grad = ring.grad.exchange(grad_send, grad_recv, phase, stream=GRADIENT_STREAM,
-                                            label=label + " grad")
+            self._act = comm.exchange(activations, act_recv, phase, send_to=a_to, recv_from=a_from,
+                                      stream=ACTIVATION_STREAM, label=label + " act")
+            self._grad = ring.grad.exchange(g_send, g_recv, phase, send_to=g_to, recv_from=g_from,
+                                            stream=GRADIENT_STREAM, label=label + " grad")
 
     def activations(self) -> list[torch.Tensor]:
         return self._act.wait()[:self._n_act]
 
-    def gradient(self) -> torch.Tensor:
-        return self._grad.wait()[-1]
+    def gradients(self) -> list[torch.Tensor]:
+        got = self._grad.wait()
+        return got[self._n_act:] if self._grad is self._act else got
 
     def wait(self) -> None:
         self._act.wait()
         self._grad.wait()
 
 
+def last_steps(size: int, needs: Optional[Needs]) -> list[int]:
+    """Per owner position o: the last ring step whose holder (o + step) needs o's block (0 if none;
+    size - 1 for every owner without ``needs``: the full ring). The same list on every member."""
+    if needs is None:
+        return [size - 1] * size
+    return [max((t for t in range(1, size) if needs((o + t) % size, o)), default=0) for o in range(size)]
+
+
 def ring_pass(ring: Optional[Ring], travel: Sequence[torch.Tensor], visit: Visit, phase: str,
-              grad_like: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+              grad_like: Optional[torch.Tensor] = None, needs: Optional[Needs] = None) -> Optional[torch.Tensor]:
     """Circulate ``travel`` around ``ring`` (None = a single rank) calling ``visit(owner_pos, tensors)``.
 
     Without ``grad_like`` the visits' return values are ignored and None is returned. With it
     (a tensor giving the travelling gradient's shape and dtype), ``visit`` returns a fresh tensor,
     the gradient contribution for the owner's block (same shape as ``grad_like``); the
     contributions are summed around the ring and the total for this rank's own block is returned.
+
+    ``needs(holder_pos, owner_pos)`` (a sliding window): a block travels only as far as the last
+    member that needs it (members before that relay it; ``visit`` is called only while a member
+    holds it), and its gradient goes home from there in one message. Every member derives the
+    same per-owner last steps (:func:`last_steps`), so the batches of neighbours still match.
     """
     size, pos = (ring.size, ring.pos) if ring is not None else (1, 0)
+    last = last_steps(size, needs)
+    T = max(last)
     travel = list(travel)
+    like = list(travel)
+    with_grad = grad_like is not None
     home_grad: Optional[torch.Tensor] = None
-    finished: Optional[torch.Tensor] = None  # the gradient accumulated last step, to pass on now
-    for step in range(size):
+    finished: Optional[tuple[torch.Tensor, int]] = None  # (gradient accumulated last step, its owner)
+    for step in range(T + 1 + (1 if with_grad and T >= 1 else 0)):
         owner = (pos - step) % size
-        outgoing = travel if step < size - 1 else []
+        holding = step <= last[owner]  # (false in the final, gradient-only step)
+        act_out = travel if holding and step < last[owner] else []
+        act_in = like if step < last[(pos - 1 - step) % size] else []
+        grad_send = None
+        if finished is not None:
+            g, of = finished
+            grad_send = (g, (pos + 1) % size if step <= last[of] else of)  # on to the next holder, or home
+        grad_recv = []
+        if with_grad and holding and step >= 2:  # the previous holder's sum for this owner's block
+            grad_recv.append((grad_like, (pos - 1) % size))
+        home = with_grad and last[pos] >= 1 and step == last[pos] + 1
+        if home:  # this member's block, summed by every holder
+            grad_recv.append((grad_like, (pos + last[pos]) % size))
         posted = None
-        if outgoing or finished is not None:
-            posted = _StepExchange(ring, outgoing, finished, phase, f"{phase} step {step}")
-        contribution = visit(owner, travel)
-        if grad_like is not None:
-            if step == 0:
-                home_grad = contribution
-            else:
-                if finished is not None:  # the previous rank's sum for this owner's block
-                    contribution.add_(posted.gradient())
-                finished = contribution
-        if outgoing:
-            travel = posted.activations()
-        elif posted is not None:
+        if act_out or act_in or grad_send is not None or grad_recv:
+            label = f"{phase} gradient home" if step > T else f"{phase} step {step}"
+            posted = _StepExchange(ring, act_out, act_in, grad_send, grad_recv, phase, label)
+        finished = None
+        if holding:
+            contribution = visit(owner, travel)
+            if with_grad:
+                if step == 0:
+                    home_grad = contribution
+                else:
+                    if step >= 2:
+                        contribution.add_(posted.gradients()[0])
+                    finished = (contribution, owner)
+        if posted is not None:
+            if act_in:
+                travel = posted.activations()
+            if home:
+                home_grad.add_(posted.gradients()[-1])
             posted.wait()
-    if grad_like is not None and size > 1:
-        home_grad.add_(_StepExchange(ring, [], finished, phase, f"{phase} gradient home").gradient())
     return home_grad
 
 
 def cp_ring_pass(cfg: CPConfig, travel: Sequence[torch.Tensor], visit: Visit, phase: str,
-                 grad_like: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """:func:`ring_pass` over the CP group in ``cfg.ring``'s shape; ``visit`` gets owner CP ranks."""
+                 grad_like: Optional[torch.Tensor] = None, needs: Optional[Needs] = None) -> Optional[torch.Tensor]:
+    """:func:`ring_pass` over the CP group in ``cfg.ring``'s shape; ``visit`` gets owner CP ranks
+    (ring members under Ulysses/USP). ``needs(holder, owner)`` on the same ranks prunes the ring
+    (used only when ``cfg.prune``); on the double ring a node's blocks travel the outer ring as
+    far as the last node with a rank that needs one, the inner rings prune per block."""
     topo = cfg.topology
+    needs = needs if cfg.prune else None
     if cfg.ring == "flat" or topo.num_nodes == 1:
-        return ring_pass(topo.flat, travel, visit, phase, grad_like)
+        return ring_pass(topo.flat, travel, visit, phase, grad_like, needs)
     R = topo.ranks_per_node
+    my_node = topo.node_of(topo.rank)
 
     def visit_node(owner_node: int, tensors: Sequence[torch.Tensor]):
+        inner_needs = None if needs is None else (lambda h, o: needs(my_node * R + h, owner_node * R + o))
         return ring_pass(topo.inner, tensors, lambda owner_local, t: visit(owner_node * R + owner_local, t),
-                         phase, grad_like)
+                         phase, grad_like, inner_needs)
 
-    return ring_pass(topo.outer, travel, visit_node, phase, grad_like)
+    node_needs = None if needs is None else (
+        lambda hn, on: any(needs(hn * R + a, on * R + b) for a in range(R) for b in range(R)))
+    return ring_pass(topo.outer, travel, visit_node, phase, grad_like, node_needs)

@@ -1,4 +1,4 @@
-"""``python -m megatron_burst.bench <name> [options]``: attention | kernels | multinode | loss | ckpt | linear."""
+"""``python -m megatron_burst.bench <name> [options]``: attention | kernels | multinode | loss | ckpt | linear | sparse."""
 import importlib
 import sys
 
@@ -9,6 +9,7 @@ BENCHES = {
     "loss": "megatron_burst.bench.loss",
     "ckpt": "megatron_burst.bench.ckpt",
     "linear": "megatron_burst.bench.linear",
+    "sparse": "megatron_burst.bench.sparse",
 }
 
 

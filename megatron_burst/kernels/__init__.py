@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from megatron_burst.kernels import cpu_flash, cuda_flash, reference, tiled
+from megatron_burst.kernels import block_sparse, cpu_flash, cuda_flash, reference, tiled
 from megatron_burst.layout import BlockMask
 
 BACKENDS: dict[str, ModuleType] = {
@@ -94,7 +94,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Block
     kernel only writes its input dtype.
     """
     qs, ks, vs = q[:, :, mask.q_slice], k[:, :, mask.kv_slice], v[:, :, mask.kv_slice]
-    impl = select(qs, mask.kind, "forward", kernel, ks)
+    impl = block_sparse if mask.kind == "sparse" else select(qs, mask.kind, "forward", kernel, ks)
     return impl.forward(qs, ks, vs, mask.kind, mask.block, scale, **_mask_data(mask))
 
 
@@ -107,13 +107,15 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """
     qsl, ksl = mask.q_slice, mask.kv_slice
     qs, ks = q[:, :, qsl], k[:, :, ksl]
-    impl = select(qs, mask.kind, "backward", kernel, ks)
+    impl = block_sparse if mask.kind == "sparse" else select(qs, mask.kind, "backward", kernel, ks)
     return impl.backward(dout[:, :, qsl], qs, ks, v[:, :, ksl], D[:, :, qsl], lse[:, :, qsl], mask.kind,
                          mask.block, scale, **_mask_data(mask))
 
 
 def _mask_data(mask: BlockMask) -> dict:
     """Extra kernel arguments of data-carrying mask kinds ("positions": positions and document ids)."""
+    if mask.kind == "sparse":
+        return {"plan": mask.plan}
     return {"positions": mask.mask_data} if mask.kind == "positions" else {}
 
 
@@ -150,9 +152,11 @@ def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tens
     """Fold a partial result into running fp32 (out, lse), in place, stably.
 
     out_acc [b, h, r, d] fp32 and lse_acc [b, h, r] fp32 (may be -inf where nothing was seen yet);
-    out_blk/lse_blk the block's normalized output and lse for the same rows (lse_blk finite).
+    out_blk/lse_blk the block's normalized output and lse for the same rows (lse_blk may be -inf
+    where a sparse block's row sees nothing; such a row's out_blk is 0).
     """
     new_lse = torch.logaddexp(lse_acc, lse_blk)
-    out_acc.mul_(torch.exp(lse_acc - new_lse)[..., None])
-    out_acc.add_(out_blk.float() * torch.exp(lse_blk - new_lse)[..., None])
+    ref = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)  # -inf + -inf: weights 0, not NaN
+    out_acc.mul_(torch.exp(lse_acc - ref)[..., None])
+    out_acc.add_(out_blk.float() * torch.exp(lse_blk - ref)[..., None])
     lse_acc.copy_(new_lse)

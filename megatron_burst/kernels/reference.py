@@ -9,8 +9,8 @@ hq % hkv == 0):
 
 ``kind`` is "full", "causal" (row i sees column j iff i >= j), "block_causal" (iff
 i // block >= j // block) or "positions" (iff kv_pos[j] <= q_pos[i] and q_doc[i] == kv_doc[j]; the
-keyword argument ``positions=(q_pos, kv_pos, q_doc, kv_doc)`` gives global positions and document
-ids, LongTensors [sq] / [sk], either pair possibly None, and every row sees at least one column:
+keyword argument ``positions=(q_pos, kv_pos, q_doc, kv_doc, band)`` gives global positions and document
+ids (and the band (left, right) of a sliding window: q_pos - left <= kv_pos <= q_pos + right), LongTensors [sq] / [sk], either pair possibly None, and every row sees at least one column:
 document masks, see megatron_burst.layout.BlockMask and megatron_burst.documents). D = rowsum(dout * out) is passed in, not recomputed: a rank that received
 a remote Q block never has the remote output.
 """

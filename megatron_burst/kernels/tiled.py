@@ -19,17 +19,21 @@ def _tile_mask(kind, block, q0, q1, k0, k1, device, positions=None):
     if kind == "full":
         return None
     if kind == "positions":  # all increasing: compare the tile's corners before building anything
-        q_pos, kv_pos, q_doc, kv_doc = positions
-        if q_pos is not None and int(kv_pos[k0]) > int(q_pos[q1 - 1]):
+        q_pos, kv_pos, q_doc, kv_doc, (left, right) = positions
+        if q_pos is not None and right is not None and int(kv_pos[k0]) > int(q_pos[q1 - 1]) + right:
+            return False
+        if q_pos is not None and left is not None and int(kv_pos[k1 - 1]) < int(q_pos[q0]) - left:
             return False
         if q_doc is not None and (int(kv_doc[k0]) > int(q_doc[q1 - 1]) or int(kv_doc[k1 - 1]) < int(q_doc[q0])):
             return False
         one_doc = q_doc is None or int(q_doc[q0]) == int(q_doc[q1 - 1]) == int(kv_doc[k0]) == int(kv_doc[k1 - 1])
-        if one_doc and (q_pos is None or int(kv_pos[k1 - 1]) <= int(q_pos[q0])):
+        in_band = q_pos is None or ((right is None or int(kv_pos[k1 - 1]) <= int(q_pos[q0]) + right)
+                                    and (left is None or int(kv_pos[k0]) >= int(q_pos[q1 - 1]) - left))
+        if one_doc and in_band:
             return None
         sl = lambda t, a, b: None if t is None else t[a:b]  # noqa: E731
         return positions_visibility(sl(q_pos, q0, q1), sl(kv_pos, k0, k1), sl(q_doc, q0, q1), sl(kv_doc, k0, k1),
-                                    q1 - q0, k1 - k0, device)
+                                    (left, right), q1 - q0, k1 - k0, device)
     if kind == "causal":
         lo_q, hi_k = q0, k1 - 1
         if hi_k <= lo_q:

@@ -255,6 +255,14 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="while training, compute the LM head and vocab-parallel cross-entropy in "
                             "one fused op that never builds the [s, b, V/tp] logits "
                             "(megatron_burst.fused_linear_cross_entropy)")
+    group.add_argument("--sparse-attention", type=str, default="none", choices=["none", "vertical_slash"],
+                       help="vertical_slash: MTraining's dynamic vertical-slash sparse attention in every "
+                            "softmax layer (estimated per step from the last --sparse-last-q queries; ring or "
+                            "burst; use --cp-layout striped --cp-stripe 64 for its balanced sparse ring)")
+    group.add_argument("--sparse-budget", type=float, nargs=2, default=[0.9, 0.9], metavar=("P_V", "P_S"),
+                       help="top-p budgets of the vertical and slash attention mass (default 0.9 0.9)")
+    group.add_argument("--sparse-last-q", type=int, default=64, metavar="N",
+                       help="queries (the last N of the sequence) the dynamic pattern is estimated from (default 64)")
     group = parser.add_argument_group("megatron-burst linear attention",
                                       "LASP-2 linear attention and LASP-2H hybrid models")
     group.add_argument("--linear-attention-type", type=str, default=None, choices=list(LINEAR_ATTENTION_TYPES),
@@ -272,6 +280,22 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="context-parallel algorithm of the linear layers: lasp2 (one all-gather of the "
                             f"per-rank states) or lasp1 (a ring of states) (default {DEFAULT_LINEAR_CP_ALGO})")
     return parser
+
+
+def sparse_from_args(args: argparse.Namespace) -> Optional[tuple]:
+    """(p_v, p_s, last_q) of --sparse-attention vertical_slash, validated; None without it."""
+    if getattr(args, "sparse_attention", "none") in (None, "none"):
+        return None
+    from megatron_burst.dynamic_pattern import Dynamic
+
+    p_v, p_s = getattr(args, "sparse_budget", (0.9, 0.9))
+    budgets = Dynamic(float(p_v), float(p_s), int(getattr(args, "sparse_last_q", 64)))
+    seq = getattr(args, "seq_length", None)
+    try:
+        budgets.check(seq if seq is not None else budgets.last_q)
+    except ValueError as exc:
+        raise ValueError(f"--sparse-budget {p_v} {p_s} --sparse-last-q {budgets.last_q}: {exc}") from None
+    return (budgets.p_v, budgets.p_s, budgets.last_q)
 
 
 def cp_options_from_args(args: argparse.Namespace) -> CPOptions:

@@ -28,8 +28,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_burst.checkpoint import SelectiveAttentionCache, selective_cp_attention
 from megatron_burst.algorithms import prepare
-from megatron_burst.documents import THD
+from megatron_burst.documents import THD, check_window
 from megatron_burst.megatron.args import (STOCK_ATTENTION, CPOptions, check_cp_dropout, check_selective_ckpt_algo,
+                                          sparse_from_args,
                                           cp_ranks_per_node_from_args, make_cp_options, megatron_lm_cp_flags)
 from megatron_burst.megatron.groups import needs_node_topology, needs_usp_topology, resolve_cp_ranks_per_node
 from megatron_burst.megatron.packed import documents_of
@@ -67,6 +68,29 @@ def _check_against_flags(flags, cp_algo: Optional[str], cp_layout: Optional[str]
     if cp_algo is not None and flags.cp_algo is not None and cp_algo != flags.cp_algo:
         raise ValueError(f"the layer spec sets cp_algo={cp_algo!r} but --cp-algo is {flags.cp_algo!r}: pass one "
                          "value (or build the spec without cp_algo)")
+
+
+def layer_window(config, layer_number: int) -> Optional[tuple]:
+    """This layer's sliding window (left, right) from ``config.window_size`` and
+    ``window_attn_skip_freq`` (Megatron-Core's is_layer_window_attention; layer_number 1-based),
+    validated; None for full attention."""
+    window = getattr(config, "window_size", None)
+    if not window:
+        return None
+    freq = getattr(config, "window_attn_skip_freq", None)
+    if isinstance(freq, list) and not 1 <= layer_number <= len(freq):
+        raise ValueError(f"window_attn_skip_freq={freq} has {len(freq)} entries but this is layer {layer_number}: "
+                         "give one 0/1 per layer")
+    if freq is not None and not isinstance(freq, (int, list)):
+        raise ValueError(f"window_attn_skip_freq={freq!r} must be an int N (every N-th layer full) or a 0/1 list")
+    swa = freq is None or (layer_number % freq != 0 if isinstance(freq, int) else bool(freq[layer_number - 1]))
+    if not swa:
+        return None
+    try:
+        check_window(tuple(window))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"window_size={window} (--window-size): {e}") from None
+    return tuple(window)
 
 
 def _mask_is_causal(mask_type: AttnMaskType) -> bool:
@@ -149,6 +173,7 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
         seq_selective_ckpt_ratio: Optional[float] = None,
         cp_ulysses_size: Optional[int] = None,
         cp_layer_comm_types: Optional[tuple] = None,
+        cp_sparse: Optional[tuple] = None,
     ) -> None:
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
@@ -170,6 +195,8 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
             cp_ranks_per_node = cp_ranks_per_node or cp_ranks_per_node_from_args(flags)
             if seq_selective_ckpt_ratio is None:
                 seq_selective_ckpt_ratio = getattr(flags, "seq_selective_ckpt_ratio", None)
+            if cp_sparse is None:
+                cp_sparse = sparse_from_args(flags)
             sizes = getattr(flags, "hierarchical_context_parallel_sizes", None)
             if cp_ulysses_size is None and sizes:
                 cp_ulysses_size = int(sizes[0])
@@ -199,9 +226,27 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
         self.dropout_p = float(config.attention_dropout if attention_dropout is None
                                else attention_dropout)
         check_cp_dropout(self.dropout_p, cp_size)
-        if getattr(config, "window_size", None) is not None:
-            raise ValueError(f"window_size={config.window_size}: sliding-window attention is not "
-                             "supported by megatron-burst; unset window_size (--window-size)")
+        # Sliding window (--window-size), per layer as Megatron-Core decides it (window_attn_skip_freq:
+        # every N-th layer, or a 0/1 list, keeps full attention); validated here, before any collective
+        self.window = layer_window(config, self.layer_number)
+        if self.window is not None and self.dropout_p > 0:
+            raise ValueError(f"window_size={config.window_size} with attention dropout {self.dropout_p}: the dropout "
+                             "path (CP=1) has no sliding window; set --attention-dropout 0")
+        # MTraining's dynamic vertical-slash pattern (--sparse-attention vertical_slash): (p_v, p_s, last_q)
+        self.sparse = None
+        if cp_sparse is not None:
+            from megatron_burst.dynamic_pattern import Dynamic
+
+            self.sparse = Dynamic(*cp_sparse)
+            self.sparse.check(self.sparse.last_q)
+            clash = [name for name, bad in (("--window-size", self.window is not None),
+                                            ("--seq-selective-ckpt-ratio", self.options.selective_ckpt_ratio is not None),
+                                            (f"--cp-algo {self.options.algo}", self.options.algo not in ("ring", "burst")),
+                                            ("attention dropout", self.dropout_p > 0))
+                     if bad]
+            if clash:
+                raise ValueError(f"--sparse-attention vertical_slash runs on the ring/burst schedules alone: drop "
+                                 f"{', '.join(clash)} (use --cp-algo ring or burst)")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by "
                              "megatron-burst: use softmax_type='vanilla'")
@@ -291,7 +336,17 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
             if packed:
                 layout, fmt = THD, "thd"
         s, b = query.shape[0], (1 if fmt == "thd" else query.shape[1])
-        if self.dropout_p > 0 and self.training:
+        if self.sparse is not None:
+            if documents is not None or fmt != "sbhd":
+                raise ValueError("--sparse-attention with documents (packed_seq_params) is not supported: drop "
+                                 "--reset-attention-mask / packed sequences, or the sparse attention")
+            from megatron_burst.sparse import sparse_cp_attention
+
+            out = sparse_cp_attention(query, key, value, self.sparse, group=self.cp_target, layout=layout,
+                                      stripe=opts.stripe, algo=opts.algo, ring=opts.ring,
+                                      softmax_scale=self.softmax_scale)
+            self.resolved_algo = f"{opts.algo} sparse"
+        elif self.dropout_p > 0 and self.training:
             if documents is not None:
                 raise ValueError("attention dropout with documents (packed_seq_params) is not supported by "
                                  "megatron-burst: set --attention-dropout 0")
@@ -299,7 +354,7 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
         else:
             kw = dict(group=self.cp_target, algo=opts.algo, layout=layout, causal=causal, ring=opts.ring,
                       softmax_scale=self.softmax_scale, qkv_format=fmt, stripe=opts.stripe, cu_seqlens=documents,
-                      ulysses_size=opts.ulysses_size if opts.algo == "usp" else None)
+                      ulysses_size=opts.ulysses_size if opts.algo == "usp" else None, window=self.window)
             if self.selective_cache is not None and self.training and _checkpointing():
                 # First forward: store only when Megatron will recompute it (not in a no-grad
                 # scoring pass); the recompute itself (grad enabled) always takes its entry.

@@ -34,6 +34,27 @@ class _OneRankParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _window_type(text: str) -> tuple[int, int]:
+    """'4096,0' or '(4096,0)' -> (4096, 0) (Megatron-LM's tuple_type for --window-size)."""
+    try:
+        window = tuple(int(x) for x in text.strip("()").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window-size {text!r}: give LEFT,RIGHT ints, e.g. 4096,0") from None
+    if len(window) != 2:
+        raise argparse.ArgumentTypeError(f"--window-size {text!r}: give two ints LEFT,RIGHT, e.g. 4096,0")
+    return window
+
+
+def _skip_freq_type(text: str):
+    """'4' -> 4 (every 4th layer full attention); '1,1,0' or '[1,1,0]' -> [1, 1, 0] (one per layer)."""
+    try:
+        parts = [int(x) for x in text.strip("[]()").split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window-attn-skip-freq {text!r}: an int N or a 0/1 list "
+                                         "like 1,1,1,0") from None
+    return parts[0] if len(parts) == 1 and "," not in text and "[" not in text else parts
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Megatron-LM-named flags used by this trainer, plus megatron-burst's (every flag has help)."""
     p = _OneRankParser(
@@ -70,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="std of the normal weight initialization (default 0.02)")
     g.add_argument("--hidden-dropout", type=float, default=0.0,
                    help="default 0.0 (Megatron-LM: 0.1); dropout breaks CP = 1 equivalence")
+    g.add_argument("--window-size", type=_window_type, default=None, metavar="LEFT,RIGHT",
+                   help="sliding-window attention as Megatron's --window-size: query i sees keys i-LEFT ... i "
+                        "(causal; RIGHT is 0 there); -1 = unbounded. Default: full attention")
+    g.add_argument("--window-attn-skip-freq", type=_skip_freq_type, default=None, metavar="N|0,1,...",
+                   help="with --window-size: every N-th layer keeps full attention, or one 0/1 per layer "
+                        "(1 = sliding window), as Megatron-Core's window_attn_skip_freq")
     g.add_argument("--attention-dropout", type=float, default=0.0,
                    help="default 0.0 (Megatron-LM: 0.1); must be 0 with CP > 1")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,

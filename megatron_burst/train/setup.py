@@ -86,6 +86,7 @@ def model_config(args: argparse.Namespace, sizes: ParallelSizes, device: torch.d
         context_parallel_size=sizes.cp,
         cp_comm_type=args.cp_comm_type if not isinstance(args.cp_comm_type, list) else None,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        window_size=getattr(args, "window_size", None), window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None),
         init_method_std=args.init_method_std, normalization=args.normalization,
         gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=args.add_bias_linear,
@@ -105,13 +106,14 @@ def gpt_model_kwargs(args: argparse.Namespace, opts: CPOptions, sizes: ParallelS
     """GPTModel's constructor arguments for these flags, with megatron-burst's layer spec, or with
     --linear-attention-type its hybrid decoder block (linear layers where --linear-attention-freq
     says, megatron-burst's softmax attention in the others)."""
-    from megatron_burst.megatron.args import linear_options_from_args
+    from megatron_burst.megatron.args import linear_options_from_args, sparse_from_args
     from megatron_burst.specs import get_gpt_decoder_block_spec, get_gpt_layer_spec
 
     config = model_config(args, sizes, device)
     softmax = dict(cp_algo=args.cp_algo, cp_layout=opts.layout, cp_stripe=opts.stripe, cp_ring=opts.ring,
                    cp_ranks_per_node=opts.ranks_per_node, seq_selective_ckpt_ratio=opts.selective_ckpt_ratio,
                    cp_ulysses_size=opts.ulysses_size,
+                   **({"cp_sparse": sparse} if (sparse := sparse_from_args(args)) is not None else {}),
                    **({"cp_layer_comm_types": tuple(args.cp_comm_type)} if isinstance(args.cp_comm_type, list)
                       else {}),
                    use_te=False, normalization=args.normalization)

@@ -1,0 +1,120 @@
+"""Sparse attention benchmark: dense vs vertical-slash under zigzag, token-striped, block-striped
+and hierarchical (double-ring) schedules: fwd+bwd time, bytes sent, imbalance degrees.
+
+    python -m megatron_burst.bench sparse --world-size 4 --seq 8192 --heads 2
+
+The pattern is MTraining-like: 4 sink tokens and ``--verticals`` random vertical lines, a local
+band of ``--band`` slash offsets and ``--slashes`` random ones (the same for every head). Dense is
+cp_attention (burst, zigzag). Times are medians of ``--repeats`` between barriers (the slowest rank
+sets the time); on a shared 2-core machine the ranks share cores. Imbalance degrees come from
+megatron_burst.sparse.imbalance (work = visible pairs; worker = sum over steps of the max over
+ranks / sum of the mean; step = mean over ranks of max/mean over its steps).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import megatron_burst as mb
+from megatron_burst.bench.launch import run_local
+from megatron_burst.sparse import VerticalSlash, imbalance
+
+SCHEDULES = {  # name: (layout, stripe, ring)
+    "zigzag": ("zigzag", 1, "flat"),
+    "token-striped": ("striped", 1, "flat"),
+    "block-striped": ("striped", 64, "flat"),
+    "hierarchical": ("striped", 64, "double"),
+}
+
+
+def make_pattern(seq: int, heads: int, verticals: int, band: int, slashes: int, seed: int = 0) -> VerticalSlash:
+    g = torch.Generator().manual_seed(seed)
+    vertical = torch.cat([torch.arange(4), torch.randint(0, seq, (verticals,), generator=g)]).expand(heads, -1)
+    slash = torch.cat([torch.arange(band), torch.randint(band, seq, (slashes,), generator=g)]).expand(heads, -1)
+    return VerticalSlash(vertical.contiguous(), slash.contiguous())
+
+
+def _run(args):
+    W, r = dist.get_world_size(), dist.get_rank()
+    pattern = make_pattern(args.seq, args.heads, args.verticals, args.band, args.slashes)
+    topo = mb.build_cp_topology(None, args.ranks_per_node) if "hierarchical" in args.schedules else None
+    torch.manual_seed(1234)
+    mk = lambda h: torch.randn(args.seq, 1, h, args.head_dim)  # noqa: E731
+    full = [mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)]
+    samples = {name: [] for name in ["dense"] + args.schedules}
+    for i in range(args.warmup + args.repeats):
+        for name in samples:
+            layout, stripe, ring = SCHEDULES.get(name, ("zigzag", 1, "flat"))
+            q, k, v, dout = (mb.shard(t, 0, r, W, layout, stripe) for t in full)
+            ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+            with mb.comm_counter() as c:
+                dist.barrier()
+                t0 = time.perf_counter()
+                if name == "dense":
+                    out = mb.cp_attention(ql, kl, vl, algo="burst", layout="zigzag")
+                else:
+                    out = mb.sparse_cp_attention(ql, kl, vl, pattern, layout=layout, stripe=stripe, algo="burst",
+                                                 ring=ring, group=topo if ring == "double" else None)
+                dist.barrier()
+                t1 = time.perf_counter()
+                out.backward(dout)
+                dist.barrier()
+                t2 = time.perf_counter()
+            if i >= args.warmup:
+                samples[name].append((t1 - t0, t2 - t1, c.bytes("sent")))
+    return {name: (statistics.median(s[0] for s in runs), statistics.median(s[1] for s in runs), runs[-1][2])
+            for name, runs in samples.items()}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m megatron_burst.bench sparse", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--ranks-per-node", type=int, default=2, help="the hierarchical ring's emulated node size")
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--verticals", type=int, default=12)
+    p.add_argument("--band", type=int, default=256, help="local slash offsets 0 .. band-1")
+    p.add_argument("--slashes", type=int, default=32)
+    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    args.kv_heads = args.kv_heads or args.heads
+    for name in args.schedules:
+        layout, stripe, _ = SCHEDULES[name]
+        try:
+            mb.layout.check_seq_len(args.seq, args.world_size, layout, stripe)
+        except ValueError as exc:
+            p.error(f"--seq {args.seq}, schedule {name}: {exc}")
+    pattern = make_pattern(args.seq, args.heads, args.verticals, args.band, args.slashes)
+    res = run_local(args.world_size, _run, args, threads=args.threads)[0]
+    print(f"# sparse attention: W={args.world_size} gloo ranks, seq={args.seq}, heads={args.heads}/{args.kv_heads} kv, "
+          f"head_dim={args.head_dim}, fp32, burst backward; pattern 4 sinks + {args.verticals} vertical, band "
+          f"{args.band} + {args.slashes} slash; median of {args.repeats}")
+    dense_total = res["dense"][0] + res["dense"][1]
+    print("| schedule | fwd s | bwd s | total s | speedup vs dense | MB sent/rank | worker imbalance | step imbalance |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (fwd, bwd, sent) in res.items():
+        if name == "dense":
+            cols = "- | -"
+        else:
+            layout, stripe, ring = SCHEDULES[name]
+            imb = imbalance(pattern, args.seq, args.world_size, layout, stripe=stripe, ring=ring,
+                            ranks_per_node=args.ranks_per_node)
+            cols = f"{imb['worker']:.2f} | {imb['step']:.2f}"
+        print(f"| {name} | {fwd:.3f} | {bwd:.3f} | {fwd + bwd:.3f} | {dense_total / (fwd + bwd):.2f} | "
+              f"{sent / 1e6:.2f} | {cols} |")
+    work = sum(map(sum, imbalance(pattern, args.seq, args.world_size, "zigzag")["work"]))
+    print(f"# sparsity {1 - work / (args.heads * args.seq * (args.seq + 1) / 2):.3f} (of causal pairs)")
+
+
+if __name__ == "__main__":
+    main()

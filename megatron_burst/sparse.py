@@ -1,0 +1,260 @@
+"""Static vertical-slash sparse attention under context parallelism (MTraining's pattern).
+
+A :class:`VerticalSlash` pattern gives every query head h a set of vertical lines (global key
+indices) and slash lines (diagonal offsets >= 0): query i sees key j <= i iff j is a vertical line
+of h or i - j is a slash offset of h. :func:`sparse_cp_attention` computes exactly that masked
+attention over the ring and burst schedules (flat or double ring, every layout). The pattern is
+data, like document masks: :func:`pattern_blocks` turns a (q rank, kv rank) block pair into a
+block-sparse plan -- for every 64-row query tile that sees anything, the key columns its rows see
+(or whole 64-column tiles) and the per-head visibility there -- and the block-sparse kernel
+(:mod:`megatron_burst.kernels.block_sparse`) computes only those tiles. A pair with no visible
+tile is skipped like a causal block in the future.
+
+A query that sees no key at all (no vertical line before it and no slash through it) gets output
+0 and zero gradients (FlashAttention's convention for fully masked rows).
+
+:func:`imbalance` measures how evenly a pattern's work spreads over ranks and ring steps
+(MTraining's worker- and step-level imbalance degrees).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_burst.layout import BlockMask, check_seq_len, layout_indices
+
+import os
+
+# rows and columns of the block-sparse kernel's tiles ($MEGATRON_BURST_SPARSE_TILE overrides, for measuring)
+TILE = int(os.environ.get("MEGATRON_BURST_SPARSE_TILE", "64"))
+# key columns a query tile gathers: "exact" (the columns some row and head of the tile sees: a
+# vertical line costs one column, not a 64-wide tile; 1.9x faster than "tiles" at 16K tokens,
+# 93.5 % sparse, see bench sparse) or "tiles" (whole 64-column tiles with any visible pair)
+COLUMNS = os.environ.get("MEGATRON_BURST_SPARSE_COLUMNS", "exact")
+
+
+@dataclass(eq=False)  # hashed by identity: plans are cached per pattern object
+class VerticalSlash:
+    """vertical: int tensor [h, kv] of global key indices; slash: int tensor [h, ks] of diagonal
+    offsets >= 0 (h = query heads; under GQA each query head has its own lines). Query i of head
+    h sees key j <= i iff j in vertical[h] or i - j in slash[h]. Repeated entries are harmless."""
+
+    vertical: torch.Tensor
+    slash: torch.Tensor
+
+    def check(self, seq_len: int, heads: int) -> None:
+        """Raise ValueError unless the pattern fits ``heads`` query heads over ``seq_len`` tokens."""
+        for name, t in (("vertical", self.vertical), ("slash", self.slash)):
+            if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or t.dim() != 2:
+                raise ValueError(f"VerticalSlash.{name} must be an int32/int64 tensor [heads, lines], got "
+                                 f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+            if t.shape[0] != heads:
+                raise ValueError(f"VerticalSlash.{name} has {t.shape[0]} heads but q has {heads} query heads: "
+                                 "give one row of lines per query head")
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= seq_len):
+                raise ValueError(f"VerticalSlash.{name} holds values in [{int(t.min())}, {int(t.max())}], outside "
+                                 f"[0, {seq_len}) for a global sequence of {seq_len} tokens")
+
+    def lookup(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(is_vertical [h, seq_len], is_slash [h, seq_len]) boolean tables (CPU, cached)."""
+        cached = getattr(self, "_lookup", None)
+        if cached is None or cached[0] != seq_len:
+            h = self.vertical.shape[0]
+            is_v = torch.zeros(h, seq_len, dtype=torch.bool)
+            is_s = torch.zeros(h, seq_len, dtype=torch.bool)
+            is_v.scatter_(1, self.vertical.long().cpu(), True)
+            is_s.scatter_(1, self.slash.long().cpu(), True)
+            cached = (seq_len, is_v, is_s)
+            self._lookup = cached
+        return cached[1], cached[2]
+
+    def visibility(self, seq_len: int, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
+        """Boolean [h, len(q_pos), len(kv_pos)]: which query sees which key, per head."""
+        is_v, is_s = self.lookup(seq_len)
+        diff = q_pos[:, None] - kv_pos[None, :]
+        causal = diff >= 0
+        return causal & (is_v[:, kv_pos][:, None, :] | is_s[:, diff.clamp_min(0)])
+
+    def dense(self, seq_len: int) -> torch.Tensor:
+        """Boolean [h, seq_len, seq_len] visibility (the definition tests check against)."""
+        pos = torch.arange(seq_len)
+        return self.visibility(seq_len, pos, pos)
+
+
+@dataclass(frozen=True)
+class SparseTile:
+    """One query tile of a block-sparse plan: rows [q0, q1), the key columns ``cols`` it gathers
+    (LongTensor; see :func:`plan_tiles`) and the visibility ``vis`` [h, q1-q0, len(cols)]."""
+
+    q0: int
+    q1: int
+    cols: torch.Tensor
+    vis: torch.Tensor
+
+
+def plan_tiles(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos: torch.Tensor,
+               tile: Optional[int] = None, columns: Optional[str] = None) -> tuple[SparseTile, ...]:
+    """The block-sparse plan of queries at ``q_pos`` x keys at ``kv_pos`` (empty: nothing visible):
+    query tiles of ``tile`` (default TILE) rows that see anything, each with the key columns it
+    gathers (``columns``, default COLUMNS: "exact" or whole "tiles" of ``tile`` columns)."""
+    TILE = tile or globals()["TILE"]
+    COLUMNS = columns or globals()["COLUMNS"]
+    tiles = []
+    sk = kv_pos.numel()
+    for q0 in range(0, q_pos.numel(), TILE):
+        q1 = min(q0 + TILE, q_pos.numel())
+        vis = pattern.visibility(seq_len, q_pos[q0:q1], kv_pos)  # [h, tq, sk]
+        seen = vis.any(1).any(0)  # [sk]
+        if COLUMNS == "exact":  # only the columns some row and head of the tile sees
+            cols = seen.nonzero().squeeze(1)
+            if cols.numel() == 0:
+                continue
+        else:
+            starts = [k0 for k0 in range(0, sk, TILE) if bool(seen[k0:k0 + TILE].any())]
+            if not starts:
+                continue
+            cols = torch.cat([torch.arange(k0, min(k0 + TILE, sk)) for k0 in starts])
+        tiles.append(SparseTile(q0, q1, cols, vis[:, :, cols].contiguous()))
+    return tuple(tiles)
+
+
+def _pair_plan(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: int, world_size: int, local_len: int,
+               stripe: int) -> tuple[SparseTile, ...]:
+    """The plan of a block pair, cached on the pattern (a dynamic pattern's plans go with it)."""
+    plans = pattern.__dict__.setdefault("_plans", {})
+    key = (layout, q_rank, kv_rank, world_size, local_len, stripe)
+    if key not in plans:
+        seq_len = local_len * world_size
+        q_pos = layout_indices(seq_len, q_rank, world_size, layout, stripe)
+        kv_pos = layout_indices(seq_len, kv_rank, world_size, layout, stripe)
+        plans[key] = plan_tiles(pattern, seq_len, q_pos, kv_pos)
+    return plans[key]
+
+
+def pattern_blocks(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: int, world_size: int,
+                   local_len: int, stripe: int = 1, q_rows: Optional[int] = None) -> list[tuple[slice, BlockMask]]:
+    """The (batch slice, BlockMask) list of a block pair under ``pattern``: one ``sparse`` block
+    carrying its plan, or [] when no tile is visible (CPConfig.blocks' contract)."""
+    plan = _pair_plan(pattern, layout, q_rank, kv_rank, world_size, local_len, stripe)
+    if q_rows is not None:
+        plan = tuple(SparseTile(t.q0, min(t.q1, q_rows), t.cols, t.vis[:, :q_rows - t.q0]) for t in plan
+                     if t.q0 < q_rows)
+    if not plan:
+        return []
+    return [(slice(None), BlockMask("sparse", 0, local_len, 0, local_len, plan=plan))]
+
+
+def check_pattern_call(pattern: object, seq_len: int, heads: int, algo: str) -> None:
+    """Validate a sparse_cp_attention call's pattern and algorithm (local checks only)."""
+    if not isinstance(pattern, VerticalSlash):
+        raise ValueError(f"pattern={pattern!r}: pass megatron_burst.VerticalSlash(vertical, slash)")
+    if algo not in ("ring", "burst"):
+        raise ValueError(f"algo={algo!r}: sparse attention runs on the ring schedules, choose 'ring' or 'burst'")
+    pattern.check(seq_len, heads)
+
+
+def sparse_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: VerticalSlash, *, group=None,
+                        layout: str = "striped", stripe: int = 64, algo: str = "burst", ring: Optional[str] = None,
+                        softmax_scale: Optional[float] = None, qkv_format: str = "sbhd") -> torch.Tensor:
+    """Context-parallel causal attention restricted to a vertical-slash ``pattern`` (exact).
+
+    q [s, b, hq, d], k/v [s, b, hkv, d] ("sbhd"; or [b, s, h, d] "bshd") hold this rank's s tokens
+    in ``layout``'s order (block-striped by default: stripes of ``stripe`` tokens dealt round-robin,
+    MTraining's balanced sparse ring). ``pattern`` lines are global positions over S = s x CP size.
+    ``algo``: "ring" or "burst" backward; ``ring``: "flat" or "double" (group a CPTopology).
+    ``pattern`` "dynamic" or a :class:`megatron_burst.dynamic_pattern.Dynamic` (budgets p_v, p_s,
+    last_q) estimates MTraining's dynamic pattern from this call's q and k first (identical on
+    every rank; not differentiated through).
+    Returns this rank's output like q; differentiable. Block pairs, query tiles and key columns
+    with no visible pair skip compute; the ring carries every block (the bytes of dense attention).
+    """
+    from megatron_burst.algorithms import prepare, to_bhsd  # the engine imports this module
+    from megatron_burst.dynamic_pattern import Dynamic, estimate
+
+    if qkv_format not in ("sbhd", "bshd"):
+        raise ValueError(f"qkv_format={qkv_format!r}: sparse_cp_attention takes 'sbhd' or 'bshd'")
+    call = prepare(q, k, v, group=group, algo=algo if algo in ("ring", "burst") else "ring", layout=layout,
+                   causal=True, ring=ring, softmax_scale=softmax_scale, qkv_format=qkv_format, stripe=stripe)
+    shape = to_bhsd(q, qkv_format).shape
+    seq_len = shape[2] * call.cfg.world_size
+    if isinstance(pattern, str) and pattern == "dynamic":
+        pattern = Dynamic()
+    if isinstance(pattern, Dynamic):  # validated here, before the estimate's collectives
+        if algo not in ("ring", "burst"):
+            raise ValueError(f"algo={algo!r}: sparse attention runs on the ring schedules, choose 'ring' or 'burst'")
+        pattern.check(seq_len)
+        pattern = estimate(to_bhsd(q, qkv_format), to_bhsd(k, qkv_format), pattern, group=call.cfg.topology.group,
+                           layout=layout, stripe=stripe, softmax_scale=call.cfg.scale)
+    check_pattern_call(pattern, seq_len, shape[1], algo)
+    call.cfg.pattern = pattern
+    return call.apply()
+
+
+def _correlate(q_in: torch.Tensor, kv_in: torch.Tensor) -> torch.Tensor:
+    """c[o] = #{i : q_in[i] and kv_in[i - o]} for every offset o in [0, S) (exact, via an FFT)."""
+    S = q_in.numel()
+    n = 2 * S
+    fq = torch.fft.rfft(q_in.double(), n)
+    fk = torch.fft.rfft(kv_in.double(), n)
+    return torch.fft.irfft(fq * fk.conj(), n)[:S].round().long()
+
+
+def pair_work(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> int:
+    """Visible (head, query, key) pairs of queries at ``q_pos`` x keys at ``kv_pos``, counted per
+    line (no [sq, sk] matrix): vertical hits + slash hits - pairs on both."""
+    q_in = torch.zeros(seq_len, dtype=torch.bool)
+    q_in[q_pos] = True
+    kv_in = torch.zeros(seq_len, dtype=torch.bool)
+    kv_in[kv_pos] = True
+    q_sorted = torch.sort(q_pos).values
+    per_offset = _correlate(q_in, kv_in)  # query i = o + j sees key j on diagonal o
+    total = 0
+    for h in range(pattern.vertical.shape[0]):
+        vert = torch.unique(pattern.vertical[h].long())
+        vert = vert[kv_in[vert]]
+        total += int((q_sorted.numel() - torch.searchsorted(q_sorted, vert)).sum())  # j seen by every i >= j
+        offsets = torch.unique(pattern.slash[h].long())
+        total += int(per_offset[offsets].sum())
+        if vert.numel():
+            on_vert = torch.zeros(seq_len, dtype=torch.bool)
+            on_vert[vert] = True
+            total -= int(_correlate(q_in, on_vert)[offsets].sum())
+    return total
+
+
+def imbalance(pattern: VerticalSlash, seq_len: int, world_size: int, layout: str, stripe: int = 1,
+              ring: str = "flat", ranks_per_node: Optional[int] = None) -> dict:
+    """MTraining's imbalance degrees of ``pattern``'s work on a ring (work = visible query-key pairs
+    over all heads of a block pair; the ring visits pair (r, owner) at the step the schedule does).
+
+    Returns {"worker": max/mean over ranks at each ring step, aggregated as the sum over steps of
+    the max over ranks / the sum over steps of the mean (a ring waits for its slowest rank every
+    step, so this is its time over the ideal); "worker_total": max/mean over ranks of the whole
+    pass's work; "step": the mean over ranks of each rank's max/mean over its ring steps;
+    "work": [rank][step] visible pairs}.
+    ``ring="double"`` orders steps as the hierarchical (outer x inner) ring does, ``ranks_per_node`` per node.
+    """
+    check_seq_len(seq_len, world_size, layout, stripe)
+    W = world_size
+    R = ranks_per_node if ring == "double" else W
+    if ring == "double" and (R is None or W % R):
+        raise ValueError(f"ring='double' needs ranks_per_node dividing world_size={W}, got {ranks_per_node}")
+    idx = [layout_indices(seq_len, r, W, layout, stripe) for r in range(W)]
+    work = [[0] * W for _ in range(W)]
+    for r in range(W):
+        for step in range(W):
+            if ring == "double":  # outer step T (node), inner step t (rank inside the node)
+                T, t = divmod(step, R)
+                node, local = divmod(r, R)
+                owner = ((node - T) % (W // R)) * R + (local - t) % R
+            else:
+                owner = (r - step) % W
+            work[r][step] = pair_work(pattern, seq_len, idx[r], idx[owner])
+    per_step_max = sum(max(work[r][s] for r in range(W)) for s in range(W))
+    total = sum(map(sum, work))
+    worker = per_step_max / (total / W) if total else 1.0
+    worker_total = max(map(sum, work)) / (total / W) if total else 1.0
+    step = sum(max(w) / (sum(w) / W) if sum(w) else 1.0 for w in work) / W
+    return {"worker": worker, "worker_total": worker_total, "step": step, "work": work}

@@ -1,0 +1,170 @@
+"""Static vertical-slash sparse attention (megatron_burst.sparse) under ring and burst, flat and
+double ring, every layout, W in {2, 3, 4, 8}, MHA and GQA, against a dense masked reference
+(forward and gradients); the block-sparse kernel alone; validation; imbalance degrees."""
+import pytest
+import torch
+
+from harness import run_ranks
+import megatron_burst as mb
+from megatron_burst.kernels import block_sparse
+from megatron_burst.sparse import VerticalSlash, imbalance, plan_tiles
+import sparse_cases as sc
+from window_cases import dense_masked_reference
+
+TOL = 2e-5
+
+
+def _check(results, what):
+    for rank, res in enumerate(results):
+        assert res["finite"], f"{what} rank {rank}"
+        for name in ("out", "dq", "dk", "dv"):
+            assert res[name] < TOL, f"{what} rank {rank}: {name} off by {res[name]:.2e}"
+
+
+@pytest.mark.parametrize("W", [2, 3, 4, 8])
+@pytest.mark.parametrize("layout,stripe", [("contiguous", 1), ("zigzag", 1), ("striped", 1), ("striped", 16)])
+def test_vertical_slash_exact(W, layout, stripe):
+    local = 80 if layout == "striped" and stripe == 16 else 72  # tiles of 64 with a partial one
+    for algo, heads in (("burst", (4, 2)), ("ring", (2, 2))):
+        res = run_ranks(W, sc.run_sparse_case, algo, layout, heads, local, stripe=stripe, seed=W)
+        assert res[0]["sparsity"] > 0.5
+        _check(res, f"{algo} {layout}/{stripe} W={W} heads {heads}")
+
+
+@pytest.mark.parametrize("algo", ["ring", "burst"])
+@pytest.mark.parametrize("W,rpn", [(4, 2), (8, 4)])
+def test_vertical_slash_double_ring(algo, W, rpn):
+    res = run_ranks(W, sc.run_sparse_case, algo, "striped", (4, 2), 64, stripe=16, ranks_per_node=rpn, ring="double")
+    _check(res, f"{algo} double {W // rpn}x{rpn}")
+
+
+def test_rows_that_see_nothing_get_zero():
+    res = run_ranks(3, sc.run_sparse_case, "burst", "zigzag", (4, 2), 24, diagonal=False, n_vertical=2, n_slash=2)
+    assert res[0]["empty_rows"] > 0
+    _check(res, "rows seeing nothing")
+
+
+def test_block_sparse_kernel_skips_empty_tiles_and_matches_reference():
+    S, h = 256, 2
+    pattern = VerticalSlash(torch.tensor([[0, 3], [5, 200]]), torch.tensor([[0, 1], [0, 7]]))
+    pos = torch.arange(S)
+    tiled = plan_tiles(pattern, S, pos, pos, columns="tiles")
+    # tiles: 4 x 4 causal; column tiles 0 (verticals 0, 3, 5) and the diagonal (slash) are visible, plus
+    # tile 3 from the vertical line at 200 and the tile before the diagonal where offset 7 crosses it
+    assert [len(t.cols) // 64 for t in tiled] == [1, 2, 3, 3]
+    exact = plan_tiles(pattern, S, pos, pos, columns="exact")
+    vis_all = pattern.dense(S)
+    for t in exact:  # exactly the columns some row of the tile sees, in any head
+        assert t.cols.tolist() == vis_all[:, t.q0:t.q1].any(0).any(0).nonzero().squeeze(1).tolist()
+    assert sum(len(t.cols) for t in exact) < sum(len(t.cols) for t in tiled)
+    plan = exact
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, h, S, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    for other in (tiled, plan_tiles(pattern, S, pos, pos, tile=16)):  # other tilings: the same result
+        torch.testing.assert_close(block_sparse.forward(q, k, v, "sparse", 1, 0.3, plan=other)[0],
+                                   block_sparse.forward(q, k, v, "sparse", 1, 0.3, plan=plan)[0])
+    out, lse = block_sparse.forward(q, k, v, "sparse", 1, 0.3, plan=plan)
+    vis = pattern.dense(S)
+    s = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~vis, float("-inf"))
+    torch.testing.assert_close(out.double(), torch.softmax(s, -1) @ v, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), atol=1e-5, rtol=0)
+    D = (do * out.double()).sum(-1)
+    grads = block_sparse.backward(do, q, k, v, D, lse, "sparse", 1, 0.3, plan=plan)
+    sbhd = lambda t: t.permute(2, 0, 1, 3)  # noqa: E731
+    ref = dense_masked_reference(sbhd(q), sbhd(k), sbhd(v), sbhd(do), vis, 0.3)
+    for got, exp in zip(grads, ref[1:]):
+        torch.testing.assert_close(sbhd(got).double(), exp, atol=1e-5, rtol=0)
+
+
+def test_sparse_validation_names_the_value():
+    q = torch.zeros(16, 1, 2, 4)
+    ok = VerticalSlash(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long))
+    for pattern, needle in ((VerticalSlash(torch.zeros(3, 1, dtype=torch.long), ok.slash), "3 heads"),
+                            (VerticalSlash(torch.tensor([[0], [16]]), ok.slash), "outside [0, 16)"),
+                            (VerticalSlash(ok.vertical.float(), ok.slash), "int32/int64"),
+                            ("vs", "VerticalSlash(vertical, slash)")):
+        with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            mb.sparse_cp_attention(q, q, q, pattern, layout="contiguous", stripe=1)
+    with pytest.raises(ValueError, match="'ring' or 'burst'"):
+        mb.sparse_cp_attention(q, q, q, ok, algo="ulysses", layout="contiguous", stripe=1)
+
+
+def _balance_pattern(S=32768, h=2, seed=0):
+    """MTraining-like: 4 sink tokens and 12 random vertical lines, a local band of 1024 slash
+    offsets and 64 random ones (93.6 % sparse at S = 32768)."""
+    g = torch.Generator().manual_seed(seed)
+    vertical = torch.cat([torch.arange(4).expand(h, 4), torch.randint(0, S, (h, 12), generator=g)], 1)
+    slash = torch.cat([torch.arange(1024).expand(h, 1024), torch.randint(1024, S, (h, 64), generator=g)], 1)
+    return VerticalSlash(vertical, slash)
+
+
+def test_imbalance_block_striped_balances_zigzag_does_not():
+    """The issue's Done-when at W = 8: block-striped worker-level <= 1.05 and step-level <= 1.2,
+    zigzag's step-level >= 2 on the same 90 %+ sparse pattern."""
+    S, W = 32768, 8
+    pattern = _balance_pattern(S)
+    block = imbalance(pattern, S, W, "striped", stripe=64)
+    zigzag = imbalance(pattern, S, W, "zigzag")
+    total = sum(map(sum, block["work"]))
+    assert total == sum(map(sum, zigzag["work"]))  # the same pairs, dealt differently
+    assert 1 - total / (2 * S * (S + 1) / 2) > 0.9
+    assert block["worker"] <= 1.05 and block["step"] <= 1.2, block
+    assert zigzag["step"] >= 2, zigzag
+    assert zigzag["worker"] > block["worker"]
+
+
+def test_imbalance_counts_pairs_exactly():
+    """pair_work (per-line counting with FFT correlations) equals the dense mask's count, and the
+    work table puts pair (rank, owner) at the ring's step, flat and double."""
+    S, W = 512, 4
+    g = torch.Generator().manual_seed(1)
+    pattern = VerticalSlash(torch.randint(0, S, (2, 9), generator=g), torch.randint(0, S, (2, 7), generator=g))
+    vis = sc.definition_mask(pattern, S)
+    for ring in ("flat", "double"):
+        res = imbalance(pattern, S, W, "striped", stripe=4, ring=ring, ranks_per_node=2)
+        for r in range(W):
+            for step in range(W):
+                if ring == "flat":
+                    owner = (r - step) % W
+                else:
+                    T, t = divmod(step, 2)
+                    owner = ((r // 2 - T) % 2) * 2 + (r % 2 - t) % 2
+                qi = mb.layout_indices(S, r, W, "striped", 4)
+                ki = mb.layout_indices(S, owner, W, "striped", 4)
+                assert res["work"][r][step] == int(vis[:, qi][:, :, ki].sum()), (ring, r, step)
+
+
+@pytest.mark.parametrize("W,layout,stripe", [(2, "zigzag", 1), (3, "striped", 8), (4, "contiguous", 1),
+                                             (4, "striped", 8)])
+def test_dynamic_pattern_identical_on_all_ranks_and_exact(W, layout, stripe):
+    """MTraining's Algorithm 1 under CP: every rank estimates the same pattern, the one a single
+    process estimates from the whole sequence; attention under it is exact."""
+    res = run_ranks(W, sc.run_dynamic_case, layout, stripe, 48)
+    whole = run_ranks(1, sc.run_dynamic_case, "contiguous", 1, 0, seq=48 * W)[0]["whole"]
+    for rank, r in enumerate(res):
+        assert r["pattern"] == res[0]["pattern"], f"rank {rank} estimated another pattern"
+        assert r["pattern"] == whole, "the CP estimate differs from the whole-sequence one"
+    assert 0.3 < res[0]["sparsity"] < 1
+    _check(res, f"dynamic {layout}/{stripe} W={W}")
+
+
+def test_dynamic_budgets_validated():
+    from megatron_burst.dynamic_pattern import Dynamic
+
+    q = torch.zeros(16, 1, 2, 4)
+    for bad, needle in ((Dynamic(p_v=0.0), "p_v=0.0"), (Dynamic(p_s=1.5), "p_s=1.5"), (Dynamic(last_q=17), "last_q=17")):
+        with pytest.raises(ValueError, match=needle):
+            mb.sparse_cp_attention(q, q, q, bad, layout="contiguous", stripe=1)
+
+
+def test_bench_sparse_runs_and_refuses_bad_lengths(capsys):
+    from megatron_burst.bench import sparse as bench
+
+    bench.main(["--world-size", "2", "--ranks-per-node", "1", "--seq", "512", "--band", "32", "--verticals", "2",
+                "--slashes", "4", "--repeats", "1", "--warmup", "0"])
+    out = capsys.readouterr().out
+    for name in ("dense", "zigzag", "token-striped", "block-striped", "hierarchical"):
+        assert f"| {name} |" in out, out
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--world-size", "4", "--seq", "384"])
+    assert exc.value.code == 2 and "schedule block-striped" in capsys.readouterr().err
