@@ -8,9 +8,11 @@ setup(
     python_requires=">=3.10",
     # torch is not pinned here: a looser spec would pull CUDA wheels on CPU machines; the Makefile
     # installs torch==2.13.0 when it is absent.
-    install_requires=["torch>=2.6", "megatron-core>=0.15,<0.17", "numpy"],
+    install_requires=["torch>=2.6", "megatron-core>=0.15,<0.17", "numpy", "pyyaml"],  # pyyaml: functional-test cases
     extras_require={
-        "test": ["pytest>=7", "triton"],  # triton: its CPU interpreter tests the GPU kernels
+        # triton: its CPU interpreter tests the GPU kernels; six, regex, pydantic: what Megatron-LM's
+        # training package imports when the functional-test check drives its parse_args
+        "test": ["pytest>=7", "triton", "six", "regex", "pydantic"],
         "bench": ["matplotlib"],
         "triton": ["triton"],
         "gpu": ["flash-attn", "transformer-engine"],
