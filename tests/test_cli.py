@@ -12,8 +12,14 @@ def _run(*argv):
 def test_bench_help_exits_zero_and_lists_the_benchmarks():
     res = _run("megatron_burst.bench", "--help")
     assert res.returncode == 0, res.stderr
-    for name in ("attention", "kernels", "multinode", "loss", "ckpt"):
+    for name in ("attention", "kernels", "multinode", "loss", "ckpt", "linear", "sparse"):
         assert name in res.stdout
+
+
+def test_bench_linear_help_names_the_core_cap():
+    res = _run("megatron_burst.bench", "linear", "--help")
+    assert res.returncode == 0, res.stderr
+    assert "--cpu-per-rank" in res.stdout and "--seqs" in res.stdout
 
 
 def test_bench_unknown_name_is_an_error():

@@ -4,6 +4,11 @@ The benchmark module is re-run inside each node's namespace as ``python -m megat
 <name> --worker --rank R --world-size W --out DIR <forwarded flags>``; each rank writes
 ``DIR/rank<R>.json`` and ends through megatron_burst.world.exit_rank. Each rank drives its own NIC
 (rail), as GPUs do on the clusters the papers measure.
+
+With ``cpu_per_rank`` each rank also runs in a CPU cgroup (v1 ``cpu`` controller) capped at that
+many cores. More ranks than cores otherwise share the cores unevenly: a rank that waits lends its
+core to the others, so a schedule that leaves ranks idle (a sequential chain) looks cheaper than on
+real hardware, where each rank owns its device. A fixed cap makes every rank a device of fixed speed.
 """
 from __future__ import annotations
 
@@ -17,11 +22,33 @@ import time
 from megatron_burst.bench.netns import EmulatedNodes, NetnsError
 
 
+CPU_CGROUP_ROOT = "/sys/fs/cgroup/cpu"
+CFS_PERIOD_US = 100_000
+
+
+def _cpu_cgroups(world: int, cpu_per_rank: float) -> list[str]:
+    """One cgroup per rank capped at ``cpu_per_rank`` cores; their paths (SystemExit if impossible)."""
+    if not os.path.isdir(CPU_CGROUP_ROOT) or not os.access(CPU_CGROUP_ROOT, os.W_OK):
+        raise SystemExit(f"--cpu-per-rank {cpu_per_rank} needs a writable cgroup v1 cpu controller at "
+                         f"{CPU_CGROUP_ROOT} (run as root), or drop --cpu-per-rank")
+    paths = []
+    for r in range(world):
+        path = os.path.join(CPU_CGROUP_ROOT, f"megatron_burst_{os.getpid()}_rank{r}")
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "cpu.cfs_period_us"), "w") as f:
+            f.write(str(CFS_PERIOD_US))
+        with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
+            f.write(str(int(cpu_per_rank * CFS_PERIOD_US)))
+        paths.append(path)
+    return paths
+
+
 def run_on_emulated_nodes(bench: str, forwarded: list[str], nodes: int, ranks_per_node: int, inter_mbit: float,
-                          intra_mbit: float, timeout: float) -> list[dict]:
+                          intra_mbit: float, timeout: float, cpu_per_rank: float | None = None) -> list[dict]:
     """Start ``nodes * ranks_per_node`` ranks of ``bench`` and return their JSON results, rank order."""
     world = nodes * ranks_per_node
     out_dir = tempfile.mkdtemp(prefix=f"mb_{bench}_")
+    cgroups = _cpu_cgroups(world, cpu_per_rank) if cpu_per_rank else []
     try:
         with EmulatedNodes(nodes, inter_mbit, intra_mbit, nics=ranks_per_node) as emulated:
             port = 29500 + os.getpid() % 1000
@@ -34,6 +61,10 @@ def run_on_emulated_nodes(bench: str, forwarded: list[str], nodes: int, ranks_pe
                     sys.executable, "-m", "megatron_burst.bench", bench, "--worker", "--rank", str(r),
                     "--world-size", str(world), "--out", out_dir] + forwarded
                 procs.append(subprocess.Popen(cmd, env=env))
+                if cgroups:  # from here (ip netns exec remounts /sys): the pid stays python's after exec,
+                    # and every thread the rank starts inherits the cap
+                    with open(os.path.join(cgroups[r], "cgroup.procs"), "w") as f:
+                        f.write(str(procs[-1].pid))
             deadline = time.time() + timeout
             while any(pr.poll() is None for pr in procs):
                 if time.time() > deadline or any(pr.poll() not in (None, 0) for pr in procs):
@@ -43,6 +74,12 @@ def run_on_emulated_nodes(bench: str, forwarded: list[str], nodes: int, ranks_pe
                 time.sleep(0.5)
     except NetnsError as e:
         raise SystemExit(f"cannot emulate nodes here: {e}")
+    finally:
+        for path in cgroups:  # empty once its rank has exited
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
     results = []
     for r in range(world):
         with open(os.path.join(out_dir, f"rank{r}.json")) as f:

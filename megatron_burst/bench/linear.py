@@ -122,6 +122,10 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--cpu-per-rank", type=float, default=None,
+                   help="cap each rank at this many cores (a CPU cgroup per rank), so that a rank waiting in "
+                        "LASP-1's chain does not lend its core to the others: a device of fixed speed per rank. "
+                        "Default: cores / ranks when there are more ranks than cores, else no cap; 0: no cap")
     p.add_argument("--plot", default="docs/linear.png")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -140,10 +144,15 @@ def main(argv=None) -> None:
     forwarded = ["--seqs", *map(str, args.seqs)]
     for name in ("softmax_max_seq", "heads", "head_dim", "repeats", "warmup"):
         forwarded += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    cpu_per_rank = args.cpu_per_rank
+    if cpu_per_rank is None:
+        cores = len(os.sched_getaffinity(0))
+        cpu_per_rank = cores / W if W > cores else 0
     per_rank = run_on_emulated_nodes("linear", forwarded, args.nodes, args.ranks_per_node, args.inter_mbit,
-                                     args.inter_mbit * args.ratio, args.timeout)
+                                     args.inter_mbit * args.ratio, args.timeout, cpu_per_rank or None)
     summary = summarize(per_rank, args.repeats)
-    title = (f"{args.nodes} nodes x {args.ranks_per_node} ranks (gloo), inter {args.inter_mbit:g} Mbit/s per rank, "
+    title = (f"{args.nodes} nodes x {args.ranks_per_node} ranks (gloo"
+             f"{f', {cpu_per_rank:g} core each' if cpu_per_rank else ''}), inter {args.inter_mbit:g} Mbit/s per rank, "
              f"{args.heads} heads x {args.head_dim}, fp32, fwd+bwd, median of {args.repeats}")
     print(f"# {title}")
     print("| seq | lasp2 s | lasp1 s | lasp1 / lasp2 | gdn s | ring s | burst s | lasp2 MB sent/rank | lasp1 MB | "
