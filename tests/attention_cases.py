@@ -98,7 +98,6 @@ def run_matrix(algo, layout, world_size_check=None, **kw):
 
 def bad_input_errors():
     """Each bad input must raise ValueError locally; afterwards the group must still work."""
-    W = dist.get_world_size()
     good = lambda s=6, h=4, hk=2, d=8: torch.randn(s, 1, h, d)  # noqa: E731
     cases = {
         "seq_not_divisible": dict(q=good(5), k=good(5, 2), v=good(5, 2), layout="zigzag"),
@@ -114,6 +113,12 @@ def bad_input_errors():
         "bias": dict(q=good(), k=good(6, 2), v=good(6, 2), attn_bias=torch.zeros(1)),
         "format": dict(q=good(), k=good(6, 2), v=good(6, 2), qkv_format="thd"),
     }
+    return refusal_messages(cases)
+
+
+def refusal_messages(cases: dict) -> tuple:
+    """cp_attention on each case's kwargs (q, k, v among them): ({name: ValueError text or None},
+    bytes moved by all of them, whether the group still works afterwards)."""
     messages = {}
     with mb.comm_counter() as counter:
         for name, kw in cases.items():
@@ -124,4 +129,4 @@ def bad_input_errors():
                 messages[name] = str(e)
     t = torch.ones(1)
     dist.all_reduce(t)  # the group is still usable: nothing was left half-posted
-    return messages, counter.bytes("sent") + counter.bytes("received"), t.item() == W
+    return messages, counter.bytes("sent") + counter.bytes("received"), t.item() == dist.get_world_size()

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_burst as mb
-from attention_cases import HEADS, run_case
+from attention_cases import HEADS, refusal_messages, run_case
 from megatron_burst.topology import build_usp_topology
 
 
@@ -49,7 +49,6 @@ def family_schedule(algo, layout="zigzag", heads="gqa4", ulysses_size=None, rank
 
 def bad_family_inputs():
     """Each bad input raises ValueError locally, before any collective; the group still works."""
-    W = dist.get_world_size()
     mk = lambda s=8, h=4, d=8: torch.randn(s, 1, h, d)  # noqa: E731
     cases = {
         "ulysses_heads": dict(q=mk(h=6), k=mk(h=6), v=mk(h=6), algo="ulysses"),  # 6 % 4
@@ -61,17 +60,7 @@ def bad_family_inputs():
         "ring_backward": dict(q=mk(), k=mk(), v=mk(), algo="usp", ulysses_size=2, ring_backward="p2p"),
         "allgather_seq": dict(q=mk(s=5), k=mk(s=5), v=mk(s=5), algo="allgather"),
     }
-    messages = {}
-    with mb.comm_counter() as counter:
-        for name, kw in cases.items():
-            try:
-                mb.cp_attention(kw.pop("q"), kw.pop("k"), kw.pop("v"), **kw)
-                messages[name] = None
-            except ValueError as e:
-                messages[name] = str(e)
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    return messages, counter.bytes("sent") + counter.bytes("received"), t.item() == W
+    return refusal_messages(cases)
 
 
 def auto_choice(heads, ulysses_size=None, local_len=6, d=8):
