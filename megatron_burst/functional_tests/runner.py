@@ -59,6 +59,9 @@ class CaseResult:
         return self.error is None and all(c.ok for c in self.checks)
 
 
+FAILED_RANK_GRACE_S = 10.0  # how long the other ranks may take to exit once one has failed
+
+
 def prepare_data(work_root: Path) -> Path:
     """``${DATA_PATH}``: a directory holding the built-in byte corpus as ``CORPUS_NAME.{bin,idx}``
     (Megatron indexed data; NullTokenizer with --vocab-size 256 reads it: bytes, EOD 256)."""
@@ -123,7 +126,12 @@ def _launch_once(world_size: int, argv: Sequence[str], cwd: Path, log_path: Path
             for i, p in enumerate(procs):
                 codes[i] = p.poll()
             if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
-                for p in procs:  # one rank failed (or time is up): the others would wait forever
+                # one rank failed (or time is up): the others would wait forever. A short grace first,
+                # so that a rank failing on the same error (rank 0 prints usage errors) gets it logged
+                grace = time.monotonic() + (FAILED_RANK_GRACE_S if time.monotonic() <= deadline else 0.0)
+                while any(p.poll() is None for p in procs) and time.monotonic() < grace:
+                    time.sleep(0.05)
+                for p in procs:
                     if p.poll() is None:
                         p.kill()
                 for i, p in enumerate(procs):
