@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import megatron_burst as mb
+from linear_cases import relative_errors
 from megatron_burst.linear import gated_delta_rule, naive_gated_delta_rule
 
 B, H, DK, DV = 2, 2, 8, 4
@@ -63,11 +64,8 @@ def _gdn_case(layout, local_len, dtype, stripe, seed, qkv_format, kernel) -> dic
         out = gated_delta_rule(*(fmt(t) for t in leaves), group=None, layout=layout, stripe=stripe,
                                qkv_format=qkv_format, kernel=kernel)
         out.backward(fmt(sh(dout)))
-    errs = {}
     pairs = [("out", fmt(out), ref_out)] + [(f"d{n}", l.grad, rl.grad) for n, l, rl in zip(NAMES, leaves, ref_leaves)]
-    for name, got, want in pairs:
-        want = sh(want.detach())
-        errs[name] = ((got.double() - want).abs().max() / want.abs().max()).item()
+    errs = relative_errors(pairs, sh)
     errs["dtype"] = str(out.dtype)
     errs["bytes"] = {p: counter.bytes("sent", phase=p) for p in ("forward", "backward")}
     return errs

@@ -14,6 +14,26 @@ import megatron_burst as mb
 from megatron_burst.linear import linear_attention, naive_linear_attention
 
 B, H, DK, DV = 2, 2, 8, 4
+FP32_TOL = 1e-5  # relative to the reference's largest magnitude
+# local lengths: not multiples of the 64-token chunk; striped holds two 64-token stripes per rank
+LOCAL = {"contiguous": 70, "zigzag": 70, "striped": 128}
+
+
+def check_errors(res: dict, tol: float = FP32_TOL, what: str = "") -> None:
+    """Assert every relative error of a case's result (all but its bytes and dtype) is within tol."""
+    for name, err in res.items():
+        if name in ("bytes", "dtype"):
+            continue
+        assert err <= tol, f"{what}: {name} relative error {err:.2e} > {tol:.0e}"
+
+
+def relative_errors(pairs, shard) -> dict:
+    """{name: max |got - shard(want)| / max |shard(want)|} for (name, got, full-sequence want) pairs."""
+    errs = {}
+    for name, got, want in pairs:
+        want = shard(want.detach())
+        errs[name] = ((got.double() - want).abs().max() / want.abs().max()).item()
+    return errs
 
 
 def full_inputs(seq: int, gform, dtype: torch.dtype, seed: int = 0):
@@ -49,11 +69,8 @@ def run_case(algo: str, layout: str, causal: bool, gform, local_len: int, dtype=
         out = linear_attention(*leaves, group=None, g=g_local, causal=causal, layout=layout, stripe=stripe,
                                algo=algo)
         out.backward(sh(dout))
-    errs = {}
     pairs = [("out", out, ref_out)] + [(f"d{n}", l.grad, rl.grad) for n, l, rl in zip("qkv", leaves, ref_leaves)]
-    for name, got, want in pairs:
-        want = sh(want.detach())
-        errs[name] = ((got.double() - want).abs().max() / want.abs().max()).item()
+    errs = relative_errors(pairs, sh)
     if g is not None:
         dg = g_local.grad.double()
         if g.dim() == 1:  # a per-head decay is shared by every rank's tokens: its gradient sums over ranks

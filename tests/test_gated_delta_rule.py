@@ -7,18 +7,7 @@ import torch
 
 from harness import run_ranks
 from gdn_cases import B, DK, DV, H, bad_input_messages, run_gdn_case
-
-FP32_TOL = 1e-5  # relative to the reference's largest magnitude
-# local lengths: not multiples of the 64-token chunk (70 = a full and a partial chunk; zigzag: two
-# 35-token segments); striped holds two 64-token stripes per rank
-LOCAL = {"contiguous": 70, "zigzag": 70, "striped": 128}
-
-
-def _check(res, tol=FP32_TOL, what=""):
-    for name, err in res.items():
-        if name in ("bytes", "dtype"):
-            continue
-        assert err <= tol, f"{what}: {name} relative error {err:.2e} > {tol:.0e}"
+from linear_cases import LOCAL, check_errors
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
@@ -27,13 +16,13 @@ def test_gated_delta_rule_matches_the_recurrence(world_size, layout):
     stripe = 64 if layout == "striped" else 1
     for rank, res in enumerate(run_ranks(world_size, run_gdn_case, layout, LOCAL[layout], stripe=stripe)):
         assert set(res) >= {"out", "dq", "dk", "dv", "dg", "dbeta"}
-        _check(res, what=f"gdn W={world_size} {layout} rank {rank}")
+        check_errors(res, what=f"gdn W={world_size} {layout} rank {rank}")
 
 
 def test_long_segments_span_many_chunks_and_bshd():
     """200 tokens per rank (3 full chunks and a partial one) in the [b, s, h, d] format."""
     for res in run_ranks(2, run_gdn_case, "contiguous", 200, qkv_format="bshd"):
-        _check(res, what="bshd 200")
+        check_errors(res, what="bshd 200")
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
@@ -45,7 +34,7 @@ def test_fla_kernel_path_matches_the_recurrence(world_size, layout):
     stripe = 64 if layout == "striped" else 1
     for rank, res in enumerate(run_ranks(world_size, run_gdn_case, layout, LOCAL[layout], stripe=stripe,
                                          kernel="fla")):
-        _check(res, what=f"fla W={world_size} {layout} rank {rank}")
+        check_errors(res, what=f"fla W={world_size} {layout} rank {rank}")
         segments = {"contiguous": 1, "zigzag": 2, "striped": 2}[layout]
         assert res["bytes"] == {"forward": _gdn_bytes(world_size, segments, "forward"),
                                 "backward": _gdn_bytes(world_size, segments, "backward")}
@@ -54,7 +43,7 @@ def test_fla_kernel_path_matches_the_recurrence(world_size, layout):
 def test_bf16_inputs_keep_fp32_states():
     for res in run_ranks(2, run_gdn_case, "zigzag", 70, torch.bfloat16):
         assert res["dtype"] == "torch.bfloat16"
-        _check(res, tol=2e-2, what="bf16")
+        check_errors(res, tol=2e-2, what="bf16")
 
 
 def _gdn_bytes(world_size, segments, phase):

@@ -6,19 +6,9 @@ import pytest
 import torch
 
 from harness import run_ranks
-from linear_cases import B, DK, DV, H, bad_input_messages, run_case
+from linear_cases import B, DK, DV, H, LOCAL, bad_input_messages, check_errors, run_case
 
 GFORMS = [None, "head", "token", "channel"]
-FP32_TOL = 1e-5  # relative to the reference's largest magnitude
-# local lengths: not multiples of the 64-token chunk; striped holds two 64-token stripes per rank
-LOCAL = {"contiguous": 70, "zigzag": 70, "striped": 128}
-
-
-def _check(res, tol=FP32_TOL, what=""):
-    for name, err in res.items():
-        if name in ("bytes", "dtype"):
-            continue
-        assert err <= tol, f"{what}: {name} relative error {err:.2e} > {tol:.0e}"
 
 
 @pytest.mark.parametrize("gform", GFORMS)
@@ -28,14 +18,14 @@ def test_lasp2_matches_the_recurrence(world_size, layout, gform):
     stripe = 64 if layout == "striped" else 1
     for rank, res in enumerate(run_ranks(world_size, run_case, "lasp2", layout, True, gform, LOCAL[layout],
                                          stripe=stripe)):
-        _check(res, what=f"lasp2 W={world_size} {layout} g={gform} rank {rank}")
+        check_errors(res, what=f"lasp2 W={world_size} {layout} g={gform} rank {rank}")
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_bidirectional_matches(world_size, layout):
     for res in run_ranks(world_size, run_case, "lasp2", layout, False, None, 10):
-        _check(res, what=f"bidirectional W={world_size} {layout}")
+        check_errors(res, what=f"bidirectional W={world_size} {layout}")
 
 
 @pytest.mark.parametrize("causal,gform", [(True, None), (True, "channel"), (True, "head"), (False, None)])
@@ -43,7 +33,7 @@ def test_bidirectional_matches(world_size, layout):
 def test_lasp1_matches(layout, causal, gform):
     for world_size in (2, 3):
         for res in run_ranks(world_size, run_case, "lasp1", layout, causal, gform, 70 if causal else 10):
-            _check(res, what=f"lasp1 W={world_size} {layout} causal={causal} g={gform}")
+            check_errors(res, what=f"lasp1 W={world_size} {layout} causal={causal} g={gform}")
 
 
 def test_bf16_inputs_keep_fp32_states():
@@ -51,7 +41,7 @@ def test_bf16_inputs_keep_fp32_states():
     reference value (bf16 carries 8 bits; accumulating the state in bf16 would not stay there)."""
     for res in run_ranks(2, run_case, "lasp2", "zigzag", True, "channel", 70, torch.bfloat16):
         assert res["dtype"] == "torch.bfloat16"
-        _check(res, tol=1e-2, what="bf16")
+        check_errors(res, tol=1e-2, what="bf16")
 
 
 def _lasp2_bytes(world_size, segments, dkg, phase):
