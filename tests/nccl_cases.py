@@ -122,3 +122,21 @@ def gdn_schedule(layout: str):
     result = _replays(trace)
     result["max_err"] = max(v for key, v in errs.items() if key not in ("bytes", "dtype"))
     return result
+
+
+def sparse_dynamic_schedule(algo: str):
+    """sparse_cp_attention with MTraining's dynamic pattern (its mass all-reduce, then the ring) forward
+    + backward, recorded and replayed; every rank must get the same output shape and finite grads."""
+    W, r = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(11)
+    full = [torch.randn(128 * W, 1, 2, 8, generator=gen) for _ in range(4)]
+    q, k, v, dout = (mb.shard(t, 0, r, W, "striped", 64).clone() for t in full)
+    for t in (q, k, v):
+        t.requires_grad_()
+    with record_schedule() as trace:
+        out = mb.sparse_cp_attention(q, k, v, "dynamic", layout="striped", stripe=64, algo=algo)
+        out.backward(dout)
+    result = _replays(trace)
+    result["finite"] = all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v))
+    result["kinds"] = sorted({op.kind for kind, batch in trace.events if kind == "post" for op in batch.ops})
+    return result

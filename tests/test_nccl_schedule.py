@@ -167,3 +167,12 @@ def test_document_mask_schedules_complete_under_nccl(algo, ring, world_size):
     for rank, res in enumerate(run_ranks(world_size, nccl_cases.document_schedule, algo, ring, DOUBLE[world_size])):
         _assert_replays(res, f"documents {algo}/{ring} W={world_size} rank {rank}")
         assert res["max_err"] < 1e-5
+
+
+@pytest.mark.parametrize("algo", ["ring", "burst"])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_sparse_dynamic_schedules_complete_under_nccl(algo, world_size):
+    """MTraining's dynamic pattern: the attention-mass all-reduce, then the (unchanged) ring."""
+    for rank, res in enumerate(run_ranks(world_size, nccl_cases.sparse_dynamic_schedule, algo)):
+        _assert_replays(res, f"sparse dynamic {algo} W={world_size} rank {rank}")
+        assert res["finite"] and "all_reduce" in res["kinds"], res["kinds"]
