@@ -140,3 +140,15 @@ def sparse_dynamic_schedule(algo: str):
     result["finite"] = all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v))
     result["kinds"] = sorted({op.kind for kind, batch in trace.events if kind == "post" for op in batch.ops})
     return result
+
+
+def previous_tokens_schedule(layout: str):
+    """The Gated DeltaNet conv halo (previous_tokens' all-gathers, forward and backward), replayed."""
+    from gdn_cases import previous_tokens_case
+
+    stripe = 64 if layout == "striped" else 1
+    with record_schedule() as trace:
+        errs = previous_tokens_case(layout, 128 if stripe > 1 else 70, 3, stripe=stripe)
+    result = _replays(trace)
+    result["max_err"] = max(errs["halo"], errs["grad"])
+    return result

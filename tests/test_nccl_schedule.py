@@ -176,3 +176,12 @@ def test_sparse_dynamic_schedules_complete_under_nccl(algo, world_size):
     for rank, res in enumerate(run_ranks(world_size, nccl_cases.sparse_dynamic_schedule, algo)):
         _assert_replays(res, f"sparse dynamic {algo} W={world_size} rank {rank}")
         assert res["finite"] and "all_reduce" in res["kinds"], res["kinds"]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gated_delta_net_conv_halo_schedules_complete_under_nccl(layout, world_size):
+    """CPGatedDeltaNet's short-conv halo: one all-gather of segment tails each way."""
+    for rank, res in enumerate(run_ranks(world_size, nccl_cases.previous_tokens_schedule, layout)):
+        _assert_replays(res, f"conv halo {layout} W={world_size} rank {rank}")
+        assert res["max_err"] < 1e-6
