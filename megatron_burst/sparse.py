@@ -33,6 +33,12 @@ TILE = int(os.environ.get("MEGATRON_BURST_SPARSE_TILE", "64"))
 # vertical line costs one column, not a 64-wide tile; 1.9x faster than "tiles" at 16K tokens,
 # 93.5 % sparse, see bench sparse) or "tiles" (whole 64-column tiles with any visible pair)
 COLUMNS = os.environ.get("MEGATRON_BURST_SPARSE_COLUMNS", "exact")
+# a key column goes to the tile matmul when at least this fraction of the tile's (head, row) cells
+# see it, else its visible pairs are gathered row by row (kernels/row_gather.py). Measured on CPU
+# (16K tokens, W = 4, fwd + bwd): a gathered pair costs ~16x a tile score (680 vs 41 ns), so 1/16
+# is the break-even: an isolated slash (1/64 of a tile's cells per column) is gathered, vertical
+# lines and a dense band stay in the matmul.
+DENSE_COLUMN = float(os.environ.get("MEGATRON_BURST_SPARSE_DENSE_COLUMN", "0.0625"))
 
 
 @dataclass(eq=False)  # hashed by identity: plans are cached per pattern object
@@ -94,34 +100,98 @@ class SparseTile:
     vis: torch.Tensor
 
 
-def plan_tiles(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos: torch.Tensor,
-               tile: Optional[int] = None, columns: Optional[str] = None) -> tuple[SparseTile, ...]:
-    """The block-sparse plan of queries at ``q_pos`` x keys at ``kv_pos`` (empty: nothing visible):
-    query tiles of ``tile`` (default TILE) rows that see anything, each with the key columns it
-    gathers (``columns``, default COLUMNS: "exact" or whole "tiles" of ``tile`` columns)."""
+@dataclass(frozen=True)
+class SparseRows:
+    """A group of the row-gathered part of a block-sparse plan (kernels/row_gather.py): local
+    query rows ``rows`` [R] (increasing), idx [h, R, n] the local key indices each row gathers
+    (padding: 0) and valid [h, R, n] which of them are visible. A plan's rows are grouped by how
+    many keys they gather (rounded up to a power of two), so little is padded."""
+
+    rows: torch.Tensor
+    idx: torch.Tensor
+    valid: torch.Tensor
+
+    def first(self, q_rows: int) -> Optional["SparseRows"]:
+        """This group limited to rows < q_rows (None if none is left)."""
+        keep = int((self.rows < q_rows).sum())
+        if keep == self.rows.numel():
+            return self
+        return SparseRows(self.rows[:keep], self.idx[:, :keep], self.valid[:, :keep]) if keep else None
+
+
+def plan_pair(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos: torch.Tensor,
+              tile: Optional[int] = None, columns: Optional[str] = None, dense_column: Optional[float] = None
+              ) -> tuple[tuple[SparseTile, ...], tuple[SparseRows, ...]]:
+    """The sparse plan of queries at ``q_pos`` x keys at ``kv_pos``: (tiles, row groups).
+
+    Query tiles of ``tile`` (default TILE) rows; in each, the key columns that at least
+    ``dense_column`` (default DENSE_COLUMN) of the tile's (head, row) cells see go to the tile
+    kernel (``columns``, default COLUMNS: those "exact" columns, or the whole "tiles" of ``tile``
+    columns holding them); the other visible pairs are gathered row by row (row groups; empty
+    when there are none). ``dense_column=0`` puts every visible column in the tiles. Every
+    visible pair lands in exactly one of the two parts.
+    """
     TILE = tile or globals()["TILE"]
     COLUMNS = columns or globals()["COLUMNS"]
-    tiles = []
+    threshold = DENSE_COLUMN if dense_column is None else dense_column
+    tiles, leftovers = [], []
     sk = kv_pos.numel()
     for q0 in range(0, q_pos.numel(), TILE):
         q1 = min(q0 + TILE, q_pos.numel())
         vis = pattern.visibility(seq_len, q_pos[q0:q1], kv_pos)  # [h, tq, sk]
-        seen = vis.any(1).any(0)  # [sk]
+        count = vis.sum((0, 1))  # [sk] cells of the tile seeing each column
+        dense = (count > 0) & (count >= threshold * vis.shape[0] * (q1 - q0))
         if COLUMNS == "exact":  # only the columns some row and head of the tile sees
-            cols = seen.nonzero().squeeze(1)
-            if cols.numel() == 0:
-                continue
+            cols = dense.nonzero().squeeze(1)
         else:
-            starts = [k0 for k0 in range(0, sk, TILE) if bool(seen[k0:k0 + TILE].any())]
-            if not starts:
-                continue
-            cols = torch.cat([torch.arange(k0, min(k0 + TILE, sk)) for k0 in starts])
-        tiles.append(SparseTile(q0, q1, cols, vis[:, :, cols].contiguous()))
-    return tuple(tiles)
+            starts = [k0 for k0 in range(0, sk, TILE) if bool(dense[k0:k0 + TILE].any())]
+            cols = torch.cat([torch.arange(k0, min(k0 + TILE, sk)) for k0 in starts]) if starts else dense.nonzero()[:0, 0]
+        if cols.numel():
+            tiles.append(SparseTile(q0, q1, cols, vis[:, :, cols].contiguous()))
+            vis[:, :, cols] = False
+        nz = vis.nonzero()  # (head, row, col), row-major
+        nz[:, 1] += q0
+        leftovers.append(nz)
+    return tuple(tiles), _row_groups(torch.cat(leftovers), pattern.vertical.shape[0], q_pos.numel())
+
+
+def _row_groups(nz: torch.Tensor, heads: int, n_rows: int) -> tuple[SparseRows, ...]:
+    """Row groups of the visible (head, row, col) triples ``nz`` [p, 3]."""
+    if nz.numel() == 0:
+        return ()
+    cell = nz[:, 0] * n_rows + nz[:, 1]
+    order = torch.argsort(cell, stable=True)
+    nz, cell = nz[order], cell[order]
+    per_cell = torch.bincount(cell, minlength=heads * n_rows)
+    slot = torch.arange(cell.numel()) - (per_cell.cumsum(0) - per_cell)[cell]  # rank inside its (head, row)
+    n_max = int(per_cell.max())
+    idx = torch.zeros(heads, n_rows, n_max, dtype=torch.long)
+    valid = torch.zeros(heads, n_rows, n_max, dtype=torch.bool)
+    idx[nz[:, 0], nz[:, 1], slot] = nz[:, 2]
+    valid[nz[:, 0], nz[:, 1], slot] = True
+    per_row = per_cell.view(heads, n_rows).amax(0)
+    # rows grouped by their key count rounded up to a power of two: a few groups (each a handful
+    # of kernel calls), at most 2x padding
+    bucket = torch.where(per_row > 0, 2 ** torch.ceil(torch.log2(per_row.clamp_min(1).double())).long(), 0)
+    groups = []
+    for n in bucket.unique().tolist():
+        if n:
+            rows = (bucket == n).nonzero().squeeze(1)
+            n = min(n, n_max)
+            groups.append(SparseRows(rows, idx[:, rows, :n].contiguous(), valid[:, rows, :n].contiguous()))
+    return tuple(groups)
+
+
+def plan_tiles(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos: torch.Tensor,
+               tile: Optional[int] = None, columns: Optional[str] = None) -> tuple[SparseTile, ...]:
+    """The block-sparse plan with every visible column in the tiles (no row-gathered part):
+    query tiles of ``tile`` (default TILE) rows that see anything, each with the key columns it
+    gathers (``columns``, default COLUMNS: "exact" or whole "tiles" of ``tile`` columns)."""
+    return plan_pair(pattern, seq_len, q_pos, kv_pos, tile, columns, dense_column=0.0)[0]
 
 
 def _pair_plan(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: int, world_size: int, local_len: int,
-               stripe: int) -> tuple[SparseTile, ...]:
+               stripe: int) -> tuple[tuple[SparseTile, ...], tuple[SparseRows, ...]]:
     """The plan of a block pair, cached on the pattern (a dynamic pattern's plans go with it)."""
     plans = pattern.__dict__.setdefault("_plans", {})
     key = (layout, q_rank, kv_rank, world_size, local_len, stripe)
@@ -129,21 +199,26 @@ def _pair_plan(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: int, w
         seq_len = local_len * world_size
         q_pos = layout_indices(seq_len, q_rank, world_size, layout, stripe)
         kv_pos = layout_indices(seq_len, kv_rank, world_size, layout, stripe)
-        plans[key] = plan_tiles(pattern, seq_len, q_pos, kv_pos)
+        plans[key] = plan_pair(pattern, seq_len, q_pos, kv_pos)
     return plans[key]
 
 
 def pattern_blocks(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: int, world_size: int,
                    local_len: int, stripe: int = 1, q_rows: Optional[int] = None) -> list[tuple[slice, BlockMask]]:
-    """The (batch slice, BlockMask) list of a block pair under ``pattern``: one ``sparse`` block
-    carrying its plan, or [] when no tile is visible (CPConfig.blocks' contract)."""
-    plan = _pair_plan(pattern, layout, q_rank, kv_rank, world_size, local_len, stripe)
+    """The (batch slice, BlockMask) list of a block pair under ``pattern``: a ``sparse`` block
+    carrying its tiles and a ``gather`` block carrying its row-gathered pairs (each when it has
+    any), or [] when nothing is visible (CPConfig.blocks' contract). Rows limited to [0, q_rows)."""
+    plan, rows = _pair_plan(pattern, layout, q_rank, kv_rank, world_size, local_len, stripe)
     if q_rows is not None:
         plan = tuple(SparseTile(t.q0, min(t.q1, q_rows), t.cols, t.vis[:, :q_rows - t.q0]) for t in plan
                      if t.q0 < q_rows)
-    if not plan:
-        return []
-    return [(slice(None), BlockMask("sparse", 0, local_len, 0, local_len, plan=plan))]
+        rows = tuple(g for g in (group.first(q_rows) for group in rows) if g is not None)
+    out = []
+    if plan:
+        out.append((slice(None), BlockMask("sparse", 0, local_len, 0, local_len, plan=plan)))
+    if rows:
+        out.append((slice(None), BlockMask("gather", 0, local_len, 0, local_len, plan=rows)))
+    return out
 
 
 def check_pattern_call(pattern: object, seq_len: int, heads: int, algo: str) -> None:

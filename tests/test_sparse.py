@@ -6,8 +6,8 @@ import torch
 
 from harness import run_ranks
 import megatron_burst as mb
-from megatron_burst.kernels import block_sparse
-from megatron_burst.sparse import VerticalSlash, imbalance, plan_tiles
+from megatron_burst.kernels import block_sparse, row_gather
+from megatron_burst.sparse import VerticalSlash, imbalance, plan_pair, plan_tiles
 import sparse_cases as sc
 from window_cases import dense_masked_reference
 
@@ -72,6 +72,82 @@ def test_block_sparse_kernel_skips_empty_tiles_and_matches_reference():
     grads = block_sparse.backward(do, q, k, v, D, lse, "sparse", 1, 0.3, plan=plan)
     sbhd = lambda t: t.permute(2, 0, 1, 3)  # noqa: E731
     ref = dense_masked_reference(sbhd(q), sbhd(k), sbhd(v), sbhd(do), vis, 0.3)
+    for got, exp in zip(grads, ref[1:]):
+        torch.testing.assert_close(sbhd(got).double(), exp, atol=1e-5, rtol=0)
+
+
+def _split_pattern(S: int, h: int = 4):
+    """Vertical lines, a band of 40 slash offsets and isolated slashes, different per head."""
+    g = torch.Generator().manual_seed(3)
+    vertical = torch.cat([torch.arange(2).expand(h, 2), torch.randint(0, S, (h, 3), generator=g)], 1)
+    slash = torch.cat([torch.arange(40).expand(h, 40), torch.randint(40, S, (h, 6), generator=g)], 1)
+    return VerticalSlash(vertical, slash)
+
+
+@pytest.mark.parametrize("layout,stripe", [("contiguous", 1), ("striped", 16)])
+def test_plan_pair_puts_every_visible_pair_in_exactly_one_part(layout, stripe):
+    """Tiles (dense columns) and row groups (scattered pairs) partition the pair's visibility:
+    vertical lines and the band are tile columns, isolated slashes are gathered row by row, and
+    row groups pad a row's widest head at most 2x (key counts rounded up to a power of two)."""
+    S, W, h = 384, 2, 4
+    pattern = _split_pattern(S, h)
+    q_pos = mb.layout_indices(S, 1, W, layout, stripe)
+    kv_pos = mb.layout_indices(S, 0, W, layout, stripe)
+    want = pattern.visibility(S, q_pos, kv_pos)
+    tiles, groups = plan_pair(pattern, S, q_pos, kv_pos)
+    assert tiles and groups
+    got = torch.zeros(h, q_pos.numel(), kv_pos.numel(), dtype=torch.int64)
+    for t in tiles:
+        got[:, t.q0:t.q1][:, :, t.cols] += t.vis.long()
+    dense_part = got.clone()
+    slots = 0
+    for grp in groups:
+        assert torch.equal(grp.rows, torch.sort(grp.rows).values)
+        n = grp.idx.shape[2]
+        counts = grp.valid.sum(-1).amax(0)
+        assert bool((counts > n // 2).all()) and bool((counts <= n).all())  # the power-of-two bucket
+        for hh in range(h):
+            for i, r in enumerate(grp.rows.tolist()):
+                got[hh, r, grp.idx[hh, i][grp.valid[hh, i]]] += 1
+        slots += grp.valid.numel()
+    assert int(got.max()) == 1 and torch.equal(got.bool(), want)
+    widest = sum(int(grp.valid.sum(-1).amax(0).sum()) * h for grp in groups)  # rows padded to their widest head
+    assert widest > 0 and slots <= 2 * widest
+    # a vertical line seen by a whole tile is a tile column, never gathered
+    first_tile_vertical = (want[:, :64].sum((0, 1)) == want.shape[0] * 64).nonzero().squeeze(1)
+    assert first_tile_vertical.numel() and bool((dense_part[:, :64][:, :, first_tile_vertical] == 1).all())
+    # with dense_column=0 everything is in the tiles
+    tiles0, groups0 = plan_pair(pattern, S, q_pos, kv_pos, dense_column=0.0)
+    assert groups0 == () and sum(int(t.vis.sum()) for t in tiles0) == int(want.sum())
+
+
+@pytest.mark.parametrize("b,heads", [(1, (2, 2)), (2, (4, 2))])
+def test_sparse_kernels_together_match_dense_reference(b, heads):
+    """block_sparse on the tiles + row_gather on the rows, merged by lse, equal the dense masked
+    attention (forward, lse and gradients), MHA and GQA, batch 1 (2-D index_add path) and 2."""
+    S, d = 320, 8
+    hq, hkv = heads
+    pattern = _split_pattern(S, hq)
+    pos = torch.arange(S)
+    tiles, groups = plan_pair(pattern, S, pos, pos)
+    assert tiles and groups
+    g = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(b, hq, S, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(b, hkv, S, d, generator=g, dtype=torch.float64) for _ in range(2))
+    o1, l1 = block_sparse.forward(q, k, v, "sparse", 1, 0.3, plan=tiles)
+    o2, l2 = row_gather.forward(q, k, v, "gather", 1, 0.3, plan=groups)
+    lse = torch.logaddexp(l1, l2)
+    out = o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
+    vis = pattern.dense(S)
+    sbhd = lambda t: t.permute(2, 0, 1, 3)  # noqa: E731
+    ref = dense_masked_reference(sbhd(q), sbhd(k), sbhd(v), sbhd(do), vis, 0.3)
+    torch.testing.assert_close(sbhd(out).double(), ref[0], atol=1e-5, rtol=0)
+    kr = k.repeat_interleave(hq // hkv, 1)
+    s = (q @ kr.transpose(-1, -2) * 0.3).masked_fill(~vis, float("-inf"))
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), atol=1e-5, rtol=0)
+    D = (do * out.double()).sum(-1)
+    grads = [a + c for a, c in zip(block_sparse.backward(do, q, k, v, D, lse, "sparse", 1, 0.3, plan=tiles),
+                                   row_gather.backward(do, q, k, v, D, lse, "gather", 1, 0.3, plan=groups))]
     for got, exp in zip(grads, ref[1:]):
         torch.testing.assert_close(sbhd(got).double(), exp, atol=1e-5, rtol=0)
 
@@ -157,14 +233,16 @@ def test_dynamic_budgets_validated():
             mb.sparse_cp_attention(q, q, q, bad, layout="contiguous", stripe=1)
 
 
-def test_bench_sparse_runs_and_refuses_bad_lengths(capsys):
+def test_bench_sparse_runs_and_refuses_bad_lengths(capsys, tmp_path):
     from megatron_burst.bench import sparse as bench
 
+    plot = tmp_path / "sparse.png"
     bench.main(["--world-size", "2", "--ranks-per-node", "1", "--seq", "512", "--band", "32", "--verticals", "2",
-                "--slashes", "4", "--repeats", "1", "--warmup", "0"])
+                "--slashes", "4", "--repeats", "1", "--warmup", "0", "--plot", str(plot)])
     out = capsys.readouterr().out
     for name in ("dense", "zigzag", "token-striped", "block-striped", "hierarchical"):
         assert f"| {name} |" in out, out
+    assert plot.exists() or "plot skipped: matplotlib is not installed" in out
     with pytest.raises(SystemExit) as exc:
         bench.main(["--world-size", "4", "--seq", "384"])
     assert exc.value.code == 2 and "schedule block-striped" in capsys.readouterr().err

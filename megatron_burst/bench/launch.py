@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,14 +27,28 @@ def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, ar
     exit_rank(0)  # barrier, then end without gloo's teardown (it can abort a finished rank)
 
 
-def run_local(world_size: int, fn: Callable[..., Any], *args: Any, threads: int = 1) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` spawned gloo ranks; returns per-rank results."""
+# glibc settings that keep freed memory in the process (no mmap / munmap and page faults per
+# multi-MB temporary): a kernel made of many mid-sized torch ops otherwise spends much of its time
+# faulting pages in (bench sparse: 2x). Values are the maxima glibc accepts for the mmap threshold.
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
+
+
+def run_local(world_size: int, fn: Callable[..., Any], *args: Any, threads: int = 1,
+              env: Optional[dict[str, str]] = None) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` spawned gloo ranks; returns per-rank results.
+    ``env``: variables the ranks start with (those the caller's environment sets win)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, threads, fn, args, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    added = {k: v for k, v in (env or {}).items() if k not in os.environ}
+    os.environ.update(added)  # a spawned process starts with the parent's environment
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k in added:
+            del os.environ[k]
     results: dict[int, Any] = {}
     try:
         while len(results) < world_size:

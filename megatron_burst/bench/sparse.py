@@ -6,7 +6,9 @@ and hierarchical (double-ring) schedules: fwd+bwd time, bytes sent, imbalance de
 The pattern is MTraining-like: 4 sink tokens and ``--verticals`` random vertical lines, a local
 band of ``--band`` slash offsets and ``--slashes`` random ones (the same for every head). Dense is
 cp_attention (burst, zigzag). Times are medians of ``--repeats`` between barriers (the slowest rank
-sets the time); on a shared 2-core machine the ranks share cores. Imbalance degrees come from
+sets the time); on a shared 2-core machine the ranks share cores. The ranks run with glibc's
+allocator told to keep freed memory (launch.STEADY_MALLOC; ``--malloc default`` turns that
+off), for dense and sparse alike. Imbalance degrees come from
 megatron_burst.sparse.imbalance (work = visible pairs; worker = sum over steps of the max over
 ranks / sum of the mean; step = mean over ranks of max/mean over its steps).
 """
@@ -20,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 import megatron_burst as mb
-from megatron_burst.bench.launch import run_local
+from megatron_burst.bench import plotting
+from megatron_burst.bench.launch import STEADY_MALLOC, run_local
 from megatron_burst.sparse import VerticalSlash, imbalance
 
 SCHEDULES = {  # name: (layout, stripe, ring)
@@ -86,6 +89,9 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--malloc", choices=["steady", "default"], default="steady",
+                   help="steady: glibc keeps freed memory (no page-fault churn); default: glibc's own settings")
+    p.add_argument("--plot", default="docs/sparse.png", help="bar chart of the times ('' for none)")
     args = p.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
     for name in args.schedules:
@@ -95,14 +101,17 @@ def main(argv=None) -> None:
         except ValueError as exc:
             p.error(f"--seq {args.seq}, schedule {name}: {exc}")
     pattern = make_pattern(args.seq, args.heads, args.verticals, args.band, args.slashes)
-    res = run_local(args.world_size, _run, args, threads=args.threads)[0]
+    res = run_local(args.world_size, _run, args, threads=args.threads,
+                    env=STEADY_MALLOC if args.malloc == "steady" else None)[0]
     print(f"# sparse attention: W={args.world_size} gloo ranks, seq={args.seq}, heads={args.heads}/{args.kv_heads} kv, "
           f"head_dim={args.head_dim}, fp32, burst backward; pattern 4 sinks + {args.verticals} vertical, band "
           f"{args.band} + {args.slashes} slash; median of {args.repeats}")
     dense_total = res["dense"][0] + res["dense"][1]
+    rows = []
     print("| schedule | fwd s | bwd s | total s | speedup vs dense | MB sent/rank | worker imbalance | step imbalance |")
     print("|---|---|---|---|---|---|---|---|")
     for name, (fwd, bwd, sent) in res.items():
+        rows.append((name, fwd, bwd))
         if name == "dense":
             cols = "- | -"
         else:
@@ -113,7 +122,31 @@ def main(argv=None) -> None:
         print(f"| {name} | {fwd:.3f} | {bwd:.3f} | {fwd + bwd:.3f} | {dense_total / (fwd + bwd):.2f} | "
               f"{sent / 1e6:.2f} | {cols} |")
     work = sum(map(sum, imbalance(pattern, args.seq, args.world_size, "zigzag")["work"]))
-    print(f"# sparsity {1 - work / (args.heads * args.seq * (args.seq + 1) / 2):.3f} (of causal pairs)")
+    sparsity = 1 - work / (args.heads * args.seq * (args.seq + 1) / 2)
+    print(f"# sparsity {sparsity:.3f} (of causal pairs)")
+    if args.plot:
+        _plot(rows, args, sparsity)
+
+
+def _plot(rows: list, args, sparsity: float) -> None:
+    """Stacked forward / backward bars per schedule, speedups over dense on top."""
+    plt = plotting.pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    names = [r[0] for r in rows]
+    fwd = [r[1] for r in rows]
+    bwd = [r[2] for r in rows]
+    ax.bar(names, fwd, label="forward", color="#4c72b0")
+    ax.bar(names, bwd, bottom=fwd, label="backward", color="#dd8452")
+    dense = fwd[0] + bwd[0]
+    for i, (f, b) in enumerate(zip(fwd, bwd)):
+        ax.text(i, f + b, f"{dense / (f + b):.2f}x", ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("fwd + bwd seconds (median)")
+    ax.set_title(f"vertical-slash sparse vs dense: W={args.world_size} gloo ranks, {args.seq} tokens, "
+                 f"{sparsity:.1%} sparse", fontsize=9)
+    ax.legend(fontsize=8)
+    plotting.save(fig, args.plot)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from megatron_burst.kernels import block_sparse, cpu_flash, cuda_flash, reference, tiled
+from megatron_burst.kernels import block_sparse, cpu_flash, cuda_flash, reference, row_gather, tiled
 from megatron_burst.layout import BlockMask
 
 BACKENDS: dict[str, ModuleType] = {
@@ -94,7 +94,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Block
     kernel only writes its input dtype.
     """
     qs, ks, vs = q[:, :, mask.q_slice], k[:, :, mask.kv_slice], v[:, :, mask.kv_slice]
-    impl = block_sparse if mask.kind == "sparse" else select(qs, mask.kind, "forward", kernel, ks)
+    impl = _DATA_KERNELS.get(mask.kind) or select(qs, mask.kind, "forward", kernel, ks)
     return impl.forward(qs, ks, vs, mask.kind, mask.block, scale, **_mask_data(mask))
 
 
@@ -107,14 +107,18 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """
     qsl, ksl = mask.q_slice, mask.kv_slice
     qs, ks = q[:, :, qsl], k[:, :, ksl]
-    impl = block_sparse if mask.kind == "sparse" else select(qs, mask.kind, "backward", kernel, ks)
+    impl = _DATA_KERNELS.get(mask.kind) or select(qs, mask.kind, "backward", kernel, ks)
     return impl.backward(dout[:, :, qsl], qs, ks, v[:, :, ksl], D[:, :, qsl], lse[:, :, qsl], mask.kind,
                          mask.block, scale, **_mask_data(mask))
 
 
+# mask kinds that carry a sparse plan, and the kernel that reads it
+_DATA_KERNELS: dict[str, ModuleType] = {"sparse": block_sparse, "gather": row_gather}
+
+
 def _mask_data(mask: BlockMask) -> dict:
     """Extra kernel arguments of data-carrying mask kinds ("positions": positions and document ids)."""
-    if mask.kind == "sparse":
+    if mask.kind in _DATA_KERNELS:
         return {"plan": mask.plan}
     return {"positions": mask.mask_data} if mask.kind == "positions" else {}
 
