@@ -189,6 +189,34 @@ def test_imbalance_block_striped_balances_zigzag_does_not():
     assert zigzag["worker"] > block["worker"]
 
 
+def _prefix_heavy_pattern(S=32768, h=2, seed=0):
+    """Heavy-hitter keys clustered in the prefix (4 sinks + 512 vertical lines in the first 4096
+    tokens, e.g. a long system prompt or a document's head), a local band of 512 slash offsets and
+    64 random ones: 94.0 % sparse at S = 32768."""
+    g = torch.Generator().manual_seed(seed)
+    vertical = torch.cat([torch.arange(4).expand(h, 4), torch.randint(4, 4096, (h, 512), generator=g)], 1)
+    slash = torch.cat([torch.arange(512).expand(h, 512), torch.randint(512, S, (h, 64), generator=g)], 1)
+    return VerticalSlash(vertical, slash)
+
+
+def test_imbalance_zigzag_worker_level_with_prefix_heavy_keys():
+    """The issue's Done-when with the paper's contrast at W = 8: on a 90 %+ sparse pattern whose
+    vertical lines cluster in the prefix, zigzag holds the prefix on two ranks, so at every ring
+    step two ranks carry all the vertical work: worker-level >= 2 (paper 2.61) and step-level >= 2;
+    block-striped (64) and the hierarchical ring deal the prefix's stripes to every rank:
+    worker <= 1.05, step <= 1.2 (paper 1.03 / 1.16)."""
+    S, W = 32768, 8
+    pattern = _prefix_heavy_pattern(S)
+    zigzag = imbalance(pattern, S, W, "zigzag")
+    total = sum(map(sum, zigzag["work"]))
+    assert 1 - total / (2 * S * (S + 1) / 2) > 0.9
+    assert zigzag["worker"] >= 2 and zigzag["step"] >= 2, zigzag
+    for ring in ("flat", "double"):
+        block = imbalance(pattern, S, W, "striped", stripe=64, ring=ring, ranks_per_node=4)
+        assert sum(map(sum, block["work"])) == total
+        assert block["worker"] <= 1.05 and block["step"] <= 1.2, (ring, block["worker"], block["step"])
+
+
 def test_imbalance_counts_pairs_exactly():
     """pair_work (per-line counting with FFT correlations) equals the dense mask's count, and the
     work table puts pair (rank, owner) at the ring's step, flat and double."""

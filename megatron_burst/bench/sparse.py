@@ -34,16 +34,21 @@ SCHEDULES = {  # name: (layout, stripe, ring)
 }
 
 
-def make_pattern(seq: int, heads: int, verticals: int, band: int, slashes: int, seed: int = 0) -> VerticalSlash:
+def make_pattern(seq: int, heads: int, verticals: int, band: int, slashes: int, seed: int = 0,
+                 vertical_prefix: int = 0) -> VerticalSlash:
+    """4 sinks + ``verticals`` random keys (in the first ``vertical_prefix`` tokens; 0: anywhere),
+    slash offsets 0 .. band-1 + ``slashes`` random ones; the same lines for every head."""
     g = torch.Generator().manual_seed(seed)
-    vertical = torch.cat([torch.arange(4), torch.randint(0, seq, (verticals,), generator=g)]).expand(heads, -1)
+    vertical = torch.cat([torch.arange(4), torch.randint(0, vertical_prefix or seq, (verticals,), generator=g)])
+    vertical = vertical.expand(heads, -1)
     slash = torch.cat([torch.arange(band), torch.randint(band, seq, (slashes,), generator=g)]).expand(heads, -1)
     return VerticalSlash(vertical.contiguous(), slash.contiguous())
 
 
 def _run(args):
     W, r = dist.get_world_size(), dist.get_rank()
-    pattern = make_pattern(args.seq, args.heads, args.verticals, args.band, args.slashes)
+    pattern = make_pattern(args.seq, args.heads, args.verticals, args.band, args.slashes,
+                           vertical_prefix=args.vertical_prefix)
     topo = mb.build_cp_topology(None, args.ranks_per_node) if "hierarchical" in args.schedules else None
     torch.manual_seed(1234)
     mk = lambda h: torch.randn(args.seq, 1, h, args.head_dim)  # noqa: E731
@@ -83,6 +88,8 @@ def main(argv=None) -> None:
     p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--verticals", type=int, default=12)
+    p.add_argument("--vertical-prefix", type=int, default=0,
+                   help="draw the vertical lines from the first N tokens (heavy hitters in a prefix); 0: anywhere")
     p.add_argument("--band", type=int, default=256, help="local slash offsets 0 .. band-1")
     p.add_argument("--slashes", type=int, default=32)
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
@@ -100,11 +107,13 @@ def main(argv=None) -> None:
             mb.layout.check_seq_len(args.seq, args.world_size, layout, stripe)
         except ValueError as exc:
             p.error(f"--seq {args.seq}, schedule {name}: {exc}")
-    pattern = make_pattern(args.seq, args.heads, args.verticals, args.band, args.slashes)
+    pattern = make_pattern(args.seq, args.heads, args.verticals, args.band, args.slashes,
+                           vertical_prefix=args.vertical_prefix)
     res = run_local(args.world_size, _run, args, threads=args.threads,
                     env=STEADY_MALLOC if args.malloc == "steady" else None)[0]
     print(f"# sparse attention: W={args.world_size} gloo ranks, seq={args.seq}, heads={args.heads}/{args.kv_heads} kv, "
-          f"head_dim={args.head_dim}, fp32, burst backward; pattern 4 sinks + {args.verticals} vertical, band "
+          f"head_dim={args.head_dim}, fp32, burst backward; pattern 4 sinks + {args.verticals} vertical"
+          f"{f' in the first {args.vertical_prefix} tokens' if args.vertical_prefix else ''}, band "
           f"{args.band} + {args.slashes} slash; median of {args.repeats}")
     dense_total = res["dense"][0] + res["dense"][1]
     rows = []
