@@ -15,7 +15,9 @@ ranks / sum of the mean; step = mean over ranks of max/mean over its steps).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -78,6 +80,21 @@ def _run(args):
             for name, runs in samples.items()}
 
 
+def _worker(args) -> None:
+    """One rank inside an emulated node's namespace: measure, write DIR/rank<R>.json, end cleanly."""
+    import json
+    import os
+
+    from megatron_burst.world import exit_rank
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=args.rank, world_size=args.world_size)
+    result = _run(args)
+    with open(os.path.join(args.out, f"rank{args.rank}.json"), "w") as f:
+        json.dump(result, f)
+    exit_rank(0)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m megatron_burst.bench sparse", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -99,7 +116,18 @@ def main(argv=None) -> None:
     p.add_argument("--malloc", choices=["steady", "default"], default="steady",
                    help="steady: glibc keeps freed memory (no page-fault churn); default: glibc's own settings")
     p.add_argument("--plot", default="docs/sparse.png", help="bar chart of the times ('' for none)")
+    p.add_argument("--nodes", type=int, default=0,
+                   help="run on this many emulated nodes (network namespaces, root; --ranks-per-node ranks each, "
+                        "a slow inter-node link); 0: --world-size local ranks")
+    p.add_argument("--inter-mbit", type=float, default=1000.0, help="emulated inter-node link per rank NIC, Mbit/s")
+    p.add_argument("--ratio", type=float, default=10.0, help="emulated intra-node rate / inter-node rate")
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.nodes:
+        args.world_size = args.nodes * args.ranks_per_node
     args.kv_heads = args.kv_heads or args.heads
     for name in args.schedules:
         layout, stripe, _ = SCHEDULES[name]
@@ -107,11 +135,25 @@ def main(argv=None) -> None:
             mb.layout.check_seq_len(args.seq, args.world_size, layout, stripe)
         except ValueError as exc:
             p.error(f"--seq {args.seq}, schedule {name}: {exc}")
+    if args.worker:
+        return _worker(args)
     pattern = make_pattern(args.seq, args.heads, args.verticals, args.band, args.slashes,
                            vertical_prefix=args.vertical_prefix)
-    res = run_local(args.world_size, _run, args, threads=args.threads,
-                    env=STEADY_MALLOC if args.malloc == "steady" else None)[0]
-    print(f"# sparse attention: W={args.world_size} gloo ranks, seq={args.seq}, heads={args.heads}/{args.kv_heads} kv, "
+    env = STEADY_MALLOC if args.malloc == "steady" else {}
+    if args.nodes:
+        from megatron_burst.bench.emulated import run_on_emulated_nodes
+
+        forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
+        for k, v in env.items():
+            os.environ.setdefault(k, v)  # the namespaces' ranks inherit this environment
+        res = run_on_emulated_nodes("sparse", forwarded, args.nodes, args.ranks_per_node, args.inter_mbit,
+                                    args.inter_mbit * args.ratio, args.timeout)[0]
+        res = {name: tuple(v) for name, v in res.items()}
+    else:
+        res = run_local(args.world_size, _run, args, threads=args.threads, env=env)[0]
+    where = (f"{args.nodes} emulated nodes x {args.ranks_per_node} (inter {args.inter_mbit:g} Mbit/s per rank, "
+             f"intra x{args.ratio:g})" if args.nodes else "local")
+    print(f"# sparse attention: W={args.world_size} gloo ranks ({where}), seq={args.seq}, heads={args.heads}/{args.kv_heads} kv, "
           f"head_dim={args.head_dim}, fp32, burst backward; pattern 4 sinks + {args.verticals} vertical"
           f"{f' in the first {args.vertical_prefix} tokens' if args.vertical_prefix else ''}, band "
           f"{args.band} + {args.slashes} slash; median of {args.repeats}")
