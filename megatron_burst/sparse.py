@@ -103,6 +103,11 @@ class SparseTile:
     vis: torch.Tensor
 
 
+class TilePlan(tuple):
+    """The tiles of a block pair's plan (a tuple of SparseTile) that can also carry the packed form
+    its kernel builds once (kernels/block_sparse.py), so that form lives as long as the plan."""
+
+
 @dataclass(frozen=True)
 class SparseRows:
     """A group of the row-gathered part of a block-sparse plan (kernels/row_gather.py): local
@@ -155,7 +160,7 @@ def plan_pair(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos:
         nz = vis.nonzero()  # (head, row, col), row-major
         nz[:, 1] += q0
         leftovers.append(nz)
-    return tuple(tiles), _row_groups(torch.cat(leftovers), pattern.vertical.shape[0], q_pos.numel())
+    return TilePlan(tiles), _row_groups(torch.cat(leftovers), pattern.vertical.shape[0], q_pos.numel())
 
 
 def _row_groups(nz: torch.Tensor, heads: int, n_rows: int) -> tuple[SparseRows, ...]:
@@ -213,8 +218,8 @@ def pattern_blocks(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: in
     any), or [] when nothing is visible (CPConfig.blocks' contract). Rows limited to [0, q_rows)."""
     plan, rows = _pair_plan(pattern, layout, q_rank, kv_rank, world_size, local_len, stripe)
     if q_rows is not None:
-        plan = tuple(SparseTile(t.q0, min(t.q1, q_rows), t.cols, t.vis[:, :q_rows - t.q0]) for t in plan
-                     if t.q0 < q_rows)
+        plan = TilePlan(SparseTile(t.q0, min(t.q1, q_rows), t.cols, t.vis[:, :q_rows - t.q0]) for t in plan
+                        if t.q0 < q_rows)
         rows = tuple(g for g in (group.first(q_rows) for group in rows) if g is not None)
     out = []
     if plan:

@@ -6,7 +6,7 @@ query rows, the key columns the tile gathers, a per-head mask). Tiles absent fro
 skipped. Rows that see nothing get out 0 and lse -inf (their gradients are 0). fp32 math; the
 backward recomputes probabilities from the given lse and D.
 
-The tiles of a plan are packed once (cached per plan object): row indices [T, rows] and column
+The tiles of a plan are packed once (cached on the plan object): row indices [T, rows] and column
 indices [T, cols] padded to the largest tile, the mask padded with False. Padded rows and columns
 point at one extra scratch row of each buffer, so a whole group of tiles is one batched matmul
 (a Python loop per 64-row tile costs more than its arithmetic at these sizes).
@@ -28,14 +28,18 @@ class _Packed:
     vis: torch.Tensor  # [h, T, R, C] bool, False on padding
 
 
-_PACKED: dict[tuple, tuple] = {}  # (id(plan), device, sq, sk) -> (plan, _Packed); holds the plan so its id stays valid
-
-
 def _pack(plan: tuple, sq: int, sk: int, device: torch.device) -> _Packed:
-    key = (id(plan), str(device), sq, sk)
-    hit = _PACKED.get(key)
-    if hit is not None and hit[0] is plan:
-        return hit[1]
+    """The packed form of ``plan`` for a q block of sq rows and a kv block of sk rows on ``device``,
+    cached on the plan when it can carry attributes (megatron_burst.sparse.TilePlan), so it lives
+    and dies with the plan (a dynamic pattern's plans go with the step)."""
+    cache = plan.__dict__.setdefault("_packed", {}) if hasattr(plan, "__dict__") else {}
+    key = (str(device), sq, sk)
+    if key not in cache:
+        cache[key] = _pack_now(plan, sq, sk, device)
+    return cache[key]
+
+
+def _pack_now(plan: tuple, sq: int, sk: int, device: torch.device) -> _Packed:
     T = len(plan)
     R = max(t.q1 - t.q0 for t in plan)
     C = max(t.cols.numel() for t in plan)
@@ -48,11 +52,7 @@ def _pack(plan: tuple, sq: int, sk: int, device: torch.device) -> _Packed:
         rows[i, :n] = torch.arange(t.q0, t.q1)
         cols[i, :c] = t.cols
         vis[:, i, :n, :c] = t.vis
-    packed = _Packed(rows.to(device), cols.to(device), vis.to(device))
-    if len(_PACKED) >= 512:  # plans live as long as their pattern; keep the cache bounded
-        _PACKED.pop(next(iter(_PACKED)))
-    _PACKED[key] = (plan, packed)
-    return packed
+    return _Packed(rows.to(device), cols.to(device), vis.to(device))
 
 
 def _groups(b: int, h: int, p: _Packed):

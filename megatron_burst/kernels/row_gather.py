@@ -27,7 +27,11 @@ def _chunks(plan, q: torch.Tensor, k: torch.Tensor):
     """(rows [r], kv-head key indices [hq, r, n], valid [hq, r, n], kv head of each query head [hq]) chunks."""
     b, hq, _, d = q.shape
     for group in plan:
-        rows, idx, valid = (t.to(q.device) for t in (group.rows, group.idx, group.valid))
+        on_device = group.__dict__.setdefault("_on_device", {})  # copies made once per device
+        key = str(q.device)
+        if key not in on_device:
+            on_device[key] = tuple(t.to(q.device) for t in (group.rows, group.idx, group.valid))
+        rows, idx, valid = on_device[key]
         step = max(1, CHUNK_ELEMS // max(1, b * hq * idx.shape[2] * d))
         for r0 in range(0, rows.numel(), step):
             sl = slice(r0, r0 + step)
