@@ -142,25 +142,63 @@ def plan_pair(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos:
     TILE = tile or globals()["TILE"]
     COLUMNS = columns or globals()["COLUMNS"]
     threshold = DENSE_COLUMN if dense_column is None else dense_column
-    tiles, leftovers = [], []
-    sk = kv_pos.numel()
-    for q0 in range(0, q_pos.numel(), TILE):
-        q1 = min(q0 + TILE, q_pos.numel())
-        vis = pattern.visibility(seq_len, q_pos[q0:q1], kv_pos)  # [h, tq, sk]
-        count = vis.sum((0, 1))  # [sk] cells of the tile seeing each column
-        dense = (count > 0) & (count >= threshold * vis.shape[0] * (q1 - q0))
-        if COLUMNS == "exact":  # only the columns some row and head of the tile sees
-            cols = dense.nonzero().squeeze(1)
-        else:
-            starts = [k0 for k0 in range(0, sk, TILE) if bool(dense[k0:k0 + TILE].any())]
-            cols = torch.cat([torch.arange(k0, min(k0 + TILE, sk)) for k0 in starts]) if starts else dense.nonzero()[:0, 0]
-        if cols.numel():
-            tiles.append(SparseTile(q0, q1, cols, vis[:, :, cols].contiguous()))
-            vis[:, :, cols] = False
-        nz = vis.nonzero()  # (head, row, col), row-major
-        nz[:, 1] += q0
-        leftovers.append(nz)
-    return TilePlan(tiles), _row_groups(torch.cat(leftovers), pattern.vertical.shape[0], q_pos.numel())
+    nq, sk, h = q_pos.numel(), kv_pos.numel(), pattern.vertical.shape[0]
+    head, row, col = visible_pairs(pattern, seq_len, q_pos, kv_pos).unbind(1)
+    T = -(-nq // TILE)
+    tile_of = row // TILE
+    rows_in = torch.full((T,), TILE)
+    rows_in[-1] = nq - (T - 1) * TILE
+    count = torch.bincount(tile_of * sk + col, minlength=T * sk).view(T, sk)  # cells of a tile seeing a column
+    dense = (count > 0) & (count >= threshold * h * rows_in[:, None])
+    if COLUMNS != "exact":  # whole column tiles holding a dense column
+        blocks = torch.nn.functional.pad(dense, (0, (-sk) % TILE)).view(T, -1, TILE).any(-1)
+        dense = blocks.repeat_interleave(TILE, 1)[:, :sk]
+    in_tile = dense[tile_of, col]
+    width = dense.sum(1)
+    tiles = []
+    if bool(in_tile.any()):
+        where = dense.cumsum(1) - 1  # a column's place in its tile's column list
+        vis = torch.zeros(h, T, TILE, int(width.max()), dtype=torch.bool)
+        t_d, c_d = tile_of[in_tile], col[in_tile]
+        vis[head[in_tile], t_d, row[in_tile] - t_d * TILE, where[t_d, c_d]] = True
+        for t in width.nonzero().squeeze(1).tolist():
+            n = int(rows_in[t])
+            tiles.append(SparseTile(t * TILE, t * TILE + n, dense[t].nonzero().squeeze(1),
+                                    vis[:, t, :n, :int(width[t])].contiguous()))
+    rest = ~in_tile
+    return TilePlan(tiles), _row_groups(torch.stack([head[rest], row[rest], col[rest]], 1), h, nq)
+
+
+def visible_pairs(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
+    """Every visible (head, q index, kv index) of queries at ``q_pos`` x keys at ``kv_pos``, once: [p, 3].
+
+    Built from the lines, O(lines x queries) rather than O(queries x keys): slash o puts query
+    q_pos[i] on key q_pos[i] - o (when this block holds it), vertical line j on every query at or
+    after j; slash pairs on a vertical line's column are that line's pairs already.
+    """
+    nq, sk = q_pos.numel(), kv_pos.numel()
+    where_kv = torch.full((seq_len,), -1, dtype=torch.long)
+    where_kv[kv_pos] = torch.arange(sk)
+    rows = torch.arange(nq)
+    out = []
+    for h in range(pattern.vertical.shape[0]):
+        vert = torch.unique(pattern.vertical[h].long())
+        vcol = where_kv[vert]
+        vert, vcol = vert[vcol >= 0], vcol[vcol >= 0]
+        on_vertical = torch.zeros(sk, dtype=torch.bool)
+        on_vertical[vcol] = True
+        offsets = torch.unique(pattern.slash[h].long())
+        src = q_pos[None, :] - offsets[:, None]  # [slashes, nq] key position of each slash at each query
+        before_start = src < 0
+        scol = where_kv.index_select(0, src.clamp_min_(0).view(-1)).view(src.shape)
+        scol[before_start] = -1
+        hit = scol >= 0
+        hit &= ~on_vertical.index_select(0, scol.clamp_min(0).view(-1)).view(src.shape)
+        seen = q_pos[None, :] >= vert[:, None]  # [verticals, nq]
+        r = torch.cat([rows.expand_as(scol)[hit], rows.expand_as(seen)[seen]])
+        c = torch.cat([scol[hit], vcol[:, None].expand_as(seen)[seen]])
+        out.append(torch.stack([torch.full_like(r, h), r, c], 1))
+    return torch.cat(out)
 
 
 def _row_groups(nz: torch.Tensor, heads: int, n_rows: int) -> tuple[SparseRows, ...]:
