@@ -99,6 +99,11 @@ def test_packed_plan_layout_and_cache(monkeypatch):
     monkeypatch.setattr(tbs, "PACK_CACHE", 1)  # bounded: the oldest entries go first
     tbs.pack(_plan(), 2, torch.device("cpu"))
     assert len(tbs._packed) == 1 and tbs.pack(plan, 2, torch.device("cpu")) is not p
+    monkeypatch.setattr(tbs, "PACK_CACHE", 8)
+    monkeypatch.setattr(tbs, "PACK_CACHE_BYTES", p.nbytes * 2)  # and by the bytes held
+    for _ in range(3):
+        tbs.pack(_plan(), 2, torch.device("cpu"))
+    assert len(tbs._packed) == 2
 
 
 def test_bad_plans_name_the_problem():
@@ -134,6 +139,18 @@ def test_failed_self_check_warns_and_falls_back():
             assert not kernels._fused_gpu_ok(tbs, q, lambda device, dtype: True, "block_sparse")
     finally:
         kernels._VERIFIED.pop(key, None)
+
+
+@pytest.mark.skipif(not HAVE_TRITON or tbs.interpreting(), reason="needs triton, outside the interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_compile_for_hopper_and_fit_ampere_shared_memory(dtype):
+    """No GPU here: compile both kernels for sm_90 with the GPU launch options (head dim 128, the
+    largest) down to a cubin; the shared memory also fits an A100's 163 KiB per block."""
+    import triton_sparse_cases
+
+    for direction in ("forward", "backward"):
+        got = triton_sparse_cases.compile_for_gpu(direction, dtype, 128)
+        assert "cubin" in got["stages"] and got["shared"] <= 163 * 1024, (direction, got)
 
 
 @pytest.mark.skipif(not HAVE_TRITON or tbs.interpreting(), reason="needs triton, outside the interpreter")

@@ -119,6 +119,29 @@ def cp_rank(kernel: str) -> dict:
         del os.environ["MEGATRON_BURST_SPARSE_KERNEL"]
 
 
+def compile_for_gpu(direction: str, dtype: torch.dtype, d: int, capability: int = 90) -> dict:
+    """Compile a kernel for a CUDA GPU of ``capability`` without one, with the launch options the
+    module uses there (64-row tiles). Returns its shared memory (bytes) and the compiled stages."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megatron_burst.kernels import _triton_block_sparse_src as src
+
+    fn = triton.jit(src.sparse_fwd_kernel if direction == "forward" else src.sparse_bwd_kernel)
+    opts = triton_block_sparse.launch_options(direction, {dtype}, d, d, 64, interpret=False)
+    warps = opts.pop("num_warps")
+    elem = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    typed = {"Q": elem, "K": elem, "V": elem, "DO": elem, "TILE_Q0": "i32", "TILE_Q1": "i32", "COL_START": "i64",
+             "COLS": "i32", "VIS_START": "i64", "VIS_WORDS": "i32", "VIS": "i32"}
+    pointers = set(typed) | {"OUT", "LSE", "DELTA", "DQ", "DK", "DV_"}
+    signature = {n: "constexpr" if n in opts else f"*{typed.get(n, 'fp32')}" if n in pointers
+                 else "fp32" if n == "scale" else "i32" for n in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn, signature, opts), target=GPUTarget("cuda", capability, 32),
+                            options={"num_warps": warps, "enable_fp_fusion": True})
+    return {"shared": kernel.metadata.shared, "stages": sorted(kernel.asm)}
+
+
 def main() -> None:
     if not triton_block_sparse.interpreting():
         sys.exit("usage: TRITON_INTERPRET=1 python tests/triton_sparse_cases.py")

@@ -12,8 +12,9 @@ Packed plan (built once per (plan object, device), see :func:`pack`): a plan is 
   from ``vis_start[t]``; column c is bit ``c % 32`` of word ``c // 32`` (8x smaller than bool).
 
 Plans are long-lived cached tuples, so the packed form is cached by ``id(plan)`` together with a
-reference to the plan (the id cannot be reused while it is held). The cache is bounded (LRU,
-PACK_CACHE entries): a dynamic pattern makes new plans every step.
+reference to the plan (the id cannot be reused while it is held). The cache is a bounded LRU
+(PACK_CACHE entries and PACK_CACHE_BYTES of packed tensors): a dynamic pattern makes new plans
+every step, which must not pile up on the device.
 
 Grid: one program per (batch * query head, tile). Forward: the program holds its tile's query rows
 (BLOCK_M >= rows) and walks the tile's columns in chunks of BLOCK_N: gathers the K/V rows by
@@ -25,8 +26,8 @@ query heads of a GQA group add into their kv head; columns repeat across tiles).
 
 Precision: fp32 inputs run every product in IEEE fp32. 16-bit inputs multiply q.k^T and do.v^T
 in the input dtype (products exact in fp32, fp32 accumulation) and the products with a computed
-fp32 operand (P.V, P^T.dO, dS.K, dS^T.Q) in TF32 with fp32 accumulation. Head dims up to 128,
-padded to a power of two with masks.
+fp32 operand (P.V, P^T.dO, dS.K, dS^T.Q) in TF32 with fp32 accumulation. Mixed input dtypes are
+widened to fp32 on load and run as fp32. Head dims up to 128, padded to a power of two with masks.
 
 Triton is imported on first use (the kernel source is :mod:`._triton_block_sparse_src`), so
 TRITON_INTERPRET=1 works when set before the process first imports triton; see
@@ -46,12 +47,17 @@ from megatron_burst.kernels import block_sparse
 
 AVAILABLE = importlib.util.find_spec("triton") is not None
 
-# Column chunk and launch shape. GPU values are a plain starting point (no GPU was available to
-# tune them); the interpreter is slow per program but small chunks keep its numpy temporaries small.
-GPU_BLOCK_N = 64
+# GPU (column chunk BLOCK_N, warps) per (direction, input bits). No GPU was available to time them:
+# they are the spill-free choices among BLOCK_N in {16, 32, 64} x warps in {4, 8} by the register
+# and stack use of the kernels compiled for sm_90 at head dims 64 and 128 (the IEEE-fp32 dots
+# need far more registers than the 16-bit MMA ones, hence the narrow fp32 chunks).
+GPU_CONFIG = {("forward", 32): (16, 8), ("backward", 32): (16, 8),
+              ("forward", 16): (64, 8), ("backward", 16): (32, 8)}
+# The interpreter is slow per program, and small chunks keep its numpy temporaries small.
 INTERPRET_BLOCK_N = 16
 MAX_HEAD_DIM = 128
 PACK_CACHE = 256
+PACK_CACHE_BYTES = 1 << 30
 
 
 def interpreting() -> bool:
@@ -75,6 +81,11 @@ class PackedPlan:
     @property
     def tiles(self) -> int:
         return self.q0.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q0, self.q1, self.col_start, self.cols,
+                                                          self.vis_start, self.vis_words, self.vis))
 
 
 _packed: "OrderedDict[tuple[int, torch.device], tuple[tuple, PackedPlan]]" = OrderedDict()
@@ -132,8 +143,9 @@ def pack(plan: tuple, heads: int, device: torch.device) -> PackedPlan:
                         on(vis), heads, _next_pow2(max((b - a for a, b in zip(q0, q1)), default=1)))
     _packed[key] = (plan, packed)
     _packed.move_to_end(key)
-    while len(_packed) > PACK_CACHE:
-        _packed.popitem(last=False)
+    held = sum(entry[1].nbytes for entry in _packed.values())
+    while len(_packed) > 1 and (len(_packed) > PACK_CACHE or held > PACK_CACHE_BYTES):  # keep the newest
+        held -= _packed.popitem(last=False)[1][1].nbytes
     return packed
 
 
@@ -165,15 +177,18 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"query heads {q.shape[1]} must be a multiple of kv heads {k.shape[1]}")
 
 
-def _launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: tuple = ()) -> dict:
-    """Compile-time options: chunk sizes, whether to widen inputs to fp32 first, and the dot precision."""
-    dtypes = {t.dtype for t in (q, k, v) + extra}
+def launch_options(direction: str, dtypes: set, d: int, dv: int, block_m: int, interpret: bool) -> dict:
+    """Compile-time options and warps of a launch: ``direction`` "forward" or "backward", ``dtypes``
+    the input tensors' dtypes, head dims ``d`` (q, k) and ``dv`` (v), ``block_m`` the padded tile rows."""
     # Triton 3.9's interpreter returns garbage from tl.dot on 16-bit operands (it multiplies the raw
     # bits), and tl.dot needs equal operand dtypes: widen the loaded tiles to fp32 there (exact).
-    widen = len(dtypes) > 1 or (interpreting() and dtypes != {torch.float32})
-    precision = "ieee" if q.dtype == torch.float32 or interpreting() else "tf32"
-    return dict(BLOCK_N=INTERPRET_BLOCK_N if interpreting() else GPU_BLOCK_N,
-                BLOCK_D=_next_pow2(q.shape[-1]), BLOCK_DV=_next_pow2(v.shape[-1]), WIDEN=widen, PRECISION=precision)
+    widen = len(dtypes) > 1 or (interpret and dtypes != {torch.float32})
+    wide = widen or dtypes == {torch.float32}
+    block_n, warps = GPU_CONFIG[(direction, 32 if wide else 16)]
+    if interpret:
+        block_n = INTERPRET_BLOCK_N
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_next_pow2(d), BLOCK_DV=_next_pow2(dv), WIDEN=widen,
+                PRECISION="ieee" if wide else "tf32", num_warps=warps)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str = "sparse", block: int = 1,
@@ -194,7 +209,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str = "spar
         q, k, v, out, lse, p.q0, p.q1, p.col_start, p.cols, p.vis_start, p.vis_words, p.vis,
         float(scale), hq, hq // k.shape[1], d, v.shape[-1],
         *q.stride(), *k.stride(), *v.stride(), *out.stride()[:3], *lse.stride()[:2],
-        BLOCK_M=p.block_m, num_warps=4 if max(d, v.shape[-1]) <= 64 else 8, **_launch_args(q, k, v))
+        **launch_options("forward", {q.dtype, k.dtype, v.dtype}, d, v.shape[-1], p.block_m, interpreting()))
     return out, lse
 
 
@@ -224,7 +239,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         float(scale), hq, hq // hkv, d, v.shape[-1],
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride()[:2], *dq.stride()[:3],
         *dk.stride()[:3], *dv.stride()[:3],
-        BLOCK_M=p.block_m, num_warps=4 if max(d, v.shape[-1]) <= 64 else 8, **_launch_args(q, k, v, (dout,)))
+        **launch_options("backward", {q.dtype, k.dtype, v.dtype, dout.dtype}, d, v.shape[-1], p.block_m,
+                         interpreting()))
     return dq, dk, dv
 
 
