@@ -230,9 +230,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     _check(q, k, v)
     p = pack(plan, hq, q.device)
     _, bwd = _kernels()
-    # one stride set serves both row statistics
+    # one stride set serves both row statistics, rows adjacent
     D, lse = D.float(), lse.float()
-    if D.stride() != lse.stride():
+    if D.stride() != lse.stride() or lse.stride(-1) != 1:
         D, lse = D.contiguous(), lse.contiguous()
     bwd[(b * hq, p.tiles)](
         q, k, v, dout, D, lse, dq, dk, dv, p.q0, p.q1, p.col_start, p.cols, p.vis_start, p.vis_words, p.vis,
