@@ -112,6 +112,14 @@ def test_bad_plans_name_the_problem():
     t = _plan()[0]
     with pytest.raises(ValueError, match="overlap at row 8"):
         tbs.pack((t, SparseTile(8, 24, t.cols, t.vis)), 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"tile 0 has rows \[0, 16\) and a column -1: indices must be >= 0"):
+        tbs.pack((SparseTile(0, 16, t.cols - 1, t.vis),), 2, torch.device("cpu"))
+    p = tbs.pack(_plan(), 2, torch.device("cpu"))
+    assert (p.rows, p.keys) == (21, 70)
+    q = torch.zeros(1, 2, 21, 8)
+    with pytest.raises(ValueError, match="reaches query row 20 and key 69 but q has 20 rows and k 70"):
+        tbs._fits(p, q[:, :, :20], torch.zeros(1, 2, 70, 8))
+    tbs._fits(p, q, torch.zeros(1, 2, 70, 8))
 
 
 def test_select_sparse(monkeypatch):

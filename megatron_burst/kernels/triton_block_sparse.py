@@ -66,7 +66,7 @@ def interpreting() -> bool:
 
 @dataclass(frozen=True)
 class PackedPlan:
-    """A plan as flat device tensors (see the module docstring); ``block_m``: rows padded to a power of two."""
+    """A plan as flat device tensors (see the module docstring); ``block_m``: tile rows padded to a power of two."""
 
     q0: torch.Tensor
     q1: torch.Tensor
@@ -77,6 +77,8 @@ class PackedPlan:
     vis: torch.Tensor
     heads: int
     block_m: int
+    rows: int  # the last tile's q1: q must have at least this many rows
+    keys: int  # the largest column + 1: k must have at least this many rows
 
     @property
     def tiles(self) -> int:
@@ -99,16 +101,19 @@ def _bitmask(vis: torch.Tensor) -> torch.Tensor:
     """vis bool [h, r, nc] -> int32 [h, r, ceil(nc / 32)] with column c at bit c % 32 of word c // 32."""
     h, r, nc = vis.shape
     words = -(-nc // 32)
-    padded = torch.zeros(h, r, words * 32, dtype=torch.int64)
-    padded[:, :, :nc] = vis.to(torch.int64)
-    packed = (padded.view(h, r, words, 32) << torch.arange(32, dtype=torch.int64)).sum(-1)
-    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)  # two's complement
+    padded = torch.zeros(h, r, words, 32, dtype=torch.bool)
+    padded.view(h, r, words * 32)[:, :, :nc] = vis
+    packed = torch.zeros(h, r, words, dtype=torch.int32)
+    for bit in range(32):  # bit 31 lands on the sign: two's complement, as the kernels read it
+        packed |= padded[..., bit].to(torch.int32) << bit
+    return packed
 
 
 def pack(plan: tuple, heads: int, device: torch.device) -> PackedPlan:
     """The packed form of ``plan`` (a tuple of SparseTile) for ``heads`` query heads on ``device``, cached.
 
-    Raises ValueError if a tile's visibility is not [heads, q1 - q0, len(cols)] or tiles' rows overlap.
+    Raises ValueError if a tile's visibility is not [heads, q1 - q0, len(cols)], tiles' rows overlap
+    or an index is negative (the kernels index memory by them unchecked).
     """
     key = (id(plan), torch.device(device))
     hit = _packed.get(key)
@@ -125,7 +130,10 @@ def pack(plan: tuple, heads: int, device: torch.device) -> PackedPlan:
                              f"{tuple(t.vis.shape)}; expected [{heads}, {rows}, {nc}] for {heads} query heads")
         if t.q0 < end:
             raise ValueError(f"sparse plan tiles overlap at row {t.q0}: the kernel writes each tile's rows once")
-        end = t.q1
+        if t.q0 < 0 or (nc and int(t.cols.min()) < 0):
+            raise ValueError(f"sparse plan tile {i} has rows [{t.q0}, {t.q1}) and a column "
+                             f"{int(t.cols.min()) if nc else None}: indices must be >= 0")
+        end = max(end, t.q1)
         q0.append(t.q0)
         q1.append(t.q1)
         counts.append(nc)
@@ -140,7 +148,8 @@ def pack(plan: tuple, heads: int, device: torch.device) -> PackedPlan:
     on = lambda t: t.to(device)  # noqa: E731
     packed = PackedPlan(on(torch.tensor(q0, dtype=torch.int32)), on(torch.tensor(q1, dtype=torch.int32)),
                         on(col_start), on(cols), on(vis_start), on(torch.tensor(words, dtype=torch.int32)),
-                        on(vis), heads, _next_pow2(max((b - a for a, b in zip(q0, q1)), default=1)))
+                        on(vis), heads, _next_pow2(max((b - a for a, b in zip(q0, q1)), default=1)),
+                        max(q1, default=0), int(cols.max()) + 1 if cols.numel() else 0)
     _packed[key] = (plan, packed)
     _packed.move_to_end(key)
     held = sum(entry[1].nbytes for entry in _packed.values())
@@ -164,6 +173,13 @@ def _kernels() -> tuple[Any, Any]:
     if mode not in _jitted:
         _jitted[mode] = (triton.jit(src.sparse_fwd_kernel), triton.jit(src.sparse_bwd_kernel))
     return _jitted[mode]
+
+
+def _fits(p: PackedPlan, q: torch.Tensor, k: torch.Tensor) -> None:
+    """The kernels index q rows and k/v rows by the plan unchecked: refuse a plan beyond the tensors."""
+    if p.rows > q.shape[2] or p.keys > k.shape[2]:
+        raise ValueError(f"sparse plan reaches query row {p.rows - 1} and key {p.keys - 1} but q has {q.shape[2]} "
+                         f"rows and k {k.shape[2]}: the plan belongs to another block")
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -204,6 +220,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str = "spar
         return out, lse
     _check(q, k, v)
     p = pack(plan, hq, q.device)
+    _fits(p, q, k)
     fwd, _ = _kernels()
     fwd[(b * hq, p.tiles)](
         q, k, v, out, lse, p.q0, p.q1, p.col_start, p.cols, p.vis_start, p.vis_words, p.vis,
@@ -229,6 +246,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         return dq, dk, dv
     _check(q, k, v)
     p = pack(plan, hq, q.device)
+    _fits(p, q, k)
     _, bwd = _kernels()
     # one stride set serves both row statistics, rows adjacent
     D, lse = D.float(), lse.float()
