@@ -69,7 +69,10 @@ def test_self_check_passes(interpreted):
 
 def test_sparse_cp_attention_with_triton_equals_torch(interpreted):
     for rank, r in enumerate(interpreted["cp"]):
-        assert r["selected"] == ["triton_block_sparse", "block_sparse"] and r["packed"] > 0, r
+        assert r["selected"] == ["triton_block_sparse", "block_sparse"], r
+        triton_calls, torch_calls = r["calls"]
+        assert triton_calls["forward"] > 0 and triton_calls["backward"] > 0, r
+        assert torch_calls == {"forward": 0, "backward": 0}, r
         for name in ("out", "dq", "dk", "dv"):
             assert r[name] <= TOL * max(1.0, r[f"scale_{name}"]), (rank, name, r)
 
@@ -104,6 +107,18 @@ def test_packed_plan_layout_and_cache(monkeypatch):
     for _ in range(3):
         tbs.pack(_plan(), 2, torch.device("cpu"))
     assert len(tbs._packed) == 2
+
+
+def test_tile_plans_carry_their_packed_form():
+    """A TilePlan (what the CP code passes) keeps its packed form as an attribute: it dies with the
+    plan (a dynamic pattern's plans) instead of sitting in the LRU."""
+    from megatron_burst.sparse import TilePlan
+
+    plan = TilePlan(_plan())
+    before = len(tbs._packed)
+    p = tbs.pack(plan, 2, torch.device("cpu"))
+    assert tbs.pack(plan, 2, torch.device("cpu")) is p and len(tbs._packed) == before
+    assert plan._triton_packed == {torch.device("cpu"): p}
 
 
 def test_bad_plans_name_the_problem():

@@ -95,7 +95,8 @@ def vs_pattern():
 
 def cp_rank(kernel: str) -> dict:
     """sparse_cp_attention (burst, striped by 16) on this rank with MEGATRON_BURST_SPARSE_KERNEL=kernel:
-    out and grads of q, k, v (4 query / 2 kv heads, d 16, 48 local tokens), whether the kernel ran."""
+    out and grads of q, k, v (4 query / 2 kv heads, d 16, 48 local tokens), the kernel select_sparse
+    picks and how often the Triton kernel's forward and backward were called."""
     import torch.distributed as dist
 
     import megatron_burst as mb
@@ -107,16 +108,26 @@ def cp_rank(kernel: str) -> dict:
         q, k, v, dout = (t.permute(2, 0, 1, 3) for t in inputs(1, 4, 2, 48 * W, 48 * W, 16, torch.float32, 7))
         sh = lambda t: mb.shard(t, 0, r, W, "striped", 16).clone()  # noqa: E731
         ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
-        before = len(triton_block_sparse._packed)
+        calls = {"forward": 0, "backward": 0}
+        for name in calls:  # count the Triton kernel's calls (restored below)
+            def counted(*a, _fn=getattr(triton_block_sparse, name), _name=name, **kw):
+                calls[_name] += 1
+                return _fn(*a, **kw)
+            setattr(triton_block_sparse, f"_orig_{name}", getattr(triton_block_sparse, name))
+            setattr(triton_block_sparse, name, counted)
         pattern = mb.VerticalSlash(torch.tensor([[0, 9], [3, 50], [1, 2], [70, 75]]),
                                    torch.tensor([[0, 5], [0, 17], [2, 33], [0, 1]]))
         out = mb.sparse_cp_attention(ql, kl, vl, pattern, layout="striped", stripe=16, algo="burst")
         out.backward(sh(dout))
         return {"out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad,
                 "selected": kernels.select_sparse(ql).__name__.rsplit(".", 1)[-1],
-                "packed": len(triton_block_sparse._packed) - before}
+                "calls": calls}
     finally:
         del os.environ["MEGATRON_BURST_SPARSE_KERNEL"]
+        for name in ("forward", "backward"):
+            if hasattr(triton_block_sparse, f"_orig_{name}"):
+                setattr(triton_block_sparse, name, getattr(triton_block_sparse, f"_orig_{name}"))
+                delattr(triton_block_sparse, f"_orig_{name}")
 
 
 def compile_for_gpu(direction: str, dtype: torch.dtype, d: int, capability: int = 90) -> dict:
@@ -178,7 +189,7 @@ def main() -> None:
     finally:
         shutdown_pools(stop_forkserver=True)
     results["cp"] = [{"selected": [cp[kern][r]["selected"] for kern in ("triton", "torch")],
-                      "packed": cp["triton"][r]["packed"],
+                      "calls": [cp[kern][r]["calls"] for kern in ("triton", "torch")],
                       **{n: (cp["triton"][r][n] - cp["torch"][r][n]).abs().max().item() for n in ("out", "dq", "dk", "dv")},
                       **{f"scale_{n}": cp["torch"][r][n].abs().max().item() for n in ("out", "dq", "dk", "dv")}}
                      for r in range(2)]

@@ -11,10 +11,11 @@ Packed plan (built once per (plan object, device), see :func:`pack`): a plan is 
   ``vis[h, r, c]`` as a bitmask: ``ceil(nc / 32)`` words per (head, row), row-major [hq, rows, words]
   from ``vis_start[t]``; column c is bit ``c % 32`` of word ``c // 32`` (8x smaller than bool).
 
-Plans are long-lived cached tuples, so the packed form is cached by ``id(plan)`` together with a
-reference to the plan (the id cannot be reused while it is held). The cache is a bounded LRU
-(PACK_CACHE entries and PACK_CACHE_BYTES of packed tensors): a dynamic pattern makes new plans
-every step, which must not pile up on the device.
+Plans are long-lived cached tuples. A :class:`megatron_burst.sparse.TilePlan` (what the CP code
+passes) carries its packed form as an attribute, like block_sparse's, so it dies with the plan (a
+dynamic pattern's plans go every step). A plain tuple's packed form is cached by ``id(plan)``
+together with a reference to the plan (the id cannot be reused while it is held) in a bounded LRU
+(PACK_CACHE entries and PACK_CACHE_BYTES of packed tensors).
 
 Grid: one program per (batch * query head, tile). Forward: the program holds its tile's query rows
 (BLOCK_M >= rows) and walks the tile's columns in chunks of BLOCK_N: gathers the K/V rows by
@@ -110,16 +111,33 @@ def _bitmask(vis: torch.Tensor) -> torch.Tensor:
 
 
 def pack(plan: tuple, heads: int, device: torch.device) -> PackedPlan:
-    """The packed form of ``plan`` (a tuple of SparseTile) for ``heads`` query heads on ``device``, cached.
+    """The packed form of ``plan`` (a tuple of SparseTile) for ``heads`` query heads on ``device``, cached:
+    on the plan itself when it carries attributes (megatron_burst.sparse.TilePlan: the packed form
+    dies with the plan), else in a bounded LRU keyed by id(plan) that holds the plan.
 
     Raises ValueError if a tile's visibility is not [heads, q1 - q0, len(cols)], tiles' rows overlap
     or an index is negative (the kernels index memory by them unchecked).
     """
-    key = (id(plan), torch.device(device))
+    device = torch.device(device)
+    if hasattr(plan, "__dict__"):
+        store = plan.__dict__.setdefault("_triton_packed", {})
+        if device not in store or store[device].heads != heads:
+            store[device] = _pack_now(plan, heads, device)
+        return store[device]
+    key = (id(plan), device)
     hit = _packed.get(key)
     if hit is not None and hit[0] is plan and hit[1].heads == heads:
         _packed.move_to_end(key)
         return hit[1]
+    packed = _pack_now(plan, heads, device)
+    _packed[key] = (plan, packed)
+    held = sum(entry[1].nbytes for entry in _packed.values())
+    while len(_packed) > 1 and (len(_packed) > PACK_CACHE or held > PACK_CACHE_BYTES):  # keep the newest
+        held -= _packed.popitem(last=False)[1][1].nbytes
+    return packed
+
+
+def _pack_now(plan: tuple, heads: int, device: torch.device) -> PackedPlan:
     ordered = sorted(plan, key=lambda t: t.q0)
     q0, q1, counts, words, masks = [], [], [], [], []
     end = 0
@@ -150,11 +168,6 @@ def pack(plan: tuple, heads: int, device: torch.device) -> PackedPlan:
                         on(col_start), on(cols), on(vis_start), on(torch.tensor(words, dtype=torch.int32)),
                         on(vis), heads, _next_pow2(max((b - a for a, b in zip(q0, q1)), default=1)),
                         max(q1, default=0), int(cols.max()) + 1 if cols.numel() else 0)
-    _packed[key] = (plan, packed)
-    _packed.move_to_end(key)
-    held = sum(entry[1].nbytes for entry in _packed.values())
-    while len(_packed) > 1 and (len(_packed) > PACK_CACHE or held > PACK_CACHE_BYTES):  # keep the newest
-        held -= _packed.popitem(last=False)[1][1].nbytes
     return packed
 
 
