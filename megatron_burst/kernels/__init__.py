@@ -12,6 +12,10 @@ A fused GPU backend is used only after it has checked itself on the device: the 
 be chosen for a (device, dtype), a small causal and full block runs through it and through the
 reference, forward and backward; on any mismatch or error it is dropped for that (device, dtype)
 with a warning and the tiled kernel is used instead.
+
+Sparse blocks (vertical-slash plans) have their own pair, chosen by :func:`select_sparse`:
+``block_sparse`` (plain torch) and ``triton_block_sparse`` (Triton, the CUDA default once it has
+checked itself against block_sparse the same way); $MEGATRON_BURST_SPARSE_KERNEL=torch|triton forces one.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ from typing import Optional
 
 import torch
 
-from megatron_burst.kernels import block_sparse, cpu_flash, cuda_flash, reference, row_gather, tiled
+from megatron_burst.kernels import (block_sparse, cpu_flash, cuda_flash, reference, row_gather, tiled,
+                                    triton_block_sparse)
 from megatron_burst.layout import BlockMask
 
 BACKENDS: dict[str, ModuleType] = {
@@ -58,14 +63,32 @@ def verify(impl: ModuleType, device: torch.device, dtype: torch.dtype, tol: floa
     return True
 
 
-def _fused_gpu_ok(impl: ModuleType, q: torch.Tensor) -> bool:
+def _fused_gpu_ok(impl: ModuleType, q: torch.Tensor, check=None, fallback: str = "tiled") -> bool:
+    """Whether ``impl`` passed its one-time self-check (``check(device, dtype)``, default :func:`verify`)."""
     key = (impl.__name__, q.device, q.dtype)
     if key not in _VERIFIED:
-        _VERIFIED[key] = verify(impl, q.device, q.dtype)
+        _VERIFIED[key] = check(q.device, q.dtype) if check is not None else verify(impl, q.device, q.dtype)
         if not _VERIFIED[key]:
             warnings.warn(f"megatron-burst: the {impl.__name__.rsplit('.', 1)[-1]} attention kernel failed its "
-                          f"self-check on {q.device} / {q.dtype}; using the tiled kernel there instead")
+                          f"self-check on {q.device} / {q.dtype}; using the {fallback} kernel there instead")
     return _VERIFIED[key]
+
+
+SPARSE_BACKENDS: dict[str, ModuleType] = {"torch": block_sparse, "triton": triton_block_sparse}
+
+
+def select_sparse(q: torch.Tensor) -> ModuleType:
+    """The block-sparse kernel: $MEGATRON_BURST_SPARSE_KERNEL if set, else Triton on CUDA when it is
+    installed and passed its self-check on (device, dtype), else the plain-torch block_sparse."""
+    name = os.environ.get("MEGATRON_BURST_SPARSE_KERNEL") or None
+    if name is not None:
+        if name not in SPARSE_BACKENDS:
+            raise ValueError(f"MEGATRON_BURST_SPARSE_KERNEL={name!r}: choose one of {', '.join(SPARSE_BACKENDS)}")
+        return SPARSE_BACKENDS[name]
+    if q.is_cuda and triton_block_sparse.AVAILABLE and _fused_gpu_ok(
+            triton_block_sparse, q, triton_block_sparse.verify, "block_sparse"):
+        return triton_block_sparse
+    return block_sparse
 
 
 def select(q: torch.Tensor, kind: str, direction: str, name: Optional[str] = None,
@@ -94,7 +117,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Block
     kernel only writes its input dtype.
     """
     qs, ks, vs = q[:, :, mask.q_slice], k[:, :, mask.kv_slice], v[:, :, mask.kv_slice]
-    impl = _DATA_KERNELS.get(mask.kind) or select(qs, mask.kind, "forward", kernel, ks)
+    impl = _data_kernel(mask.kind, qs) or select(qs, mask.kind, "forward", kernel, ks)
     return impl.forward(qs, ks, vs, mask.kind, mask.block, scale, **_mask_data(mask))
 
 
@@ -107,13 +130,18 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """
     qsl, ksl = mask.q_slice, mask.kv_slice
     qs, ks = q[:, :, qsl], k[:, :, ksl]
-    impl = _DATA_KERNELS.get(mask.kind) or select(qs, mask.kind, "backward", kernel, ks)
+    impl = _data_kernel(mask.kind, qs) or select(qs, mask.kind, "backward", kernel, ks)
     return impl.backward(dout[:, :, qsl], qs, ks, v[:, :, ksl], D[:, :, qsl], lse[:, :, qsl], mask.kind,
                          mask.block, scale, **_mask_data(mask))
 
 
 # mask kinds that carry a sparse plan, and the kernel that reads it
 _DATA_KERNELS: dict[str, ModuleType] = {"sparse": block_sparse, "gather": row_gather}
+
+
+def _data_kernel(kind: str, q: torch.Tensor) -> Optional[ModuleType]:
+    """The kernel of a data-carrying mask kind (None for other kinds); sparse tiles: :func:`select_sparse`."""
+    return select_sparse(q) if kind == "sparse" else _DATA_KERNELS.get(kind)
 
 
 def _mask_data(mask: BlockMask) -> dict:

@@ -1,0 +1,153 @@
+"""Triton source of the kernels wrapped by :mod:`megatron_burst.kernels.triton_block_sparse` (imports triton).
+
+Plain functions: triton_block_sparse applies ``triton.jit`` on first use. See that module for the
+packed plan, the grid and the precision policy.
+
+Both kernels run one program per (batch * query head, tile) and share the same column walk: the
+tile's key columns ``COLS[c_start:c_end]`` in chunks of BLOCK_N, each chunk's K/V rows gathered by
+column index, and the visibility bits of the chunk read from the tile's bitmask (row-major
+[hq, rows, words] int32 words, bit c % 32 of word c // 32 for the tile's c-th column).
+"""
+from __future__ import annotations
+
+import triton.language as tl
+
+
+def sparse_fwd_kernel(Q, K, V, OUT, LSE,
+                      TILE_Q0, TILE_Q1, COL_START, COLS, VIS_START, VIS_WORDS, VIS,
+                      scale, HQ, GROUP, D, DV,
+                      sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
+                      sob, soh, sos, slb, slh,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_DV: tl.constexpr, WIDEN: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over the tile's visible columns: OUT rows (fp32, 0 if nothing seen), LSE (-inf)."""
+    pid_bh = tl.program_id(0)
+    tile = tl.program_id(1)
+    b = (pid_bh // HQ).to(tl.int64)
+    h = pid_bh % HQ
+    hk = h // GROUP
+    q0 = tl.load(TILE_Q0 + tile)
+    tq = tl.load(TILE_Q1 + tile) - q0
+    c_start = tl.load(COL_START + tile)
+    c_end = tl.load(COL_START + tile + 1)
+    n_words = tl.load(VIS_WORDS + tile)
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < tq
+    rows = (q0 + offs_m).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < D
+    dv_ok = offs_dv < DV
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + offs_d[None, :] * sqd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if WIDEN:
+        q = q.to(tl.float32)
+    # first word of each row's bitmask (int64: the packed masks of a long plan pass 2**31 words)
+    vis_row = VIS + tl.load(VIS_START + tile) + (h * tq + offs_m).to(tl.int64) * n_words
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for c0 in range(c_start, c_end, BLOCK_N):
+        offs_c = c0 + tl.arange(0, BLOCK_N)
+        c_ok = offs_c < c_end
+        cols = tl.load(COLS + offs_c, mask=c_ok, other=0).to(tl.int64)
+        k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :] * skd,
+                    mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + offs_dv[None, :] * svd,
+                    mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
+        if WIDEN:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        local = offs_c - c_start
+        words = tl.load(vis_row[:, None] + (local // 32)[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0)
+        seen = ((words >> (local % 32)[None, :]) & 1) != 0
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # rows with nothing seen yet keep m = -inf; shift them by 0 so that exp gives 0, not NaN
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_shift)
+        p = tl.exp(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    seen_any = l_i > 0.0
+    out = acc / tl.where(seen_any, l_i, 1.0)[:, None]
+    lse = tl.where(seen_any, tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log(tl.where(seen_any, l_i, 1.0)),
+                   float("-inf"))
+    tl.store(OUT + b * sob + h * soh + rows[:, None] * sos + offs_dv[None, :], out,
+             mask=row_ok[:, None] & dv_ok[None, :])
+    tl.store(LSE + b * slb + h * slh + rows, lse, mask=row_ok)
+
+
+def sparse_bwd_kernel(Q, K, V, DO, DELTA, LSE, DQ, DK, DV_,
+                      TILE_Q0, TILE_Q1, COL_START, COLS, VIS_START, VIS_WORDS, VIS,
+                      scale, HQ, GROUP, D, DV,
+                      sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
+                      sdob, sdoh, sdos, sdod, slb, slh, sdqb, sdqh, sdqs,
+                      sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_DV: tl.constexpr, WIDEN: tl.constexpr, PRECISION: tl.constexpr):
+    """Recompute P = vis * exp(s - lse) per column chunk; DQ rows stored, DK/DV rows atomically added.
+
+    DELTA and LSE share strides (both [b, hq, sq] fp32); DK/DV are fp32 [b, hkv, sk, *], so the
+    query heads of a group add into the same kv head.
+    """
+    pid_bh = tl.program_id(0)
+    tile = tl.program_id(1)
+    b = (pid_bh // HQ).to(tl.int64)
+    h = pid_bh % HQ
+    hk = h // GROUP
+    q0 = tl.load(TILE_Q0 + tile)
+    tq = tl.load(TILE_Q1 + tile) - q0
+    c_start = tl.load(COL_START + tile)
+    c_end = tl.load(COL_START + tile + 1)
+    n_words = tl.load(VIS_WORDS + tile)
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < tq
+    rows = (q0 + offs_m).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < D
+    dv_ok = offs_dv < DV
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + offs_d[None, :] * sqd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdos + offs_dv[None, :] * sdod,
+                 mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+    if WIDEN:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(LSE + b * slb + h * slh + rows, mask=row_ok, other=float("-inf"))
+    delta = tl.load(DELTA + b * slb + h * slh + rows, mask=row_ok, other=0.0)
+    # a row with lse = -inf saw nothing: P = 0 there (its exp would be +inf)
+    row_live = lse > float("-inf")
+    lse = tl.where(row_live, lse, 0.0)
+    vis_row = VIS + tl.load(VIS_START + tile) + (h * tq + offs_m).to(tl.int64) * n_words
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for c0 in range(c_start, c_end, BLOCK_N):
+        offs_c = c0 + tl.arange(0, BLOCK_N)
+        c_ok = offs_c < c_end
+        cols = tl.load(COLS + offs_c, mask=c_ok, other=0).to(tl.int64)
+        k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :] * skd,
+                    mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + offs_dv[None, :] * svd,
+                    mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
+        if WIDEN:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        local = offs_c - c_start
+        words = tl.load(vis_row[:, None] + (local // 32)[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0)
+        seen = (((words >> (local % 32)[None, :]) & 1) != 0) & row_live[:, None]
+        p = tl.where(seen, tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds, k.to(tl.float32), dq, input_precision=PRECISION)
+        dv_part = tl.dot(tl.trans(p), do.to(tl.float32), input_precision=PRECISION)
+        dk_part = tl.dot(tl.trans(ds), q.to(tl.float32), input_precision=PRECISION) * scale
+        tl.atomic_add(DK + b * sdkb + hk * sdkh + cols[:, None] * sdks + offs_d[None, :], dk_part,
+                      mask=c_ok[:, None] & d_ok[None, :])
+        tl.atomic_add(DV_ + b * sdvb + hk * sdvh + cols[:, None] * sdvs + offs_dv[None, :], dv_part,
+                      mask=c_ok[:, None] & dv_ok[None, :])
+    tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqs + offs_d[None, :], dq * scale,
+             mask=row_ok[:, None] & d_ok[None, :])

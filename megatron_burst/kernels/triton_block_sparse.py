@@ -1,0 +1,313 @@
+"""Block-sparse attention in Triton (GPU; CPU through Triton's interpreter), the fast twin of
+:mod:`megatron_burst.kernels.block_sparse` with the same (out, lse) / gradients interface.
+
+Packed plan (built once per (plan object, device), see :func:`pack`): a plan is a tuple of
+:class:`megatron_burst.sparse.SparseTile`; the kernels read it as flat device tensors
+
+* ``q0``, ``q1`` [T] int32 -- each tile's query rows [q0, q1) (at most 64 rows);
+* ``col_start`` [T + 1] int64 and ``cols`` [sum nc] int32 -- tile t's key columns are
+  ``cols[col_start[t]:col_start[t + 1]]`` (local key indices, any count per tile);
+* ``vis_words`` [T] int32, ``vis_start`` [T] int64 and ``vis`` int32 -- tile t's visibility
+  ``vis[h, r, c]`` as a bitmask: ``ceil(nc / 32)`` words per (head, row), row-major [hq, rows, words]
+  from ``vis_start[t]``; column c is bit ``c % 32`` of word ``c // 32`` (8x smaller than bool).
+
+Plans are long-lived cached tuples. A :class:`megatron_burst.sparse.TilePlan` (what the CP code
+passes) carries its packed form as an attribute, like block_sparse's, so it dies with the plan (a
+dynamic pattern's plans go every step). A plain tuple's packed form is cached by ``id(plan)``
+together with a reference to the plan (the id cannot be reused while it is held) in a bounded LRU
+(PACK_CACHE entries and PACK_CACHE_BYTES of packed tensors).
+
+Grid: one program per (batch * query head, tile). Forward: the program holds its tile's query rows
+(BLOCK_M >= rows) and walks the tile's columns in chunks of BLOCK_N: gathers the K/V rows by
+column index, ``tl.dot`` scores (fp32 accumulation), masks them by the bitmask and keeps an online
+softmax; writes out (fp32; 0 where a row sees nothing) and lse (fp32; -inf there). Backward:
+the same walk recomputes P from the given lse, stores dq for the tile's rows (tiles' rows are
+disjoint) and adds dk/dv per column with ``tl.atomic_add`` into fp32 [b, hkv, sk, *] buffers (the
+query heads of a GQA group add into their kv head; columns repeat across tiles).
+
+Precision: fp32 inputs run every product in IEEE fp32. 16-bit inputs multiply q.k^T and do.v^T
+in the input dtype (products exact in fp32, fp32 accumulation) and the products with a computed
+fp32 operand (P.V, P^T.dO, dS.K, dS^T.Q) in TF32 with fp32 accumulation. Mixed input dtypes are
+widened to fp32 on load and run as fp32. Head dims up to 128, padded to a power of two with masks.
+
+Triton is imported on first use (the kernel source is :mod:`._triton_block_sparse_src`), so
+TRITON_INTERPRET=1 works when set before the process first imports triton; see
+:mod:`megatron_burst.loss.triton_kernels` for why.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_burst.kernels import block_sparse
+
+AVAILABLE = importlib.util.find_spec("triton") is not None
+
+# GPU (column chunk BLOCK_N, warps) per (direction, input bits). No GPU was available to time them:
+# they are the spill-free choices among BLOCK_N in {16, 32, 64} x warps in {4, 8} by the register
+# and stack use of the kernels compiled for sm_90 at head dims 64 and 128 (the IEEE-fp32 dots
+# need far more registers than the 16-bit MMA ones, hence the narrow fp32 chunks).
+GPU_CONFIG = {("forward", 32): (16, 8), ("backward", 32): (16, 8),
+              ("forward", 16): (64, 8), ("backward", 16): (32, 8)}
+# The interpreter is slow per program, and small chunks keep its numpy temporaries small.
+INTERPRET_BLOCK_N = 16
+MAX_HEAD_DIM = 128
+PACK_CACHE = 256
+PACK_CACHE_BYTES = 1 << 30
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class PackedPlan:
+    """A plan as flat device tensors (see the module docstring); ``block_m``: tile rows padded to a power of two."""
+
+    q0: torch.Tensor
+    q1: torch.Tensor
+    col_start: torch.Tensor
+    cols: torch.Tensor
+    vis_start: torch.Tensor
+    vis_words: torch.Tensor
+    vis: torch.Tensor
+    heads: int
+    block_m: int
+    rows: int  # the last tile's q1: q must have at least this many rows
+    keys: int  # the largest column + 1: k must have at least this many rows
+
+    @property
+    def tiles(self) -> int:
+        return self.q0.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q0, self.q1, self.col_start, self.cols,
+                                                          self.vis_start, self.vis_words, self.vis))
+
+
+_packed: "OrderedDict[tuple[int, torch.device], tuple[tuple, PackedPlan]]" = OrderedDict()
+
+
+def _next_pow2(n: int, floor: int = 16) -> int:
+    return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+def _bitmask(vis: torch.Tensor) -> torch.Tensor:
+    """vis bool [h, r, nc] -> int32 [h, r, ceil(nc / 32)] with column c at bit c % 32 of word c // 32."""
+    h, r, nc = vis.shape
+    words = -(-nc // 32)
+    padded = torch.zeros(h, r, words, 32, dtype=torch.bool)
+    padded.view(h, r, words * 32)[:, :, :nc] = vis
+    packed = torch.zeros(h, r, words, dtype=torch.int32)
+    for bit in range(32):  # bit 31 lands on the sign: two's complement, as the kernels read it
+        packed |= padded[..., bit].to(torch.int32) << bit
+    return packed
+
+
+def pack(plan: tuple, heads: int, device: torch.device) -> PackedPlan:
+    """The packed form of ``plan`` (a tuple of SparseTile) for ``heads`` query heads on ``device``, cached:
+    on the plan itself when it carries attributes (megatron_burst.sparse.TilePlan: the packed form
+    dies with the plan), else in a bounded LRU keyed by id(plan) that holds the plan.
+
+    Raises ValueError if a tile's visibility is not [heads, q1 - q0, len(cols)], tiles' rows overlap
+    or an index is negative (the kernels index memory by them unchecked).
+    """
+    device = torch.device(device)
+    if hasattr(plan, "__dict__"):
+        store = plan.__dict__.setdefault("_triton_packed", {})
+        if device not in store or store[device].heads != heads:
+            store[device] = _pack_now(plan, heads, device)
+        return store[device]
+    key = (id(plan), device)
+    hit = _packed.get(key)
+    if hit is not None and hit[0] is plan and hit[1].heads == heads:
+        _packed.move_to_end(key)
+        return hit[1]
+    packed = _pack_now(plan, heads, device)
+    _packed[key] = (plan, packed)
+    held = sum(entry[1].nbytes for entry in _packed.values())
+    while len(_packed) > 1 and (len(_packed) > PACK_CACHE or held > PACK_CACHE_BYTES):  # keep the newest
+        held -= _packed.popitem(last=False)[1][1].nbytes
+    return packed
+
+
+def _pack_now(plan: tuple, heads: int, device: torch.device) -> PackedPlan:
+    ordered = sorted(plan, key=lambda t: t.q0)
+    q0, q1, counts, words, masks = [], [], [], [], []
+    end = 0
+    for i, t in enumerate(ordered):
+        rows, nc = t.q1 - t.q0, t.cols.numel()
+        if tuple(t.vis.shape) != (heads, rows, nc):
+            raise ValueError(f"sparse plan tile {i} (rows [{t.q0}, {t.q1}), {nc} columns) has visibility "
+                             f"{tuple(t.vis.shape)}; expected [{heads}, {rows}, {nc}] for {heads} query heads")
+        if t.q0 < end:
+            raise ValueError(f"sparse plan tiles overlap at row {t.q0}: the kernel writes each tile's rows once")
+        if t.q0 < 0 or (nc and int(t.cols.min()) < 0):
+            raise ValueError(f"sparse plan tile {i} has rows [{t.q0}, {t.q1}) and a column "
+                             f"{int(t.cols.min()) if nc else None}: indices must be >= 0")
+        end = max(end, t.q1)
+        q0.append(t.q0)
+        q1.append(t.q1)
+        counts.append(nc)
+        m = _bitmask(t.vis.cpu().bool())
+        words.append(m.shape[-1])
+        masks.append(m.reshape(-1))
+    zero = torch.zeros(1, dtype=torch.int64)
+    col_start = torch.cat([zero, torch.tensor(counts, dtype=torch.int64).cumsum(0)])
+    vis_start = torch.cat([zero, torch.tensor([m.numel() for m in masks], dtype=torch.int64).cumsum(0)])[:-1]
+    cols = torch.cat([t.cols.cpu().to(torch.int32) for t in ordered]) if ordered else torch.zeros(0, dtype=torch.int32)
+    vis = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.int32)
+    on = lambda t: t.to(device)  # noqa: E731
+    packed = PackedPlan(on(torch.tensor(q0, dtype=torch.int32)), on(torch.tensor(q1, dtype=torch.int32)),
+                        on(col_start), on(cols), on(vis_start), on(torch.tensor(words, dtype=torch.int32)),
+                        on(vis), heads, _next_pow2(max((b - a for a, b in zip(q0, q1)), default=1)),
+                        max(q1, default=0), int(cols.max()) + 1 if cols.numel() else 0)
+    return packed
+
+
+_jitted: dict[bool, tuple[Any, Any]] = {}
+
+
+def _kernels() -> tuple[Any, Any]:
+    if not AVAILABLE:
+        raise RuntimeError("the triton block-sparse kernel needs the triton package: pip install triton, or set "
+                           "MEGATRON_BURST_SPARSE_KERNEL=torch")
+    import triton
+
+    from megatron_burst.kernels import _triton_block_sparse_src as src
+
+    mode = interpreting()
+    if mode not in _jitted:
+        _jitted[mode] = (triton.jit(src.sparse_fwd_kernel), triton.jit(src.sparse_bwd_kernel))
+    return _jitted[mode]
+
+
+def _fits(p: PackedPlan, q: torch.Tensor, k: torch.Tensor) -> None:
+    """The kernels index q rows and k/v rows by the plan unchecked: refuse a plan beyond the tensors."""
+    if p.rows > q.shape[2] or p.keys > k.shape[2]:
+        raise ValueError(f"sparse plan reaches query row {p.rows - 1} and key {p.keys - 1} but q has {q.shape[2]} "
+                         f"rows and k {k.shape[2]}: the plan belongs to another block")
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if not q.is_cuda and not interpreting():
+        raise ValueError(f"the triton block-sparse kernel needs CUDA tensors (got {q.device}); set TRITON_INTERPRET=1 "
+                         "to run it in Triton's CPU interpreter, or MEGATRON_BURST_SPARSE_KERNEL=torch")
+    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        raise ValueError(f"the triton block-sparse kernel takes head dims up to {MAX_HEAD_DIM}, got q {q.shape[-1]} "
+                         f"v {v.shape[-1]}; set MEGATRON_BURST_SPARSE_KERNEL=torch")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads {q.shape[1]} must be a multiple of kv heads {k.shape[1]}")
+
+
+def launch_options(direction: str, dtypes: set, d: int, dv: int, block_m: int, interpret: bool) -> dict:
+    """Compile-time options and warps of a launch: ``direction`` "forward" or "backward", ``dtypes``
+    the input tensors' dtypes, head dims ``d`` (q, k) and ``dv`` (v), ``block_m`` the padded tile rows."""
+    # Triton 3.9's interpreter returns garbage from tl.dot on 16-bit operands (it multiplies the raw
+    # bits), and tl.dot needs equal operand dtypes: widen the loaded tiles to fp32 there (exact).
+    widen = len(dtypes) > 1 or (interpret and dtypes != {torch.float32})
+    wide = widen or dtypes == {torch.float32}
+    block_n, warps = GPU_CONFIG[(direction, 32 if wide else 16)]
+    if interpret:
+        block_n = INTERPRET_BLOCK_N
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_next_pow2(d), BLOCK_DV=_next_pow2(dv), WIDEN=widen,
+                PRECISION="ieee" if wide else "tf32", num_warps=warps)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str = "sparse", block: int = 1,
+            scale: float = 1.0, plan: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [b, hq, sq, d], k [b, hkv, sk, d], v [b, hkv, sk, dv] -> (out fp32 [b, hq, sq, dv], lse fp32 [b, hq, sq]).
+
+    Rows outside the plan's tiles, and rows that see nothing, get out 0 and lse -inf.
+    """
+    b, hq, sq, d = q.shape
+    out = torch.zeros(b, hq, sq, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((b, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    if not plan or b * hq == 0:
+        return out, lse
+    _check(q, k, v)
+    p = pack(plan, hq, q.device)
+    _fits(p, q, k)
+    fwd, _ = _kernels()
+    fwd[(b * hq, p.tiles)](
+        q, k, v, out, lse, p.q0, p.q1, p.col_start, p.cols, p.vis_start, p.vis_words, p.vis,
+        float(scale), hq, hq // k.shape[1], d, v.shape[-1],
+        *q.stride(), *k.stride(), *v.stride(), *out.stride()[:3], *lse.stride()[:2],
+        **launch_options("forward", {q.dtype, k.dtype, v.dtype}, d, v.shape[-1], p.block_m, interpreting()))
+    return out, lse
+
+
+def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, D: torch.Tensor,
+             lse: torch.Tensor, kind: str = "sparse", block: int = 1, scale: float = 1.0, plan: tuple = ()
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq [b, hq, sq, d], dk [b, hkv, sk, d], dv [b, hkv, sk, dv]), fp32.
+
+    dout [b, hq, sq, dv]; D = rowsum(dout * out) and lse [b, hq, sq] (fp32) for all rows.
+    """
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    dq = torch.zeros(b, hq, sq, d, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(b, hkv, sk, d, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(b, hkv, sk, v.shape[-1], dtype=torch.float32, device=q.device)
+    if not plan or b * hq == 0:
+        return dq, dk, dv
+    _check(q, k, v)
+    p = pack(plan, hq, q.device)
+    _fits(p, q, k)
+    _, bwd = _kernels()
+    # one stride set serves both row statistics, rows adjacent
+    D, lse = D.float(), lse.float()
+    if D.stride() != lse.stride() or lse.stride(-1) != 1:
+        D, lse = D.contiguous(), lse.contiguous()
+    bwd[(b * hq, p.tiles)](
+        q, k, v, dout, D, lse, dq, dk, dv, p.q0, p.q1, p.col_start, p.cols, p.vis_start, p.vis_words, p.vis,
+        float(scale), hq, hq // hkv, d, v.shape[-1],
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride()[:2], *dq.stride()[:3],
+        *dk.stride()[:3], *dv.stride()[:3],
+        **launch_options("backward", {q.dtype, k.dtype, v.dtype, dout.dtype}, d, v.shape[-1], p.block_m,
+                         interpreting()))
+    return dq, dk, dv
+
+
+def verify(device: torch.device, dtype: torch.dtype, tol: float = 3e-2) -> bool:
+    """Check this kernel against :mod:`block_sparse` on a small GQA plan (forward and backward).
+
+    The plan has a short last tile, a row that sees nothing and tiles with different column counts;
+    errors are measured relative to the reference's largest magnitude (``tol`` allows for bf16).
+    """
+    from megatron_burst.sparse import SparseTile
+
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, sq, sk, d = 4, 2, 80, 96, 64
+    mk = lambda h, s: torch.randn(1, h, s, d, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    q, k, v, do = mk(hq, sq), mk(hkv, sk), mk(hkv, sk), mk(hq, sq)
+    tiles = []
+    for q0, q1, nc in ((0, 64, 40), (64, 80, 96)):
+        cols = torch.randperm(sk, generator=g)[:nc].sort().values
+        vis = torch.rand(hq, q1 - q0, nc, generator=g) < 0.3
+        vis[1, 3] = False  # a row that sees nothing
+        tiles.append(SparseTile(q0, q1, cols, vis))
+    plan = tuple(tiles)
+    try:
+        ref_out, ref_lse = block_sparse.forward(q, k, v, "sparse", 1, 0.125, plan=plan)
+        D = (do.float() * ref_out).sum(-1)
+        ref = (ref_out, ref_lse) + block_sparse.backward(do, q, k, v, D, ref_lse, "sparse", 1, 0.125, plan=plan)
+        got = forward(q, k, v, "sparse", 1, 0.125, plan=plan)
+        got = got + backward(do, q, k, v, D, ref_lse, "sparse", 1, 0.125, plan=plan)
+        for a, b in zip(got, ref):
+            if a.shape != b.shape or not torch.equal(torch.isinf(a), torch.isinf(b)):
+                return False
+            a, b = (torch.where(torch.isinf(t), 0.0, t.float()) for t in (a, b))  # NaN stays and fails
+            if not bool(((a - b).abs().max() <= tol * b.abs().max().clamp_min(1.0))):
+                return False
+    except Exception:  # a Triton build or driver that cannot compile or run the kernel here
+        return False
+    finally:
+        _packed.pop((id(plan), torch.device(device)), None)
+    return True

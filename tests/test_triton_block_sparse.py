@@ -1,0 +1,185 @@
+"""The Triton block-sparse attention kernel (megatron_burst.kernels.triton_block_sparse): forward
+(out, lse) and backward (dq, dk, dv) against block_sparse and a dense fp64 reference under
+Triton's CPU interpreter (a fresh process: TRITON_INTERPRET=1 must be set before triton is
+imported); MHA and GQA, head dims 16 and 24, a short last tile, an absent tile, rows that see
+nothing, plans of a real vertical-slash pattern, bf16 input, strided inputs, and
+sparse_cp_attention on 2 gloo ranks equal to the torch kernel. Then, in this process: the packed
+plan and its cache, and the kernel choice (select_sparse)."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from megatron_burst import kernels
+from megatron_burst.kernels import block_sparse, triton_block_sparse as tbs
+from megatron_burst.sparse import SparseTile
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+TOL = 1e-5  # relative to the reference's largest magnitude; every case runs fp32 math
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed (pip install triton): the Triton kernel is untested")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    env.pop("MEGATRON_BURST_SPARSE_KERNEL", None)
+    proc = subprocess.run([sys.executable, os.path.join(here, "triton_sparse_cases.py")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _check_case(r, what):
+    assert r["finite"] and r["lse_inf_matches"], (what, r)
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        assert r[f"shape_{name}"], (what, name)
+        for src in ("torch", "dense"):
+            assert r[f"{src}_{name}"] <= TOL * max(1.0, r[f"scale_{name}"]), (what, src, name, r)
+
+
+@pytest.mark.parametrize("case", ["mha_d16", "gqa_d24", "gqa_bf16"])
+def test_hand_plans_match_block_sparse_and_dense(interpreted, case):
+    """Tiles of 16, 16 and 5 rows (one absent in between) with 10, 37 and 45 columns, rows seeing nothing."""
+    r = interpreted[case]
+    assert r["empty_rows"] > 0 and r["dtype"] == ("torch.bfloat16" if "bf16" in case else "torch.float32")
+    _check_case(r, case)
+
+
+def test_vertical_slash_plans_match(interpreted):
+    assert interpreted["pattern_mask_matches"]
+    assert interpreted["pattern_t64"]["tile_rows"] == [64, 16]
+    assert interpreted["pattern_t16"]["tile_rows"] == [16] * 5
+    for tile in (64, 16):
+        r = interpreted[f"pattern_t{tile}"]
+        assert r["empty_rows"] > 0
+        _check_case(r, f"tile {tile}")
+
+
+def test_self_check_passes(interpreted):
+    assert interpreted["verify"] == {"torch.float32": True, "torch.bfloat16": True}
+
+
+def test_sparse_cp_attention_with_triton_equals_torch(interpreted):
+    for rank, r in enumerate(interpreted["cp"]):
+        assert r["selected"] == ["triton_block_sparse", "block_sparse"], r
+        triton_calls, torch_calls = r["calls"]
+        assert triton_calls["forward"] > 0 and triton_calls["backward"] > 0, r
+        assert torch_calls == {"forward": 0, "backward": 0}, r
+        for name in ("out", "dq", "dk", "dv"):
+            assert r[name] <= TOL * max(1.0, r[f"scale_{name}"]), (rank, name, r)
+
+
+def _plan(heads=2):
+    g = torch.Generator().manual_seed(0)
+    return (SparseTile(0, 16, torch.arange(0, 70), torch.rand(heads, 16, 70, generator=g) < 0.5),
+            SparseTile(16, 21, torch.tensor([3, 9]), torch.ones(heads, 5, 2, dtype=torch.bool)))
+
+
+def test_packed_plan_layout_and_cache(monkeypatch):
+    plan = _plan()
+    p = tbs.pack(plan, 2, torch.device("cpu"))
+    assert tbs.pack(plan, 2, torch.device("cpu")) is p  # cached per plan object
+    assert p.q0.tolist() == [0, 16] and p.q1.tolist() == [16, 21] and p.block_m == 16
+    assert p.col_start.tolist() == [0, 70, 72] and p.cols.tolist() == list(range(70)) + [3, 9]
+    assert p.vis_words.tolist() == [3, 1] and p.vis_start.tolist() == [0, 2 * 16 * 3]
+    assert p.vis.numel() == 2 * 16 * 3 + 2 * 5 * 1
+    for t, start, words in zip(plan, p.vis_start.tolist(), p.vis_words.tolist()):
+        h, rows, nc = t.vis.shape
+        w = p.vis[start:start + h * rows * words].view(h, rows, words).long() & 0xFFFFFFFF
+        bits = (w[..., None] >> torch.arange(32)) & 1  # [h, rows, words, 32]
+        assert torch.equal(bits.reshape(h, rows, -1)[..., :nc].bool(), t.vis)
+    assert bool((p.vis < 0).any())  # bit 31 set somewhere: the signed words unpack as well
+    other = _plan()
+    assert tbs.pack(other, 2, torch.device("cpu")) is not p  # an equal but distinct plan packs anew
+    monkeypatch.setattr(tbs, "PACK_CACHE", 1)  # bounded: the oldest entries go first
+    tbs.pack(_plan(), 2, torch.device("cpu"))
+    assert len(tbs._packed) == 1 and tbs.pack(plan, 2, torch.device("cpu")) is not p
+    monkeypatch.setattr(tbs, "PACK_CACHE", 8)
+    monkeypatch.setattr(tbs, "PACK_CACHE_BYTES", p.nbytes * 2)  # and by the bytes held
+    for _ in range(3):
+        tbs.pack(_plan(), 2, torch.device("cpu"))
+    assert len(tbs._packed) == 2
+
+
+def test_tile_plans_carry_their_packed_form():
+    """A TilePlan (what the CP code passes) keeps its packed form as an attribute: it dies with the
+    plan (a dynamic pattern's plans) instead of sitting in the LRU."""
+    from megatron_burst.sparse import TilePlan
+
+    plan = TilePlan(_plan())
+    before = len(tbs._packed)
+    p = tbs.pack(plan, 2, torch.device("cpu"))
+    assert tbs.pack(plan, 2, torch.device("cpu")) is p and len(tbs._packed) == before
+    assert plan._triton_packed == {torch.device("cpu"): p}
+
+
+def test_bad_plans_name_the_problem():
+    with pytest.raises(ValueError, match=r"visibility \(2, 16, 70\); expected \[3, 16, 70\] for 3 query heads"):
+        tbs.pack(_plan(), 3, torch.device("cpu"))
+    t = _plan()[0]
+    with pytest.raises(ValueError, match="overlap at row 8"):
+        tbs.pack((t, SparseTile(8, 24, t.cols, t.vis)), 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"tile 0 has rows \[0, 16\) and a column -1: indices must be >= 0"):
+        tbs.pack((SparseTile(0, 16, t.cols - 1, t.vis),), 2, torch.device("cpu"))
+    p = tbs.pack(_plan(), 2, torch.device("cpu"))
+    assert (p.rows, p.keys) == (21, 70)
+    q = torch.zeros(1, 2, 21, 8)
+    with pytest.raises(ValueError, match="reaches query row 20 and key 69 but q has 20 rows and k 70"):
+        tbs._fits(p, q[:, :, :20], torch.zeros(1, 2, 70, 8))
+    tbs._fits(p, q, torch.zeros(1, 2, 70, 8))
+
+
+def test_select_sparse(monkeypatch):
+    q = torch.zeros(1, 2, 21, 8)
+    monkeypatch.delenv("MEGATRON_BURST_SPARSE_KERNEL", raising=False)
+    assert kernels.select_sparse(q) is block_sparse  # CPU default
+    monkeypatch.setenv("MEGATRON_BURST_SPARSE_KERNEL", "triton")
+    assert kernels.select_sparse(q) is tbs
+    monkeypatch.setenv("MEGATRON_BURST_SPARSE_KERNEL", "torch")
+    assert kernels.select_sparse(q) is block_sparse
+    monkeypatch.setenv("MEGATRON_BURST_SPARSE_KERNEL", "cuda")
+    with pytest.raises(ValueError, match="MEGATRON_BURST_SPARSE_KERNEL='cuda': choose one of torch, triton"):
+        kernels.select_sparse(q)
+
+
+def test_failed_self_check_warns_and_falls_back():
+    q = torch.zeros(1, 2, 4, 8, dtype=torch.float16)
+    key = (tbs.__name__, q.device, q.dtype)
+    try:
+        with pytest.warns(UserWarning, match="triton_block_sparse attention kernel failed its self-check on cpu / "
+                                             "torch.float16; using the block_sparse kernel there instead"):
+            assert not kernels._fused_gpu_ok(tbs, q, lambda device, dtype: False, "block_sparse")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # checked once per (device, dtype)
+            assert not kernels._fused_gpu_ok(tbs, q, lambda device, dtype: True, "block_sparse")
+    finally:
+        kernels._VERIFIED.pop(key, None)
+
+
+@pytest.mark.skipif(not HAVE_TRITON or tbs.interpreting(), reason="needs triton, outside the interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_compile_for_hopper_and_fit_ampere_shared_memory(dtype):
+    """No GPU here: compile both kernels for sm_90 with the GPU launch options (head dim 128, the
+    largest) down to a cubin; the shared memory also fits an A100's 163 KiB per block."""
+    import triton_sparse_cases
+
+    for direction in ("forward", "backward"):
+        got = triton_sparse_cases.compile_for_gpu(direction, dtype, 128)
+        assert "cubin" in got["stages"] and got["shared"] <= 163 * 1024, (direction, got)
+
+
+@pytest.mark.skipif(not HAVE_TRITON or tbs.interpreting(), reason="needs triton, outside the interpreter")
+def test_cpu_tensors_without_interpreter_name_the_fix():
+    q = torch.zeros(1, 2, 21, 8)
+    with pytest.raises(ValueError, match="needs CUDA tensors .* set TRITON_INTERPRET=1"):
+        tbs.forward(q, q, q, plan=_plan())
+    out, lse = tbs.forward(q, q, q, plan=())  # an empty plan needs no kernel
+    assert not out.any() and torch.isinf(lse).all()
