@@ -64,7 +64,8 @@ class VerticalSlash:
                                  f"[0, {seq_len}) for a global sequence of {seq_len} tokens")
 
     def lookup(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(is_vertical [h, seq_len], is_slash [h, seq_len]) boolean tables (CPU, cached)."""
+        """(is_vertical [h, seq_len] bool, is_slash [h, seq_len] uint8) tables (CPU, cached; uint8 for
+        torch.gather, ~6x faster on CPU than indexing a bool table with [tq, sk] indices)."""
         cached = getattr(self, "_lookup", None)
         if cached is None or cached[0] != seq_len:
             h = self.vertical.shape[0]
@@ -72,7 +73,7 @@ class VerticalSlash:
             is_s = torch.zeros(h, seq_len, dtype=torch.bool)
             is_v.scatter_(1, self.vertical.long().cpu(), True)
             is_s.scatter_(1, self.slash.long().cpu(), True)
-            cached = (seq_len, is_v, is_s)
+            cached = (seq_len, is_v, is_s.to(torch.uint8))
             self._lookup = cached
         return cached[1], cached[2]
 
@@ -82,8 +83,7 @@ class VerticalSlash:
         diff = q_pos[:, None] - kv_pos[None, :]
         causal = diff >= 0
         h = is_s.shape[0]
-        # torch.gather on uint8: ~6x faster on CPU than indexing the bool table with [tq, sk] indices
-        on_slash = torch.gather(is_s.to(torch.uint8), 1, diff.clamp_min(0).reshape(1, -1).expand(h, -1))
+        on_slash = torch.gather(is_s, 1, diff.clamp_min(0).reshape(1, -1).expand(h, -1))
         return causal & (is_v[:, kv_pos][:, None, :] | on_slash.view(h, *diff.shape).bool())
 
     def dense(self, seq_len: int) -> torch.Tensor:
@@ -143,62 +143,76 @@ def plan_pair(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos:
     COLUMNS = columns or globals()["COLUMNS"]
     threshold = DENSE_COLUMN if dense_column is None else dense_column
     nq, sk, h = q_pos.numel(), kv_pos.numel(), pattern.vertical.shape[0]
-    head, row, col = visible_pairs(pattern, seq_len, q_pos, kv_pos).unbind(1)
     T = -(-nq // TILE)
-    tile_of = row // TILE
     rows_in = torch.full((T,), TILE)
     rows_in[-1] = nq - (T - 1) * TILE
-    count = torch.bincount(tile_of * sk + col, minlength=T * sk).view(T, sk)  # cells of a tile seeing a column
+    count = column_counts(pattern, seq_len, q_pos, kv_pos, TILE)  # [T, sk] cells of a tile seeing a column
     dense = (count > 0) & (count >= threshold * h * rows_in[:, None])
+    scattered = (count > 0) & ~dense
     if COLUMNS != "exact":  # whole column tiles holding a dense column
         blocks = torch.nn.functional.pad(dense, (0, (-sk) % TILE)).view(T, -1, TILE).any(-1)
         dense = blocks.repeat_interleave(TILE, 1)[:, :sk]
-    in_tile = dense[tile_of, col]
-    width = dense.sum(1)
-    tiles = []
-    if bool(in_tile.any()):
-        where = dense.cumsum(1) - 1  # a column's place in its tile's column list
-        vis = torch.zeros(h, T, TILE, int(width.max()), dtype=torch.bool)
-        t_d, c_d = tile_of[in_tile], col[in_tile]
-        vis[head[in_tile], t_d, row[in_tile] - t_d * TILE, where[t_d, c_d]] = True
-        for t in width.nonzero().squeeze(1).tolist():
-            n = int(rows_in[t])
-            tiles.append(SparseTile(t * TILE, t * TILE + n, dense[t].nonzero().squeeze(1),
-                                    vis[:, t, :n, :int(width[t])].contiguous()))
-    rest = ~in_tile
-    return TilePlan(tiles), _row_groups(torch.stack([head[rest], row[rest], col[rest]], 1), h, nq)
+    tiles, leftovers = [], []
+    for t in (dense | scattered).any(1).nonzero().squeeze(1).tolist():
+        q0, q1 = t * TILE, t * TILE + int(rows_in[t])
+        cols = dense[t].nonzero().squeeze(1)
+        if cols.numel():  # the definition on the tile's dense columns
+            tiles.append(SparseTile(q0, q1, cols, pattern.visibility(seq_len, q_pos[q0:q1], kv_pos[cols])))
+        rest = scattered[t].nonzero().squeeze(1)
+        if rest.numel():  # every visible pair of the other columns, gathered row by row
+            nz = pattern.visibility(seq_len, q_pos[q0:q1], kv_pos[rest]).nonzero()
+            leftovers.append(torch.stack([nz[:, 0], nz[:, 1] + q0, rest[nz[:, 2]]], 1))
+    nz = torch.cat(leftovers) if leftovers else torch.zeros(0, 3, dtype=torch.long)
+    return TilePlan(tiles), _row_groups(nz, h, nq)
 
 
-def visible_pairs(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
-    """Every visible (head, q index, kv index) of queries at ``q_pos`` x keys at ``kv_pos``, once: [p, 3].
+# slash runs at least this long are counted per column by binary search instead of pair by pair
+LONG_RUN = 16
 
-    Built from the lines, O(lines x queries) rather than O(queries x keys): slash o puts query
-    q_pos[i] on key q_pos[i] - o (when this block holds it), vertical line j on every query at or
-    after j; slash pairs on a vertical line's column are that line's pairs already.
-    """
+
+def column_counts(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos: torch.Tensor, tile: int
+                  ) -> torch.Tensor:
+    """[tiles, sk]: how many (head, row) cells of each ``tile``-row query tile see each key, from the
+    pattern's lines (no [queries x keys] matrix): a vertical line's column is seen by the tile's
+    rows at or after it; a run of consecutive slash offsets [a, b] makes column c seen by the rows
+    with kv_pos[c] + a <= q_pos <= kv_pos[c] + b (a binary search in the tile's sorted positions);
+    short runs are counted pair by pair. Pairs on a vertical line's column count once."""
     nq, sk = q_pos.numel(), kv_pos.numel()
+    T = -(-nq // tile)
+    big = 4 * seq_len  # pads the last tile: above every position
+    # int32 throughout: positions < 2^31, counts <= tile x heads; half the memory traffic of int64
+    q_sorted = torch.nn.functional.pad(q_pos.int(), (0, T * tile - nq), value=big).view(T, tile).sort(1).values
+    kv = kv_pos.int()[None, :].expand(T, sk).contiguous()
     where_kv = torch.full((seq_len,), -1, dtype=torch.long)
     where_kv[kv_pos] = torch.arange(sk)
-    rows = torch.arange(nq)
-    out = []
+    tile_of = torch.arange(nq) // tile
+    counts = torch.zeros(T, sk, dtype=torch.int32)
     for h in range(pattern.vertical.shape[0]):
-        vert = torch.unique(pattern.vertical[h].long())
-        vcol = where_kv[vert]
-        vert, vcol = vert[vcol >= 0], vcol[vcol >= 0]
-        on_vertical = torch.zeros(sk, dtype=torch.bool)
-        on_vertical[vcol] = True
+        per_head = torch.zeros(T, sk, dtype=torch.int32)
         offsets = torch.unique(pattern.slash[h].long())
-        src = q_pos[None, :] - offsets[:, None]  # [slashes, nq] key position of each slash at each query
-        before_start = src < 0
-        scol = where_kv.index_select(0, src.clamp_min_(0).view(-1)).view(src.shape)
-        scol[before_start] = -1
-        hit = scol >= 0
-        hit &= ~on_vertical.index_select(0, scol.clamp_min(0).view(-1)).view(src.shape)
-        seen = q_pos[None, :] >= vert[:, None]  # [verticals, nq]
-        r = torch.cat([rows.expand_as(scol)[hit], rows.expand_as(seen)[seen]])
-        c = torch.cat([scol[hit], vcol[:, None].expand_as(seen)[seen]])
-        out.append(torch.stack([torch.full_like(r, h), r, c], 1))
-    return torch.cat(out)
+        starts = torch.cat([torch.ones(1, dtype=torch.bool), offsets[1:] != offsets[:-1] + 1]).nonzero().squeeze(1)
+        ends = torch.cat([starts[1:], torch.tensor([offsets.numel()])]) - 1
+        short = []
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            if b - a + 1 >= LONG_RUN:
+                lo, hi = int(offsets[a]), int(offsets[b])
+                per_head += torch.searchsorted(q_sorted, kv + hi, right=True, out_int32=True)
+                per_head -= torch.searchsorted(q_sorted, kv + lo, out_int32=True)
+            else:
+                short.append(offsets[a:b + 1])
+        if short:
+            src = q_pos[None, :] - torch.cat(short)[:, None]  # [offsets, nq] key position of each slash at each query
+            before_start = src < 0
+            col = where_kv.index_select(0, src.clamp_min_(0).view(-1)).view(src.shape)
+            hit = (col >= 0) & ~before_start
+            per_head += torch.bincount((tile_of.expand_as(col)[hit] * sk + col[hit]), minlength=T * sk).view(T, sk).int()
+        vcol = where_kv[torch.unique(pattern.vertical[h].long())]
+        vcol = vcol[vcol >= 0]
+        if vcol.numel():  # rows at or after the line: the tile's rows minus those before it
+            rows = (q_sorted < big).sum(1, keepdim=True, dtype=torch.int32)
+            per_head[:, vcol] = rows - torch.searchsorted(q_sorted, kv[:, vcol], out_int32=True)
+        counts += per_head
+    return counts
 
 
 def _row_groups(nz: torch.Tensor, heads: int, n_rows: int) -> tuple[SparseRows, ...]:

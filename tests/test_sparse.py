@@ -7,7 +7,7 @@ import torch
 from harness import run_ranks
 import megatron_burst as mb
 from megatron_burst.kernels import block_sparse, row_gather
-from megatron_burst.sparse import VerticalSlash, imbalance, plan_pair, plan_tiles
+from megatron_burst.sparse import VerticalSlash, column_counts, imbalance, plan_pair, plan_tiles
 import sparse_cases as sc
 from window_cases import dense_masked_reference
 
@@ -119,6 +119,22 @@ def test_plan_pair_puts_every_visible_pair_in_exactly_one_part(layout, stripe):
     # with dense_column=0 everything is in the tiles
     tiles0, groups0 = plan_pair(pattern, S, q_pos, kv_pos, dense_column=0.0)
     assert groups0 == () and sum(int(t.vis.sum()) for t in tiles0) == int(want.sum())
+
+
+@pytest.mark.parametrize("layout,stripe", [("contiguous", 1), ("zigzag", 1), ("striped", 1), ("striped", 16)])
+def test_column_counts_equal_the_definition(layout, stripe):
+    """The planner's per-(tile, column) counts, from the lines (binary search for runs of >= 16
+    offsets, pair by pair for shorter ones, vertical lines counted once), equal the definition's."""
+    S, W, h = 480, 3, 4
+    pattern = _split_pattern(S, h)  # band 0..39 (a long run), isolated slashes, vertical lines
+    for q_rank, kv_rank in ((2, 0), (1, 1)):
+        q_pos = mb.layout_indices(S, q_rank, W, layout, stripe)
+        kv_pos = mb.layout_indices(S, kv_rank, W, layout, stripe)
+        want = pattern.visibility(S, q_pos, kv_pos).sum(0)  # [nq, sk]
+        for tile in (64, 16):
+            pad = (-q_pos.numel()) % tile
+            per_tile = torch.nn.functional.pad(want, (0, 0, 0, pad)).view(-1, tile, kv_pos.numel()).sum(1)
+            assert torch.equal(column_counts(pattern, S, q_pos, kv_pos, tile), per_tile), (layout, tile)
 
 
 @pytest.mark.parametrize("b,heads", [(1, (2, 2)), (2, (4, 2))])
