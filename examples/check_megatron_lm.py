@@ -79,6 +79,9 @@ SAME_TRAINING = [  # (CP size, flags): patched vs unpatched CP = 1 with the mode
     (2, HETEROGENEOUS + ["--cp-layout", "striped"]),
     (2, LIGHTNING_3_1 + ["--cp-layout", "zigzag"]),
     (2, LIGHTNING_3_1 + ["--cp-layout", "zigzag", "--linear-cp-algo", "lasp1"]),
+    (2, ["--window-size", "8,0", "--window-attn-skip-freq", "2", "--cp-layout", "zigzag", "--cp-algo", "ring"]),
+    (2, ["--sparse-attention", "vertical_slash", "--sparse-budget", "0.2", "0.2", "--sparse-last-q", "16",
+         "--cp-layout", "striped", "--cp-stripe", "8", "--cp-algo", "burst"]),
 ]
 HYBRID = [  # (flags, the decoder layers' attention): CP = 1
     (["--num-layers", "4", "--linear-attention-type", "gla", "--linear-attention-freq", "([1]+[0])*2"],
@@ -98,7 +101,9 @@ REFUSED = [  # (CP size, flags, the flag the error must name)
 # flags that change the computation's precision: compared with a looser tolerance
 LOSS_RTOL, GRAD_RTOL, BF16_LOSS_RTOL, BF16_GRAD_RTOL = 1e-5, 1e-4, 2e-2, 1e-1
 MODEL_FLAGS = ("--qk-layernorm", "--swiglu", "--bf16", "--spec", *MOE, *USER_SPEC[1:], *HETEROGENEOUS,
-               "--num-layers", "--linear-attention-type", "--linear-attention-freq")
+               "--num-layers", "--linear-attention-type", "--linear-attention-freq",
+               # masks: the CP = 1 reference attends under the same window / sparse pattern
+               "--window-size", "--window-attn-skip-freq", "--sparse-attention", "--sparse-budget", "--sparse-last-q")
 
 
 def _megatron_argv(cp: int, world: int, extra: list[str]) -> list[str]:
