@@ -5,10 +5,12 @@ indices) and slash lines (diagonal offsets >= 0): query i sees key j <= i iff j 
 of h or i - j is a slash offset of h. :func:`sparse_cp_attention` computes exactly that masked
 attention over the ring and burst schedules (flat or double ring, every layout). The pattern is
 data, like document masks: :func:`pattern_blocks` turns a (q rank, kv rank) block pair into a
-block-sparse plan -- for every 64-row query tile that sees anything, the key columns its rows see
-(or whole 64-column tiles) and the per-head visibility there -- and the block-sparse kernel
-(:mod:`megatron_burst.kernels.block_sparse`) computes only those tiles. A pair with no visible
-tile is skipped like a causal block in the future.
+plan (:func:`plan_pair`, built from the lines: no queries x keys matrix) of two parts -- for every
+64-row query tile, the key columns many of its cells see (vertical lines, a band) with the per-head
+visibility there, computed as tiles by :mod:`megatron_burst.kernels.block_sparse` (or its Triton
+twin on CUDA); and the scattered rest (isolated slashes), gathered row by row by
+:mod:`megatron_burst.kernels.row_gather`. A pair with nothing visible is skipped like a causal
+block in the future.
 
 A query that sees no key at all (no vertical line before it and no slash through it) gets output
 0 and zero gradients (FlashAttention's convention for fully masked rows).
