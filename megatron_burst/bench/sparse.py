@@ -122,6 +122,10 @@ def main(argv=None) -> None:
     p.add_argument("--inter-mbit", type=float, default=1000.0, help="emulated inter-node link per rank NIC, Mbit/s")
     p.add_argument("--ratio", type=float, default=10.0, help="emulated intra-node rate / inter-node rate")
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--cpu-per-rank", type=float, default=None,
+                   help="with --nodes: cap each rank at this many cores (a CPU cgroup per rank), so that a rank "
+                        "waiting for a slower one does not lend it its core: a device of fixed speed per rank, "
+                        "where imbalance costs time as on GPUs")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -147,12 +151,13 @@ def main(argv=None) -> None:
         for k, v in env.items():
             os.environ.setdefault(k, v)  # the namespaces' ranks inherit this environment
         res = run_on_emulated_nodes("sparse", forwarded, args.nodes, args.ranks_per_node, args.inter_mbit,
-                                    args.inter_mbit * args.ratio, args.timeout)[0]
+                                    args.inter_mbit * args.ratio, args.timeout, args.cpu_per_rank)[0]
         res = {name: tuple(v) for name, v in res.items()}
     else:
         res = run_local(args.world_size, _run, args, threads=args.threads, env=env)[0]
     where = (f"{args.nodes} emulated nodes x {args.ranks_per_node} (inter {args.inter_mbit:g} Mbit/s per rank, "
-             f"intra x{args.ratio:g})" if args.nodes else "local")
+             f"intra x{args.ratio:g}{f', {args.cpu_per_rank:g} core each' if args.cpu_per_rank else ''})"
+             if args.nodes else "local")
     print(f"# sparse attention: W={args.world_size} gloo ranks ({where}), seq={args.seq}, heads={args.heads}/{args.kv_heads} kv, "
           f"head_dim={args.head_dim}, fp32, burst backward; pattern 4 sinks + {args.verticals} vertical"
           f"{f' in the first {args.vertical_prefix} tokens' if args.vertical_prefix else ''}, band "
