@@ -150,10 +150,10 @@ def plan_pair(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos:
     rows_in[-1] = nq - (T - 1) * TILE
     count = column_counts(pattern, seq_len, q_pos, kv_pos, TILE)  # [T, sk] cells of a tile seeing a column
     dense = (count > 0) & (count >= threshold * h * rows_in[:, None])
-    scattered = (count > 0) & ~dense
     if COLUMNS != "exact":  # whole column tiles holding a dense column
         blocks = torch.nn.functional.pad(dense, (0, (-sk) % TILE)).view(T, -1, TILE).any(-1)
         dense = blocks.repeat_interleave(TILE, 1)[:, :sk]
+    scattered = (count > 0) & ~dense  # after widening: a column is in the tiles or gathered, never both
     tiles, leftovers = [], []
     for t in (dense | scattered).any(1).nonzero().squeeze(1).tolist():
         q0, q1 = t * TILE, t * TILE + int(rows_in[t])

@@ -94,6 +94,16 @@ def test_plan_pair_puts_every_visible_pair_in_exactly_one_part(layout, stripe):
     q_pos = mb.layout_indices(S, 1, W, layout, stripe)
     kv_pos = mb.layout_indices(S, 0, W, layout, stripe)
     want = pattern.visibility(S, q_pos, kv_pos)
+    # whole column tiles: widened tile columns leave the gathered part
+    tiles_w, groups_w = plan_pair(pattern, S, q_pos, kv_pos, columns="tiles")
+    got_w = torch.zeros(h, q_pos.numel(), kv_pos.numel(), dtype=torch.int64)
+    for t in tiles_w:
+        got_w[:, t.q0:t.q1][:, :, t.cols] += t.vis.long()
+    for grp in groups_w:
+        for hh in range(h):
+            for i, r in enumerate(grp.rows.tolist()):
+                got_w[hh, r, grp.idx[hh, i][grp.valid[hh, i]]] += 1
+    assert int(got_w.max()) == 1 and torch.equal(got_w.bool(), want)
     tiles, groups = plan_pair(pattern, S, q_pos, kv_pos)
     assert tiles and groups
     got = torch.zeros(h, q_pos.numel(), kv_pos.numel(), dtype=torch.int64)
