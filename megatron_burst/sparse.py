@@ -157,12 +157,12 @@ def plan_pair(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos:
     tiles, leftovers = [], []
     for t in (dense | scattered).any(1).nonzero().squeeze(1).tolist():
         q0, q1 = t * TILE, t * TILE + int(rows_in[t])
-        cols = dense[t].nonzero().squeeze(1)
-        if cols.numel():  # the definition on the tile's dense columns
-            tiles.append(SparseTile(q0, q1, cols, pattern.visibility(seq_len, q_pos[q0:q1], kv_pos[cols])))
-        rest = scattered[t].nonzero().squeeze(1)
+        cols, rest = dense[t].nonzero().squeeze(1), scattered[t].nonzero().squeeze(1)
+        vis = pattern.visibility(seq_len, q_pos[q0:q1], kv_pos[torch.cat([cols, rest])])  # the definition, once
+        if cols.numel():  # the tile's dense columns
+            tiles.append(SparseTile(q0, q1, cols, vis[:, :, :cols.numel()].contiguous()))
         if rest.numel():  # every visible pair of the other columns, gathered row by row
-            nz = pattern.visibility(seq_len, q_pos[q0:q1], kv_pos[rest]).nonzero()
+            nz = vis[:, :, cols.numel():].nonzero()
             leftovers.append(torch.stack([nz[:, 0], nz[:, 1] + q0, rest[nz[:, 2]]], 1))
     nz = torch.cat(leftovers) if leftovers else torch.zeros(0, 3, dtype=torch.long)
     return TilePlan(tiles), _row_groups(nz, h, nq)
