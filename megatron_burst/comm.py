@@ -18,10 +18,28 @@ runs the backward of GPU tensors on a per-device worker thread, and a counter op
 Waits are timed where the wait happens: on the host for CPU tensors (gloo blocks there), and with
 CUDA events on the current stream for GPU tensors (an NCCL ``wait()`` only makes the stream wait,
 so host time would measure nothing); :meth:`CommCounter.wait_seconds` resolves the events lazily.
+
+Transports (how tensors reach torch.distributed): ``"direct"`` (the default) hands every tensor
+to the process group as is. ``"host_staged"`` lets several ranks share ONE GPU for tests and
+benchmarks, where NCCL refuses two ranks on a device: the ranks form a gloo group and every CUDA
+tensor is copied to a host buffer (pinned, reused), moved by gloo, and the result copied back into
+the CUDA destination when the request is waited on -- ``wait()`` still makes the data valid, on
+the current stream. Choose it in one of two ways (code wins over the environment)::
+
+    megatron_burst.comm.set_transport("host_staged")      # or: with comm.transport("host_staged"):
+    MEGATRON_BURST_TRANSPORT=host_staged python bench.py  # read by active_transport() only
+
+Staging is invisible to :func:`comm_counter` (logical bytes of the exchange, never the copies) and
+to :func:`record_schedule` (the same trace as the direct transport, so the NCCL replay checker
+still guards the ordering). ``stage_cpu=True`` (``MEGATRON_BURST_TRANSPORT=host_staged_cpu``)
+stages CPU tensors too, so the staging path runs, and is tested, on machines without a GPU.
+CUDA tensors on a gloo group under the direct transport raise :class:`TransportError` naming the
+fix. :mod:`megatron_burst.launch` starts W ranks on one GPU with this transport.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import defaultdict
@@ -228,6 +246,246 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# ------------------------------------------------------------------------- transports
+
+TRANSPORT_ENV = "MEGATRON_BURST_TRANSPORT"
+TRANSPORTS = ("direct", "host_staged")
+# values of TRANSPORT_ENV: a transport name, or host_staged_cpu (host_staged that stages CPU tensors too)
+_ENV_VALUES = {"direct": ("direct", False), "host_staged": ("host_staged", False),
+               "host_staged_cpu": ("host_staged", True)}
+
+
+class TransportError(RuntimeError):
+    """A tensor cannot travel over this process group with the active transport (the message names the fix)."""
+
+
+@dataclass(frozen=True)
+class Transport:
+    """The active transport: ``name`` in :data:`TRANSPORTS`; ``stage_cpu`` (host_staged only) stages
+    CPU tensors through host buffers too, so the staging path runs without a GPU (tests)."""
+
+    name: str = "direct"
+    stage_cpu: bool = False
+
+
+_transport_override: Optional[Transport] = None  # set by set_transport / transport(); None: environment
+
+
+def _transport_from_env() -> Transport:
+    """The only place :data:`TRANSPORT_ENV` is read (unset or empty: direct)."""
+    value = os.environ.get(TRANSPORT_ENV, "").strip()
+    if not value:
+        return Transport()
+    if value not in _ENV_VALUES:
+        raise ValueError(f"{TRANSPORT_ENV}={value!r}: choose one of {sorted(_ENV_VALUES)} (or leave it unset)")
+    name, stage_cpu = _ENV_VALUES[value]
+    return Transport(name, stage_cpu)
+
+
+def active_transport() -> Transport:
+    """The transport the next operation uses: :func:`set_transport`'s choice if one was made,
+    else :data:`TRANSPORT_ENV` (read on every call, so a change of the variable takes effect), else direct."""
+    override = _transport_override
+    return override if override is not None else _transport_from_env()
+
+
+def set_transport(name: Optional[str], *, stage_cpu: bool = False) -> None:
+    """Choose the transport for this process (all threads: autograd's device threads communicate too).
+
+    ``name``: ``"direct"`` (hand tensors to torch.distributed as they are) or ``"host_staged"``
+    (CUDA tensors travel through host buffers over a gloo group: several ranks on one GPU);
+    ``None`` drops the choice, so :data:`TRANSPORT_ENV` (or the direct default) applies again.
+    ``stage_cpu`` (host_staged only): stage CPU tensors as well, to exercise staging on CPU.
+    Set it between operations, not while requests are pending (a pending request finishes with
+    the transport it was posted with).
+    """
+    global _transport_override
+    if name is None:
+        if stage_cpu:
+            raise ValueError("set_transport(None, stage_cpu=True): stage_cpu needs name='host_staged'")
+        _transport_override = None
+        return
+    if name not in TRANSPORTS:
+        raise ValueError(f"set_transport({name!r}): choose one of {TRANSPORTS}, or None for the environment's "
+                         f"{TRANSPORT_ENV}")
+    if stage_cpu and name != "host_staged":
+        raise ValueError(f"set_transport({name!r}, stage_cpu=True): stage_cpu applies to 'host_staged' only")
+    _transport_override = Transport(name, stage_cpu)
+
+
+@contextlib.contextmanager
+def transport(name: Optional[str], *, stage_cpu: bool = False) -> Iterator[Transport]:
+    """:func:`set_transport` for the block, then restore the previous choice. Process-wide (not per
+    thread), like :func:`comm_counter`; do not nest it concurrently from several threads."""
+    global _transport_override
+    previous = _transport_override
+    set_transport(name, stage_cpu=stage_cpu)
+    try:
+        yield active_transport()
+    finally:
+        _transport_override = previous
+
+
+def needs_staging(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives where gloo cannot read it (device memory): such tensors need the
+    host-staged transport on a gloo group. The single place that decides it (tests patch it)."""
+    return t.is_cuda
+
+
+@dataclass
+class StagingStats:
+    """Counts of the host-staged transport in this process (:func:`staging_stats`)."""
+
+    staged_ops: int = 0  # operations (batches, collectives) that staged at least one tensor
+    copies_in: int = 0  # tensor -> host buffer copies (sends, collective inputs, in-place all_reduce)
+    copies_out: int = 0  # host buffer -> tensor copies at wait() (receives, collective outputs)
+    staged_bytes: int = 0  # bytes of those copies, both ways (never counted by comm_counter)
+    buffers_allocated: int = 0
+    buffers_reused: int = 0
+
+
+class _StagingPool:
+    """Host buffers, free ones kept per (dtype, numel, pinned) for reuse.
+
+    A buffer is in use from :meth:`take` until its operation's ``wait()`` has copied it out; a
+    buffer copied into a CUDA tensor asynchronously is reused only once that copy's event is done.
+    At most ``max_free_per_key`` free buffers are kept per key (the rest are freed).
+    """
+
+    def __init__(self, max_free_per_key: int = 8) -> None:
+        self.max_free_per_key = max_free_per_key
+        self._free: dict[tuple, list[tuple[torch.Tensor, object]]] = defaultdict(list)
+        self._lock = threading.Lock()
+        self.stats = StagingStats()
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        """A contiguous host tensor with ``like``'s shape and dtype (contents undefined)."""
+        pinned = like.is_cuda  # pinned host memory for fast, async copies to and from the GPU
+        key = (like.dtype, like.numel(), pinned)
+        with self._lock:
+            free = self._free.get(key, [])
+            for i, (flat, ready) in enumerate(free):
+                if ready is None or ready.query():
+                    del free[i]
+                    self.stats.buffers_reused += 1
+                    return flat.view(like.shape)
+            self.stats.buffers_allocated += 1
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=pinned)
+
+    def give_back(self, buf: torch.Tensor, pinned: bool, ready: object = None) -> None:
+        """Return ``buf`` (from :meth:`take`); ``ready`` (a CUDA event, or None) completes once nothing
+        reads the buffer any more."""
+        with self._lock:
+            free = self._free[(buf.dtype, buf.numel(), pinned)]
+            if len(free) < self.max_free_per_key:
+                free.append((buf.view(-1), ready))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+_pool = _StagingPool()
+
+
+def staging_stats() -> StagingStats:
+    """A copy of this process's staging counts (all zero until the host-staged transport stages)."""
+    with _pool._lock:
+        return StagingStats(**vars(_pool.stats))
+
+
+def clear_staging_buffers() -> None:
+    """Free the cached (pinned) host buffers of the host-staged transport; counts are kept."""
+    _pool.clear()
+
+
+def _backend(group: Optional[dist.ProcessGroup]) -> str:
+    return str(dist.get_backend(group))
+
+
+class _Staging:
+    """One operation's staging: tensors swapped for host buffers at post, results copied back at wait.
+
+    Inactive (every method returns its tensor unchanged) under the direct transport, or when none
+    of the operation's tensors needs staging.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], tensors: Sequence[torch.Tensor], what: str) -> None:
+        setting = active_transport()
+        on_device = [t for t in tensors if needs_staging(t)]
+        self.active = False
+        self._stage_cpu = setting.stage_cpu
+        self._held: list[tuple[torch.Tensor, bool]] = []  # (buffer, pinned)
+        self._copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if setting.name == "direct":
+            if on_device and _backend(group) == "gloo":
+                t = on_device[0]
+                raise TransportError(
+                    f"{what}: a {t.device} tensor {tuple(t.shape)} {t.dtype} cannot travel over a gloo process "
+                    f"group with the direct transport. To run several ranks on one GPU, enable host staging: "
+                    f"megatron_burst.comm.set_transport('host_staged') (or the environment variable "
+                    f"{TRANSPORT_ENV}=host_staged; megatron_burst.launch.run_on_one_gpu does both); otherwise "
+                    f"use an NCCL process group for CUDA tensors.")
+            return
+        if not on_device and not setting.stage_cpu:
+            return
+        backend = _backend(group)
+        if backend == "nccl":
+            raise TransportError(
+                f"{what}: the host_staged transport moves host buffers, which an NCCL-only process group cannot: "
+                f"create the group with backend='gloo' (or 'cpu:gloo,cuda:nccl'), or set_transport('direct').")
+        self.active = True
+        with _pool._lock:
+            _pool.stats.staged_ops += 1
+
+    def _wanted(self, t: torch.Tensor) -> bool:
+        return self.active and (self._stage_cpu or needs_staging(t))
+
+    def source(self, t: torch.Tensor) -> torch.Tensor:
+        """What to hand to gloo for ``t`` read by the operation (a send, a collective's input)."""
+        if not self._wanted(t):
+            return t
+        buf = _pool.take(t)
+        buf.copy_(t)  # device -> pinned host is synchronous: the data is on the host before gloo reads it
+        self._held.append((buf, t.is_cuda))
+        with _pool._lock:
+            _pool.stats.copies_in += 1
+            _pool.stats.staged_bytes += nbytes(t)
+        return buf
+
+    def sink(self, t: torch.Tensor, read_first: bool = False) -> torch.Tensor:
+        """What to hand to gloo for ``t`` written by the operation (a receive, a collective's output);
+        ``read_first``: the operation also reads it (in-place all_reduce). Copied back at wait()."""
+        if not self._wanted(t):
+            return t
+        if read_first:
+            buf = self.source(t)
+        else:
+            buf = _pool.take(t)
+            self._held.append((buf, t.is_cuda))
+        self._copy_back.append((t, buf))
+        return buf
+
+    def finish(self) -> None:
+        """After the requests completed: copy results into their tensors, return the buffers.
+
+        Copies into CUDA tensors are queued on the current stream (as NCCL's wait() orders the
+        current stream after the transfer); their buffers are reused once those copies are done.
+        """
+        for dst, buf in self._copy_back:
+            dst.copy_(buf, non_blocking=dst.is_cuda)  # from pinned memory: queued on the current stream
+        ready = None
+        if any(dst.is_cuda for dst, _ in self._copy_back):
+            ready = torch.cuda.Event()
+            ready.record()
+        with _pool._lock:
+            _pool.stats.copies_out += len(self._copy_back)
+            _pool.stats.staged_bytes += sum(nbytes(dst) for dst, _ in self._copy_back)
+        for buf, pinned in self._held:
+            _pool.give_back(buf, pinned, ready if pinned else None)
+        self._held, self._copy_back = [], []
+
+
 # ------------------------------------------------------------------------- waiting
 
 
@@ -249,22 +507,43 @@ def _wait_all(reqs: Sequence, device: torch.device, phase: str, link: str) -> No
 
 
 class PendingExchange:
-    """Handle of a posted batch; ``wait()`` returns the receive buffers once filled."""
+    """Handle of a posted batch; ``wait()`` returns the receive buffers once filled.
+
+    ``device``: where the wait is timed (CUDA: events on the current stream; else host time).
+    ``finish``: run once after the requests completed (the host-staged transport copies received
+    data from its host buffers into the receive tensors there).
+    """
 
     def __init__(self, reqs: list, recv: list[torch.Tensor], phase: str = "forward", link: str = "intra",
-                 device: Optional[torch.device] = None, trace_id: Optional[int] = None) -> None:
+                 device: Optional[torch.device] = None, trace_id: Optional[int] = None,
+                 finish: Optional[Callable[[], None]] = None) -> None:
         self._reqs = reqs
         self._recv = recv
         self._phase, self._link = phase, link
         self._device = device or torch.device("cpu")
         self._trace_id = trace_id
+        self._finish = finish
 
     def wait(self) -> list[torch.Tensor]:
+        """Block until the batch completed (CUDA with NCCL: order the current stream after it) and
+        return the receive tensors, valid from here on. Waiting again returns them at once."""
         if self._reqs:
             _wait_all(self._reqs, self._device, self._phase, self._link)
             _trace_wait(self._trace_id)
         self._reqs = []
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
         return self._recv
+
+
+def _timing_device(staging: _Staging, device: torch.device) -> torch.device:
+    """Staged waits block the host in gloo: time them on the host, whatever the tensors' device."""
+    return torch.device("cpu") if staging.active else device
+
+
+def _finisher(staging: _Staging) -> Optional[Callable[[], None]]:
+    return staging.finish if staging.active else None
 
 
 # ------------------------------------------------------------------------- ring exchange
@@ -313,41 +592,46 @@ class RingComm:
         if len(send_peers) != len(send) or len(recv_peers) != len(recv):
             raise ValueError(f"exchange: {len(send)} sends / {len(recv)} receives but {len(send_peers)} / "
                              f"{len(recv_peers)} peers")
+        if not send and not recv:
+            return PendingExchange([], [], phase)
+        staging = _Staging(self.group, list(send) + list(recv), f"RingComm.exchange [{label or phase}]")
         ops, traced, links = [], [], set()
         for t, to in zip(send, send_peers):
             peer = self._global(to)
-            ops.append(dist.P2POp(dist.isend, t, peer, self.group, tag=stream))
+            ops.append(dist.P2POp(dist.isend, staging.source(t), peer, self.group, tag=stream))
             traced.append(TracedOp("send", peer, nbytes(t)))
             record("sent", phase, self._link_of(to), nbytes(t))
             links.add(self._link_of(to))
         for t, frm in zip(recv, recv_peers):
             peer = self._global(frm)
-            ops.append(dist.P2POp(dist.irecv, t, peer, self.group, tag=stream))
+            ops.append(dist.P2POp(dist.irecv, staging.sink(t), peer, self.group, tag=stream))
             traced.append(TracedOp("recv", peer, nbytes(t)))
             record("received", phase, self._link_of(frm), nbytes(t))
             links.add(self._link_of(frm))
-        if not ops:
-            return PendingExchange([], [], phase)
         trace_id = _trace_post(self.group, traced, label or phase)
         reqs = dist.batch_isend_irecv(ops)
-        device = (list(send) + list(recv))[0].device
+        device = _timing_device(staging, (list(send) + list(recv))[0].device)
         # a wait is charged to the slower link class involved
-        return PendingExchange(reqs, list(recv), phase, "inter" if "inter" in links else "intra", device, trace_id)
+        return PendingExchange(reqs, list(recv), phase, "inter" if "inter" in links else "intra", device, trace_id,
+                               _finisher(staging))
 
 
 # ------------------------------------------------------------------------- collectives
 
 
 def _collective(kind: str, group: Optional[dist.ProcessGroup], phase: str, moved: dict[str, int],
-                in_bytes: int, post: Callable[[], object], device: torch.device, label: str) -> PendingExchange:
-    """Count ``moved`` ({link: bytes}, sent and as many received), trace and post one collective."""
+                in_bytes: int, post: Callable[[], object], device: torch.device, label: str,
+                staging: _Staging) -> PendingExchange:
+    """Count ``moved`` ({link: bytes}, sent and as many received), trace and post one collective
+    (``post`` hands ``staging``'s tensors to torch.distributed; its wait() copies results back)."""
     for link, n in moved.items():
         record("sent", phase, link, n)
         record("received", phase, link, n)
     trace_id = _trace_post(group, [TracedOp(kind, -1, in_bytes)], label or f"{phase} {kind}")
     work = post()
     # a wait is charged to the slower link class involved
-    return PendingExchange([work], [], phase, "inter" if moved.get("inter") else "intra", device, trace_id)
+    return PendingExchange([work], [], phase, "inter" if moved.get("inter") else "intra",
+                           _timing_device(staging, device), trace_id, _finisher(staging))
 
 
 # torch >= 2.13 names them *_single (the *_tensor spellings warn as deprecated); older torch has only those
@@ -366,9 +650,11 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.Proces
         raise ValueError(f"all_gather: out {tuple(out.shape)} {out.dtype} must hold {W} x inp "
                          f"{tuple(inp.shape)} {inp.dtype}")
     moved = {link: (W - 1) * nbytes(inp)}
+    staging = _Staging(group, [out, inp], f"all_gather [{label or phase}]")
+    src, dst = staging.source(inp.contiguous()), staging.sink(out)
     return _collective("all_gather", group, phase, moved, nbytes(inp),
-                       lambda: _all_gather_single(out, inp.contiguous(), group=group, async_op=True),
-                       inp.device, label)
+                       lambda: _all_gather_single(dst, src, group=group, async_op=True),
+                       inp.device, label, staging)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup], phase: str,
@@ -388,9 +674,11 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.Proces
         if peer != me:
             cls = link(peer) if callable(link) else link
             moved[cls] = moved.get(cls, 0) + chunk
+    staging = _Staging(group, [out, inp], f"all_to_all [{label or phase}]")
+    src, dst = staging.source(inp.contiguous()), staging.sink(out)
     return _collective("all_to_all", group, phase, moved, nbytes(inp),
-                       lambda: dist.all_to_all_single(out, inp.contiguous(), group=group, async_op=True),
-                       inp.device, label)
+                       lambda: dist.all_to_all_single(dst, src, group=group, async_op=True),
+                       inp.device, label, staging)
 
 
 def all_reduce(t: torch.Tensor, group: Optional[dist.ProcessGroup], phase: str, op: str = "sum",
@@ -404,8 +692,10 @@ def all_reduce(t: torch.Tensor, group: Optional[dist.ProcessGroup], phase: str, 
     W = dist.get_world_size(group)
     moved = {link: 2 * (W - 1) * nbytes(t) // W}
     red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+    staging = _Staging(group, [t], f"all_reduce [{label or phase}]")
+    buf = staging.sink(t, read_first=True)
     return _collective("all_reduce", group, phase, moved, nbytes(t),
-                       lambda: dist.all_reduce(t, op=red, group=group, async_op=True), t.device, label)
+                       lambda: dist.all_reduce(buf, op=red, group=group, async_op=True), t.device, label, staging)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup], phase: str,
@@ -420,6 +710,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.Pr
         raise ValueError(f"reduce_scatter: inp {tuple(inp.shape)} {inp.dtype} must hold {W} x out "
                          f"{tuple(out.shape)} {out.dtype}")
     moved = {link: (W - 1) * nbytes(out)}
+    staging = _Staging(group, [out, inp], f"reduce_scatter [{label or phase}]")
+    src, dst = staging.source(inp.contiguous()), staging.sink(out)
     return _collective("reduce_scatter", group, phase, moved, nbytes(inp),
-                       lambda: _reduce_scatter_single(out, inp.contiguous(), group=group, async_op=True),
-                       inp.device, label)
+                       lambda: _reduce_scatter_single(dst, src, group=group, async_op=True),
+                       inp.device, label, staging)

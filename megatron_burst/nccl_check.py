@@ -20,7 +20,9 @@ the waited group (on GPU the stream waits; either way no later group starts firs
 lazy communicator creation is.
 
 Use :func:`megatron_burst.comm.record_schedule` on every rank around the code under test, gather
-the traces, and call :func:`replay`; or call :func:`check_on_all_ranks` from every rank.
+the traces, and call :func:`replay`; or call :func:`check_on_all_ranks` from every rank. Traces are
+recorded above the transport: a run with the host-staged one (several ranks on one GPU, over gloo;
+see megatron_burst.comm) records the same trace as a direct run, so it is checked the same way.
 """
 from __future__ import annotations
 

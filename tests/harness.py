@@ -15,6 +15,9 @@ starting a process that imports torch and megatron costs seconds on a small CPU 
 forked from a forkserver that has torch (and megatron.core, when installed) pre-imported, so a
 pool restart costs well under a second. Any failure (a rank raising, dying or hanging) kills the
 pool, and the next call starts a fresh one, so one test's wreckage never leaks into the next.
+
+`run_ranks_on_one_gpu(W, fn, ...)` runs fn the same way with every rank on cuda:0 and
+megatron_burst.comm's host-staged transport (CUDA tensors travel through host memory over gloo).
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
-__all__ = ["run_ranks", "shutdown_pools", "worker_pids", "RankFailure", "ERROR_GRACE_S"]
+__all__ = ["run_ranks", "run_ranks_on_one_gpu", "shutdown_pools", "worker_pids", "RankFailure", "ERROR_GRACE_S"]
 
 # Imported once in the forkserver and inherited by every worker it forks. A module that fails
 # to import here is skipped silently by multiprocessing (workers then import it on demand).
@@ -112,9 +115,12 @@ def _reset_state(base: _Baseline) -> None:
     topology = sys.modules.get("megatron_burst.topology")
     if topology is not None:
         topology.clear_registered_cp_topologies()
-    kernels = sys.modules.get("megatron_burst.kernels")
-    if kernels is not None:
-        kernels._VERIFIED.clear()
+    kernel_choice = sys.modules.get("megatron_burst.kernels.choice")
+    if kernel_choice is not None:
+        kernel_choice.reset()
+    comm = sys.modules.get("megatron_burst.comm")
+    if comm is not None:  # a task's set_transport must not outlive it
+        comm.set_transport(None)
 
 
 def _destroy_task_process_groups() -> None:
@@ -439,6 +445,19 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 120.0,
         # Also reached on KeyboardInterrupt mid-wait: the workers' state is unknown. (Idempotent.)
         pool.kill()
         raise
+
+
+def run_ranks_on_one_gpu(world_size: int, fn: Callable, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list:
+    """run_ranks, with every rank on cuda:0 and the host-staged transport (several ranks, one GPU).
+
+    Each rank runs megatron_burst.launch.call_on_one_gpu(fn, args, kwargs): cuda:0 is the current
+    device and CUDA tensors travel through host buffers over the gloo group. Raises RuntimeError
+    at once (no pool started) when this machine has no CUDA device.
+    """
+    from megatron_burst.launch import require_cuda, call_on_one_gpu
+
+    require_cuda(0)
+    return run_ranks(world_size, call_on_one_gpu, fn, args, kwargs, 0, timeout=timeout)
 
 
 def worker_pids(world_size: int) -> list[int]:

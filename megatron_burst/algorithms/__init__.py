@@ -24,7 +24,9 @@ import torch.distributed as dist
 from megatron_burst.algorithms import allgather, burst, ring, ulysses
 from megatron_burst.algorithms.schedule import CPConfig
 from megatron_burst.documents import THD, CuSeqlens, Documents, check_cu_seqlens, check_thd, check_window
-from megatron_burst.kernels import row_dot
+from megatron_burst.kernels import block_backward, block_forward, row_dot
+from megatron_burst.kernels.choice import KernelPolicy, agree, choose
+from megatron_burst.layout import BlockMask
 from megatron_burst.layout import check_layout, check_local_len
 from megatron_burst.topology import (RING_SHAPES, CPTopology, USPTopology, check_ulysses_size,
                                      registered_usp_topology, single_node_topology)
@@ -101,10 +103,29 @@ class _CPAttention(torch.autograd.Function):
         qh, kh, vh, out, lse = ctx.saved_tensors
         fmt = ctx.qkv_format
         dout_h = to_bhsd(dout, fmt).contiguous()
-        D = row_dot(dout_h, to_bhsd(out, fmt))
-        dq, dk, dv = _BACKWARD[ctx.backward_algo](dout_h, qh, kh, vh, D, lse, ctx.cfg)
+        out_h = to_bhsd(out, fmt)
+        D = row_dot(dout_h, out_h)
+        whole = single_block(ctx.cfg, qh.shape[2])
+        if whole is not None:
+            dq, dk, dv = block_backward(dout_h, qh, kh, vh, D, lse, whole, ctx.cfg.scale, ctx.cfg.kernel, out=out_h)
+        else:
+            dq, dk, dv = _BACKWARD[ctx.backward_algo](dout_h, qh, kh, vh, D, lse, ctx.cfg, out=out_h)
         grads = (from_bhsd(g.to(qh.dtype), fmt) for g in (dq, dk, dv))
         return (*grads, None, None, None, None, None, None)
+
+
+def single_block(cfg: CPConfig, n: int) -> Optional[BlockMask]:
+    """The one block that covers every local query row of every sample when the call has nothing
+    to exchange (one rank, no sparse plan): then the forward and backward are one kernel call each,
+    with no fp32 accumulator and no merge. None otherwise."""
+    if cfg.world_size != 1 or cfg.pattern is not None or cfg.ulysses_size != 1:
+        return None
+    blocks = cfg.blocks(0, 0, n)
+    if len(blocks) != 1:
+        return None
+    batch, mask = blocks[0]
+    whole_batch = batch.start in (None, 0) and batch.stop is None and batch.step in (None, 1)
+    return mask if whole_batch and mask.q_start == 0 and mask.q_stop == n else None
 
 
 def to_bhsd(t: torch.Tensor, qkv_format: str) -> torch.Tensor:
@@ -132,6 +153,11 @@ def attention_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, cfg:
     shape = (s, b, h, vh.shape[-1]) if qkv_format == "sbhd" else (b, s, h, vh.shape[-1])
     out = torch.empty(shape, dtype=qh.dtype, device=qh.device)
     out_h = to_bhsd(out, qkv_format)
+    whole = single_block(cfg, s) if q_rows is None else None
+    if whole is not None:
+        o, lse = block_forward(qh, kh, vh, whole, cfg.scale, cfg.kernel)
+        out_h.copy_(o)
+        return out, out_h, lse
     # fp32 inputs accumulate straight into the output; others through one fp32 buffer
     acc = out_h if qh.dtype == torch.float32 else None
     acc, lse = _FORWARD[scheme](qh, kh, vh, cfg, q_rows=q_rows, out=acc)
@@ -239,6 +265,15 @@ class Prepared:
         return (out.squeeze(1) if self.packed else out), out_h, lse
 
 
+def choose_kernels(cfg: CPConfig, q: torch.Tensor, head_dim: int, kernel: Optional[str], cp_group) -> None:
+    """Resolve the local kernels of every mask kind ``cfg`` can produce (self-checked on first use,
+    megatron_burst.kernels.choice) into ``cfg.kernel``; on CUDA every rank of the CP group must
+    agree (one small all-gather per group and choice, before the first block)."""
+    cfg.kernel = choose(q.device, q.dtype, head_dim, cfg.mask_kinds, KernelPolicy.from_env(kernel))
+    if q.is_cuda:
+        agree(cfg.kernel, cp_group)
+
+
 def _usp_topology(group, world_size: int, U: int) -> USPTopology:
     """The 2-D topology of a usp call: given, or the one built for this CP group (no collective)."""
     if isinstance(group, USPTopology):
@@ -327,6 +362,7 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
         backward_algo = resolve_algo(algo, b, hq, hkv, n, d, q.element_size(), world_size, nodes=topo.num_nodes,
                                      ring=ring, causal=causal)
         cfg = CPConfig(topo, ring, layout, stripe, causal, scale, kernel, documents, window=window)
+        choose_kernels(cfg, q, d, kernel, cp_group)
         return Prepared(q, k, v, cfg, backward_algo, qkv_format, packed=packed)
     U = ulysses_size
     if U == world_size:  # plain Ulysses: the CP group is the all-to-all group, the ring is a single member
@@ -344,6 +380,7 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
     ring_scheme = resolve_algo(ring_backward, b, hq // U, kv_sent // U, n * U, d, q.element_size(), members,
                                nodes=rank_topo.num_nodes, ring=ring, causal=causal) if members > 1 else "ring"
     cfg = CPConfig(rank_topo, ring, layout, stripe, causal, scale, kernel, documents, ulysses_size=U, window=window)
+    choose_kernels(cfg, q, d, kernel, cp_group)
     return Prepared(q, k, v, cfg, "ulysses", qkv_format, (a2a_group, link), ring_scheme, packed)
 
 

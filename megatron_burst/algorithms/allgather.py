@@ -107,10 +107,11 @@ def allgather_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: CP
     return out, lse
 
 
-def allgather_backward(dout, q, k, v, D, lse, cfg: CPConfig):
+def allgather_backward(dout, q, k, v, D, lse, cfg: CPConfig, out=None):
     """K,V gathered again; dK,dV of every rank's keys reduce-scattered home in fp32.
 
-    Shapes as in the forward; D, lse [b, hq, n] fp32. Returns fp32 (dq, dk, dv).
+    Shapes as in the forward; D, lse [b, hq, n] fp32; ``out`` the final output (optional, for
+    kernels that read it). Returns fp32 (dq, dk, dv).
     """
     b, hq, n, _ = q.shape
     W, r = cfg.world_size, cfg.rank
@@ -122,7 +123,8 @@ def allgather_backward(dout, q, k, v, D, lse, cfg: CPConfig):
 
     def attend(src, kk, vv, lo, hi, g):
         for bs, m in _piece_masks(cfg, src, n, lo, hi):
-            dqb, dkb, dvb = block_backward(dout[bs], q[bs], kk[bs], vv[bs], D[bs], lse[bs], m, cfg.scale, cfg.kernel)
+            dqb, dkb, dvb = block_backward(dout[bs], q[bs], kk[bs], vv[bs], D[bs], lse[bs], m, cfg.scale, cfg.kernel,
+                                           None if out is None else out[bs])
             dq[bs, :, m.q_slice] += dqb
             g[src, 0][bs, :, m.kv_slice] += dkb
             g[src, 1][bs, :, m.kv_slice] += dvb

@@ -18,8 +18,10 @@ from megatron_burst.algorithms.schedule import CPConfig, cp_ring_pass
 from megatron_burst.kernels import block_backward
 
 
-def burst_backward(dout, q, k, v, D, lse, cfg: CPConfig):
-    """Q,dO,D,lse,dQ circulate. q/dout [b, hq, n, d], k/v [b, hkv, n, d], D/lse [b, hq, n] fp32."""
+def burst_backward(dout, q, k, v, D, lse, cfg: CPConfig, out=None):
+    """Q,dO,D,lse,dQ circulate. q/dout [b, hq, n, d], k/v [b, hkv, n, d], D/lse [b, hq, n] fp32;
+    ``out`` [b, hq, n, d] this rank's final output (optional: used for its own query block only,
+    visiting blocks carry D instead)."""
     n = q.shape[2]
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
@@ -30,8 +32,9 @@ def burst_backward(dout, q, k, v, D, lse, cfg: CPConfig):
         dq = torch.zeros_like(dq_like)
         # the visiting queries are rank ``owner``'s, the keys are ours
         for bs, mask in cfg.blocks(owner, cfg.rank, n):
+            own_out = out[bs] if out is not None and owner == cfg.rank else None
             dqb, dkb, dvb = block_backward(qdo[1][bs], qdo[0][bs], k[bs], v[bs], dl[0][bs], dl[1][bs], mask,
-                                           cfg.scale, cfg.kernel)
+                                           cfg.scale, cfg.kernel, own_out)
             dq[bs, :, mask.q_slice] += dqb
             dk[bs, :, mask.kv_slice] += dkb
             dv[bs, :, mask.kv_slice] += dvb

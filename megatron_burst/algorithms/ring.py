@@ -63,8 +63,9 @@ def needed_kv_rows(cfg: CPConfig, n: int, q_rows: int) -> int:
                default=0)
 
 
-def ring_backward(dout, q, k, v, D, lse, cfg: CPConfig):
-    """K,V,dK,dV circulate. Shapes as in the forward; D, lse [b, hq, n] fp32. Returns fp32 (dq, dk, dv)."""
+def ring_backward(dout, q, k, v, D, lse, cfg: CPConfig, out=None):
+    """K,V,dK,dV circulate. Shapes as in the forward; D, lse [b, hq, n] fp32; ``out`` [b, hq, n, d]
+    the final output (optional, for kernels that read it). Returns fp32 (dq, dk, dv)."""
     n = q.shape[2]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_like = torch.zeros((2,) + tuple(k.shape), dtype=torch.float32, device=q.device)
@@ -74,7 +75,7 @@ def ring_backward(dout, q, k, v, D, lse, cfg: CPConfig):
         dkv = torch.zeros_like(dkv_like)
         for bs, mask in cfg.blocks(cfg.rank, owner, n):
             dqb, dkb, dvb = block_backward(dout[bs], q[bs], kv[0][bs], kv[1][bs], D[bs], lse[bs], mask, cfg.scale,
-                                           cfg.kernel)
+                                           cfg.kernel, None if out is None else out[bs])
             dq[bs, :, mask.q_slice] += dqb
             dkv[0][bs, :, mask.kv_slice] += dkb
             dkv[1][bs, :, mask.kv_slice] += dvb

@@ -50,7 +50,9 @@ class CPConfig:
     stripe: int
     causal: bool
     scale: float
-    kernel: Optional[str] = None
+    # the local kernels: a KernelChoice resolved for this call (megatron_burst.kernels.choice), a
+    # kernel name to force, or None (chosen per block)
+    kernel: object = None
     documents: Optional[Documents] = None  # packed documents (cu_seqlens); None: one sequence
     # >1 under USP/Ulysses: each ring member holds the sequences of ``ulysses_size`` consecutive CP
     # ranks (after the all-to-all), so a block of the ring is a U x U grid of CP-rank blocks
@@ -64,6 +66,21 @@ class CPConfig:
         sliding window, where it shrinks traffic with the window; dense and document masks keep
         the full ring (their bytes do not depend on the mask)."""
         return self.window is not None
+
+    @property
+    def mask_kinds(self) -> tuple[str, ...]:
+        """Every BlockMask kind :meth:`blocks` can yield for this configuration, on any rank (the same
+        tuple everywhere: ranks agree on one kernel per kind before the first block runs)."""
+        if self.pattern is not None:
+            return ("sparse", "gather")
+        striped_blocks = ("block_causal",) if self.layout == "striped" and self.stripe > 1 else ()
+        if self.documents is not None or self.window is not None:
+            return ("full", "causal") + striped_blocks + ("positions",)
+        if not self.causal:
+            return ("full",)
+        if self.layout == "striped":  # the diagonal block is causal; stripes of width > 1 off it
+            return ("causal",) + striped_blocks
+        return ("full", "causal")
 
     @property
     def rank(self) -> int:

@@ -1,152 +1,124 @@
-"""Local block attention kernels behind one interface, chosen at run time, plus the lse merge.
+"""Local block attention kernels behind one interface, chosen per mask kind, plus the lse merge.
 
-Backends (see each module): ``reference`` (naive, tests only), ``tiled`` (plain torch, any device),
-``cpu_flash`` (torch's fused CPU op), ``cuda_flash`` (torch's fused CUDA op, fp16/bf16).
-
-Default choice, measured on this project's CPU machine (``python -m megatron_burst.bench kernels``):
-the CPU flash op is ~2x faster than the tiled kernel in fp32, forward and backward; in bf16 its
-forward is still faster but its backward is ~4x slower (and rounds in bf16), so bf16 backward uses
-the tiled kernel. Override with MEGATRON_BURST_KERNEL=<name> (both directions) for experiments.
-
-A fused GPU backend is used only after it has checked itself on the device: the first time it would
-be chosen for a (device, dtype), a small causal and full block runs through it and through the
-reference, forward and backward; on any mismatch or error it is dropped for that (device, dtype)
-with a warning and the tiled kernel is used instead.
-
-Sparse blocks (vertical-slash plans) have their own pair, chosen by :func:`select_sparse`:
-``block_sparse`` (plain torch) and ``triton_block_sparse`` (Triton, the CUDA default once it has
-checked itself against block_sparse the same way); $MEGATRON_BURST_SPARSE_KERNEL=torch|triton forces one.
+Kernels (see each module): ``reference`` (naive, tests only), ``tiled`` (plain torch, any device),
+``cpu_flash`` (torch's fused CPU op), ``cuda_flash`` and ``cudnn`` (torch's fused CUDA ops, 16-bit
+"full"/"causal"), ``triton_masked`` (Triton: every dense kind, masks as per-row/column data),
+``block_sparse`` / ``triton_block_sparse`` (vertical-slash tiles) and ``row_gather`` (gathered
+rows). Which one runs, and what happens when none fused fits, is :mod:`megatron_burst.kernels.choice`:
+a CP call resolves a :class:`~megatron_burst.kernels.choice.KernelChoice` for the mask kinds it
+can produce (self-checked, agreed by every rank, logged) and every block of the call uses it.
 """
 from __future__ import annotations
 
-import os
-import warnings
 from types import ModuleType
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from megatron_burst.kernels import (block_sparse, cpu_flash, cuda_flash, reference, row_gather, tiled,
-                                    triton_block_sparse)
+from megatron_burst.kernels import cpu_flash, cuda_flash, reference, tiled
+from megatron_burst.kernels import choice as selection
+from megatron_burst.kernels.choice import (KernelChoice, KernelPolicy, KernelSelfCheckError, SlowKernelError,
+                                           SlowKernelWarning, choose, report)
 from megatron_burst.layout import BlockMask
 
 BACKENDS: dict[str, ModuleType] = {
     "reference": reference, "tiled": tiled, "cpu_flash": cpu_flash, "cuda_flash": cuda_flash,
 }
+_VERIFIED = selection._VERIFIED  # self-check verdicts, per process (test harnesses clear it)
 
-
-_VERIFIED: dict[tuple, bool] = {}
-
-
-def verify(impl: ModuleType, device: torch.device, dtype: torch.dtype, tol: float = 3e-2) -> bool:
-    """Check ``impl`` against the reference on a small GQA block (causal and full, fwd and bwd).
-
-    Errors are measured relative to the reference's largest magnitude; ``tol`` allows for bf16.
-    """
-    g = torch.Generator().manual_seed(0)
-    mk = lambda h: torch.randn(1, h, 64, 64, generator=g).to(device=device, dtype=dtype)  # noqa: E731
-    q, k, v, do = mk(4), mk(2), mk(2), mk(4)
-    try:
-        for kind in ("causal", "full"):
-            ref_out, ref_lse = reference.forward(q, k, v, kind, 1, 0.125)
-            D = (do.float() * ref_out.float()).sum(-1)
-            ref = (ref_out, ref_lse) + reference.backward(do, q, k, v, D, ref_lse, kind, 1, 0.125)
-            out, lse = impl.forward(q, k, v, kind, 1, 0.125)
-            got = (out, lse) + tuple(impl.backward(do, q, k, v, D, ref_lse, kind, 1, 0.125))
-            for a, b in zip(got, ref):
-                if a.shape != b.shape:
-                    return False
-                if (a.float() - b.float()).abs().max() > tol * b.float().abs().max().clamp_min(1.0):
-                    return False
-    except Exception:  # an op missing or with another signature in this torch build
-        return False
-    return True
-
-
-def _fused_gpu_ok(impl: ModuleType, q: torch.Tensor, check=None, fallback: str = "tiled") -> bool:
-    """Whether ``impl`` passed its one-time self-check (``check(device, dtype)``, default :func:`verify`)."""
-    key = (impl.__name__, q.device, q.dtype)
-    if key not in _VERIFIED:
-        _VERIFIED[key] = check(q.device, q.dtype) if check is not None else verify(impl, q.device, q.dtype)
-        if not _VERIFIED[key]:
-            warnings.warn(f"megatron-burst: the {impl.__name__.rsplit('.', 1)[-1]} attention kernel failed its "
-                          f"self-check on {q.device} / {q.dtype}; using the {fallback} kernel there instead")
-    return _VERIFIED[key]
-
-
-SPARSE_BACKENDS: dict[str, ModuleType] = {"torch": block_sparse, "triton": triton_block_sparse}
-
-
-def select_sparse(q: torch.Tensor) -> ModuleType:
-    """The block-sparse kernel: $MEGATRON_BURST_SPARSE_KERNEL if set, else Triton on CUDA when it is
-    installed and passed its self-check on (device, dtype), else the plain-torch block_sparse."""
-    name = os.environ.get("MEGATRON_BURST_SPARSE_KERNEL") or None
-    if name is not None:
-        if name not in SPARSE_BACKENDS:
-            raise ValueError(f"MEGATRON_BURST_SPARSE_KERNEL={name!r}: choose one of {', '.join(SPARSE_BACKENDS)}")
-        return SPARSE_BACKENDS[name]
-    if q.is_cuda and triton_block_sparse.AVAILABLE and _fused_gpu_ok(
-            triton_block_sparse, q, triton_block_sparse.verify, "block_sparse"):
-        return triton_block_sparse
-    return block_sparse
+# what a block may be told to run: a call's KernelChoice, a kernel name (forced), or None (choose now)
+KernelSpec = Union[KernelChoice, str, None]
 
 
 def select(q: torch.Tensor, kind: str, direction: str, name: Optional[str] = None,
            k: Optional[torch.Tensor] = None) -> ModuleType:
-    """The backend for a block: ``name`` (or $MEGATRON_BURST_KERNEL) if given, else the measured default."""
-    name = name or os.environ.get("MEGATRON_BURST_KERNEL") or None
-    if name is not None:
-        if name not in BACKENDS:
-            raise ValueError(f"unknown attention kernel {name!r}: choose one of {', '.join(BACKENDS)}")
-        return BACKENDS[name]
-    if q.is_cuda:
-        usable = cuda_flash.supports(q, q if k is None else k, kind) and _fused_gpu_ok(cuda_flash, q)
-        return cuda_flash if usable else tiled
-    if q.device.type == "cpu":
-        if direction == "forward" or q.dtype == torch.float32:
-            return cpu_flash
-    return tiled
+    """The kernel module for a ``kind`` block of q's (device, dtype, head dim) in ``direction``:
+    ``name`` (or $MEGATRON_BURST_KERNEL) where it covers the kind, else the policy's choice."""
+    choice = choose(q.device, q.dtype, q.shape[-1], (kind,), KernelPolicy.from_env(name))
+    return selection.module(choice.get(kind, direction))
+
+
+def select_sparse(q: torch.Tensor) -> ModuleType:
+    """The kernel of vertical-slash tiles (``sparse`` blocks) for q's device and dtype."""
+    return select(q, "sparse", "forward")
+
+
+def _resolve(spec: KernelSpec, q: torch.Tensor, kind: str, direction: str) -> ModuleType:
+    if isinstance(spec, KernelChoice):
+        name = spec.get(kind, direction)
+        if name is not None:
+            return selection.module(name)
+        spec = None  # a kind the call did not predict: chosen (and checked) now
+    if isinstance(spec, str) and spec not in selection.DENSE_NAMES:
+        raise ValueError(f"unknown attention kernel {spec!r}: choose one of {', '.join(selection.DENSE_NAMES)}")
+    return select(q, kind, direction, spec)
+
+
+def _square_causal_parts(mask: BlockMask) -> list[tuple[BlockMask, int]]:
+    """A non-square causal rectangle as a square causal part and (when taller than wide) a full part
+    below it, with each part's row offset in the rectangle: torch's fused ops align causal masks by
+    their own convention when sq != sk; a square has only one."""
+    rows, cols = mask.q_stop - mask.q_start, mask.kv_stop - mask.kv_start
+    side = min(rows, cols)
+    parts = [(BlockMask("causal", mask.q_start, mask.q_start + side, mask.kv_start, mask.kv_start + side), 0)]
+    if rows > cols:
+        parts.append((BlockMask("full", mask.q_start + side, mask.q_stop, mask.kv_start, mask.kv_stop), side))
+    return parts
+
+
+def _needs_square(impl: ModuleType, mask: BlockMask) -> bool:
+    return (mask.kind == "causal" and getattr(impl, "SQUARE_CAUSAL_ONLY", False)
+            and mask.q_stop - mask.q_start != mask.kv_stop - mask.kv_start)
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, scale: float,
-                  kernel: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  kernel: KernelSpec = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the visible rectangle of a block. q [b, hq, n, d], k/v [b, hkv, m, d].
 
-    Returns (out [b, hq, q_rows, d], lse [b, hq, q_rows]) for rows ``mask.q_slice``, both fp32 (fp64
-    for fp64 inputs): block outputs reach the merge unrounded, except from ``cuda_flash``, whose
-    kernel only writes its input dtype.
+    Returns (out [b, hq, q_rows, d], lse [b, hq, q_rows] fp32) for rows ``mask.q_slice``. ``out`` is
+    fp32 (fp64 for fp64 inputs) from the plain and Triton kernels, and q's dtype from torch's fused
+    CUDA ops (they write only their input dtype); the merge reads either.
     """
-    qs, ks, vs = q[:, :, mask.q_slice], k[:, :, mask.kv_slice], v[:, :, mask.kv_slice]
-    impl = _data_kernel(mask.kind, qs) or select(qs, mask.kind, "forward", kernel, ks)
+    qs = q[:, :, mask.q_slice]
+    impl = _resolve(kernel, qs, mask.kind, "forward")
+    if _needs_square(impl, mask):
+        parts = [block_forward(q, k, v, part, scale, kernel) for part, _ in _square_causal_parts(mask)]
+        return torch.cat([o for o, _ in parts], 2), torch.cat([l for _, l in parts], 2)
+    ks, vs = k[:, :, mask.kv_slice], v[:, :, mask.kv_slice]
     return impl.forward(qs, ks, vs, mask.kind, mask.block, scale, **_mask_data(mask))
 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, D: torch.Tensor,
-                   lse: torch.Tensor, mask: BlockMask, scale: float, kernel: Optional[str] = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   lse: torch.Tensor, mask: BlockMask, scale: float, kernel: KernelSpec = None,
+                   out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the visible rectangle: (dq [b,hq,q_rows,d], dk, dv [b,hkv,kv_rows,d]).
 
-    D = rowsum(dout * out) [b, hq, n] and lse [b, hq, n] are for the whole q block (fp32).
+    D = rowsum(dout * out) [b, hq, n] and lse [b, hq, n] are for the whole q block (fp32). ``out``
+    [b, hq, n, d]: the final output of these query rows when the caller holds it (kernels that read
+    O, torch's fused ops, then skip building a stand-in from D).
     """
     qsl, ksl = mask.q_slice, mask.kv_slice
-    qs, ks = q[:, :, qsl], k[:, :, ksl]
-    impl = _data_kernel(mask.kind, qs) or select(qs, mask.kind, "backward", kernel, ks)
-    return impl.backward(dout[:, :, qsl], qs, ks, v[:, :, ksl], D[:, :, qsl], lse[:, :, qsl], mask.kind,
-                         mask.block, scale, **_mask_data(mask))
-
-
-# mask kinds that carry a sparse plan, and the kernel that reads it
-_DATA_KERNELS: dict[str, ModuleType] = {"sparse": block_sparse, "gather": row_gather}
-
-
-def _data_kernel(kind: str, q: torch.Tensor) -> Optional[ModuleType]:
-    """The kernel of a data-carrying mask kind (None for other kinds); sparse tiles: :func:`select_sparse`."""
-    return select_sparse(q) if kind == "sparse" else _DATA_KERNELS.get(kind)
+    qs = q[:, :, qsl]
+    impl = _resolve(kernel, qs, mask.kind, "backward")
+    if _needs_square(impl, mask):
+        dq, dk, dv = [], 0, 0
+        for part, _ in _square_causal_parts(mask):
+            g = block_backward(dout, q, k, v, D, lse, part, scale, kernel, out)
+            kv_rows = part.kv_stop - part.kv_start
+            dq.append(g[0])
+            dk = dk + torch.nn.functional.pad(g[1].float(), (0, 0, 0, mask.kv_stop - mask.kv_start - kv_rows))
+            dv = dv + torch.nn.functional.pad(g[2].float(), (0, 0, 0, mask.kv_stop - mask.kv_start - kv_rows))
+        return torch.cat([t.float() for t in dq], 2), dk, dv
+    extra = _mask_data(mask)
+    if out is not None and getattr(impl, "TAKES_OUT", False):
+        extra["out"] = out[:, :, qsl]
+    return impl.backward(dout[:, :, qsl], qs, k[:, :, ksl], v[:, :, ksl], D[:, :, qsl], lse[:, :, qsl], mask.kind,
+                         mask.block, scale, **extra)
 
 
 def _mask_data(mask: BlockMask) -> dict:
-    """Extra kernel arguments of data-carrying mask kinds ("positions": positions and document ids)."""
-    if mask.kind in _DATA_KERNELS:
+    """Extra kernel arguments of data-carrying mask kinds (sparse plans; positions and document ids)."""
+    if mask.kind in ("sparse", "gather"):
         return {"plan": mask.plan}
     return {"positions": mask.mask_data} if mask.kind == "positions" else {}
 

@@ -41,7 +41,7 @@ def stand_in_output(dout: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
     """O' [b, h, s, d] with rowsum(dout * O') == D (see module docstring)."""
     do = dout.float()
     norm = (do * do).sum(-1, keepdim=True)
-    coef = torch.where(norm > 0, D.float()[..., None] / norm.clamp_min(torch.finfo(torch.float32).tiny),
+    coef = torch.where(norm > 0, D.float().unsqueeze(-1) / norm.clamp_min(torch.finfo(torch.float32).tiny),
                        torch.zeros_like(norm))
     return (do * coef).to(dout.dtype)
 

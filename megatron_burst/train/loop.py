@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import megatron_burst
 from megatron_burst.checkpoint import end_iteration
+from megatron_burst.kernels import report as kernel_report
 from megatron_burst.megatron.args import CPOptions
 from megatron_burst.train.args import ParallelSizes, build_parser, validate_args
 from megatron_burst.train.checkpointing import load_checkpoint, save_checkpoint
@@ -139,6 +140,9 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
         if num_zeros is not None:
             row["num_zeros"] = num_zeros
         metrics.append(row)
+        if iteration == start:  # the kernels are chosen (and self-checked) in the first step
+            for line in kernel_report():
+                print_rank_0(f"megatron-burst train: {line}")
         if (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters:
             print_rank_0(f" iteration {iteration + 1:8d}/{args.train_iters:8d} | consumed samples: "
                          f"{consumed:10d} | elapsed time per iteration "
@@ -157,6 +161,7 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
         with open(args.metrics_file, "w") as f:
             json.dump({"cp": sizes.cp, "tp": sizes.tp, "dp": sizes.dp, "layout": opts.layout,
                        "algo": softmax.options.algo if softmax is not None else None,
-                       "attention": attention_summary(model, args, sizes), "metrics": metrics}, f, indent=1)
+                       "attention": attention_summary(model, args, sizes), "kernels": kernel_report(),
+                       "metrics": metrics}, f, indent=1)
     return metrics
 

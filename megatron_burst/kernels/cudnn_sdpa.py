@@ -1,0 +1,96 @@
+"""torch's cuDNN attention op (``aten._scaled_dot_product_cudnn_attention``), fp16/bf16 on CUDA.
+
+The fastest dense kernel torch ships on Hopper: 1.7x its flash op at 32K tokens causal on an H200
+(the first GPU check, ``shared/gpu/first_gpu_results.jsonl``). Used like
+:mod:`megatron_burst.kernels.cuda_flash` ("full" and square "causal" blocks; the same schema-bound
+calls and forward-returned placeholders). The op returns lse as [b, h, s, 1]; this adapter hands
+[b, h, s] to the engine and reshapes it back for the backward.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_burst.kernels import torch_ops
+from megatron_burst.kernels.cpu_flash import stand_in_output
+from megatron_burst.kernels.cuda_flash import _fake_cuda_allowed, _rows
+from megatron_burst.kernels.reference import expand_kv, reduce_kv
+
+NAME = "cudnn"
+KINDS = ("full", "causal")
+SQUARE_CAUSAL_ONLY = True  # the dispatcher splits other causal rectangles
+TAKES_OUT = True  # the backward reads the final output O (out=) instead of D
+_FWD = "_scaled_dot_product_cudnn_attention"
+_BWD = "_scaled_dot_product_cudnn_attention_backward"
+_FWD_ARGS = ("query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal",
+             "return_debug_mask", "scale")
+_BWD_ARGS = ("grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed", "philox_offset", "attn_bias",
+             "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale")
+
+
+def unavailable() -> Optional[str]:
+    """Why this kernel cannot run in this process (None: it can, on a CUDA device)."""
+    if not torch.cuda.is_available() and not _fake_cuda_allowed():
+        return "no CUDA device"
+    if torch.cuda.is_available() and not torch.backends.cudnn.is_available():
+        return "torch was built without cuDNN"
+    return torch_ops.missing_reason(_FWD, _FWD_ARGS) or torch_ops.missing_reason(_BWD, _BWD_ARGS)
+
+
+def supports(dtype: torch.dtype, head_dim: int, kind: str) -> Optional[str]:
+    """Why (dtype, head dim, kind) is out of this op's reach (None: supported). Head dims above 128
+    are left to the flash op: cuDNN's backward support for them depends on its version."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"fp16/bf16 only, not {dtype}"
+    if head_dim % 8 or head_dim > 128:
+        return f"head dim a multiple of 8 up to 128, not {head_dim}"
+    if kind not in KINDS:
+        return f"mask kind {kind!r} (full and causal only)"
+    return None
+
+
+_PLACEHOLDERS: dict[torch.device, tuple] = {}
+
+
+def _placeholders(device: torch.device, dtype: torch.dtype) -> tuple:
+    """(cum_seq_q, cum_seq_k, philox_seed, philox_offset, lse rank) as the forward returns them."""
+    if device in _PLACEHOLDERS:
+        return _PLACEHOLDERS[device]
+    x = torch.zeros(1, 1, 16, 8, dtype=dtype, device=device)
+    res = _forward_op(x, x, x, False, None)
+    found = (res[2], res[3], res[6], res[7], res[1].dim())
+    if not _fake_cuda_allowed():
+        _PLACEHOLDERS[device] = found
+    return found
+
+
+def _forward_op(q, k, v, causal, scale):
+    return torch_ops.call(_FWD, query=q, key=k, value=v, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0,
+                          is_causal=causal, return_debug_mask=False, scale=scale)
+
+
+def forward(q, k, v, kind="full", block=1, scale=1.0):
+    """(out [b, hq, sq, d] in q's dtype, lse [b, hq, sq] fp32)."""
+    hq, sq = q.shape[1], q.shape[2]
+    res = _forward_op(q, expand_kv(k, hq), expand_kv(v, hq), kind == "causal", scale)
+    lse = res[1]
+    return res[0], _rows(lse.reshape(lse.shape[0], lse.shape[1], -1), sq)
+
+
+def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0, out: Optional[torch.Tensor] = None):
+    """(dq [b, hq, sq, d], dk, dv [b, hkv, sk, d]) in the input dtype (see cuda_flash.backward)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    cum_q, cum_k, seed, offset, lse_rank = _placeholders(q.device, q.dtype)
+    o = stand_in_output(dout, D) if out is None else out.to(q.dtype)
+    dout = dout.contiguous()
+    if o.stride() != dout.stride():  # the op reads O and dO with one set of strides
+        o = o.contiguous()
+    lse = lse.contiguous()
+    if lse_rank == 4:
+        lse = lse.unsqueeze(-1)
+    dq, dk, dv = torch_ops.call(
+        _BWD, grad_out=dout, query=q, key=expand_kv(k, hq), value=expand_kv(v, hq), out=o, logsumexp=lse,
+        philox_seed=seed, philox_offset=offset, attn_bias=None, cum_seq_q=cum_q, cum_seq_k=cum_k,
+        max_q=q.shape[2], max_k=k.shape[2], dropout_p=0.0, is_causal=kind == "causal", scale=scale)
+    return dq, reduce_kv(dk, hkv), reduce_kv(dv, hkv)
