@@ -11,7 +11,9 @@ attention A = softmax(Q_last K^T / sqrt(d) + causal) is estimated over all keys;
 Under CP each rank scores the gathered last queries against its own keys; the softmax max and
 sum and the column/diagonal masses are all-reduced, so every rank computes the same pattern from
 the same numbers. Recomputed per call (per step), under no_grad: the pattern is not
-differentiated through.
+differentiated through. Everything stays on q's device (the pattern too, so its plans are built
+there); the host reads back three sizes: how many local queries are among the last, and the
+largest vertical and slash line counts.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_burst import comm
-from megatron_burst.layout import layout_indices
+from megatron_burst.layout import layout_indices_on
 from megatron_burst.sparse import VerticalSlash
 
 
@@ -57,15 +59,16 @@ def _lines(mass: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """[h, max(counts)] indices of each row's counts[h] largest entries (rows padded with their first)."""
     k = int(counts.max())
     idx = torch.topk(mass, k, dim=-1).indices
-    keep = torch.arange(k)[None, :] < counts[:, None]
+    keep = torch.arange(k, device=mass.device)[None, :] < counts[:, None]
     return torch.where(keep, idx, idx[:, :1])
 
 
 @torch.no_grad()
 def estimate(q: torch.Tensor, k: torch.Tensor, budgets: Dynamic, *, group=None, layout: str = "striped",
              stripe: int = 64, softmax_scale: float | None = None) -> VerticalSlash:
-    """The dynamic pattern of this call. q [b, hq, n, d], k [b, hkv, n, d]: this rank's tokens in
-    ``layout`` (any dtype). Collectives over ``group`` (a process group; None = default / single)."""
+    """The dynamic pattern of this call, on q's device. q [b, hq, n, d], k [b, hkv, n, d]: this
+    rank's tokens in ``layout`` (any dtype). Collectives over ``group`` (a process group; None =
+    default / single)."""
     import torch.distributed as dist
 
     b, hq, n, d = q.shape
@@ -74,17 +77,18 @@ def estimate(q: torch.Tensor, k: torch.Tensor, budgets: Dynamic, *, group=None, 
     S = n * W
     budgets.check(S)
     scale = softmax_scale if softmax_scale is not None else d ** -0.5
-    pos = layout_indices(S, rank, W, layout, stripe if layout == "striped" else 1)
+    device = q.device
+    pos = layout_indices_on(S, rank, W, layout, stripe if layout == "striped" else 1, device)
     first = S - budgets.last_q
     mine = (pos >= first).nonzero().squeeze(1)
-    q_last = torch.zeros(b, hq, budgets.last_q, d, dtype=torch.float32, device=q.device)
-    q_last[:, :, (pos[mine] - first).to(q.device)] = q[:, :, mine.to(q.device)].float()
+    q_last = torch.zeros(b, hq, budgets.last_q, d, dtype=torch.float32, device=device)
+    q_last[:, :, pos[mine] - first] = q[:, :, mine].float()
     if multi:  # every rank holds some (or none) of the last queries: the sum assembles them
         comm.all_reduce(q_last, group, "forward", label="dynamic pattern: last queries").wait()
     kf = k.float().repeat_interleave(hq // k.shape[1], dim=1)
     scores = (q_last @ kf.transpose(-1, -2)) * scale  # [b, hq, last_q, n]
-    q_pos = torch.arange(first, S, device=q.device)
-    kv_pos = pos.to(q.device)
+    q_pos = torch.arange(first, S, device=device)
+    kv_pos = pos
     visible = kv_pos[None, :] <= q_pos[:, None]
     scores = scores.masked_fill(~visible, float("-inf"))
     row_max = scores.amax(-1).clamp_min(-1e30)  # rows of no local key: -inf -> a finite floor
@@ -95,14 +99,14 @@ def estimate(q: torch.Tensor, k: torch.Tensor, budgets: Dynamic, *, group=None, 
     if multi:
         comm.all_reduce(row_sum, group, "forward", label="dynamic pattern: sum").wait()
     probs = probs / row_sum[..., None]
-    masses = torch.zeros(2, hq, S, dtype=torch.float32, device=q.device)  # [vertical, slash] by position/offset
+    masses = torch.zeros(2, hq, S, dtype=torch.float32, device=device)  # [vertical, slash] by position/offset
     masses[0].index_add_(1, kv_pos, probs.sum((0, 2)))
     offsets = (q_pos[:, None] - kv_pos[None, :]).clamp_min(0).expand(b, hq, -1, -1)
     masses[1].scatter_add_(1, offsets.reshape(b, hq, -1).permute(1, 0, 2).reshape(hq, -1),
                            probs.permute(1, 0, 2, 3).reshape(hq, -1))
     if multi:
         comm.all_reduce(masses, group, "forward", label="dynamic pattern: masses").wait()
-    masses = masses.cpu().double()
+    masses = masses.double()
     vertical = _lines(masses[0], top_p_count(masses[0], budgets.p_v))
     P = budgets.pool
     pooled = torch.nn.functional.pad(masses[1], (0, (-S) % P)).view(hq, -1, P).sum(-1)

@@ -150,18 +150,36 @@ def test_select_sparse(monkeypatch):
         kernels.select_sparse(q)
 
 
-def test_failed_self_check_warns_and_falls_back():
-    q = torch.zeros(1, 2, 4, 8, dtype=torch.float16)
-    key = (tbs.__name__, q.device, q.dtype)
-    try:
-        with pytest.warns(UserWarning, match="triton_block_sparse attention kernel failed its self-check on cpu / "
-                                             "torch.float16; using the block_sparse kernel there instead"):
-            assert not kernels._fused_gpu_ok(tbs, q, lambda device, dtype: False, "block_sparse")
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # checked once per (device, dtype)
-            assert not kernels._fused_gpu_ok(tbs, q, lambda device, dtype: True, "block_sparse")
-    finally:
-        kernels._VERIFIED.pop(key, None)
+def test_failed_self_check_is_an_error_unless_slow_kernels_are_allowed(monkeypatch):
+    """On a fused device (CPU declared one here), a Triton kernel whose self-check raises or is off
+    block_sparse stops the call with the reason; MEGATRON_BURST_ALLOW_SLOW_KERNELS=1 falls back
+    to block_sparse with a warning."""
+    from megatron_burst.kernels import choice
+
+    monkeypatch.setattr(choice, "FUSED_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(choice, "_VERIFIED", {})
+    monkeypatch.setattr(choice, "_WARNED", set())
+    monkeypatch.delenv("MEGATRON_BURST_SPARSE_KERNEL", raising=False)
+    monkeypatch.delenv("MEGATRON_BURST_ALLOW_SLOW_KERNELS", raising=False)
+    monkeypatch.setattr(tbs, "unavailable", lambda: None)
+    monkeypatch.setattr(tbs, "verify", lambda device, dtype: (_ for _ in ()).throw(RuntimeError("dq is off by 3")))
+    with pytest.raises(choice.KernelSelfCheckError, match="triton_block_sparse attention kernel on cpu / "
+                                                          "torch.float16 raised in its self-check: RuntimeError: dq "
+                                                          "is off by 3"):
+        choice.choose(torch.device("cpu"), torch.float16, 8, ("sparse",))
+    monkeypatch.setenv("MEGATRON_BURST_ALLOW_SLOW_KERNELS", "1")
+    with pytest.warns(choice.SlowKernelWarning, match="dq is off by 3"):
+        got = choice.choose(torch.device("cpu"), torch.float16, 8, ("sparse",))
+    assert got.get("sparse", "forward") == "block_sparse"
+
+
+def test_verify_names_what_is_off(monkeypatch):
+    """verify() raises naming the output that disagrees with block_sparse (never a bare False)."""
+    monkeypatch.setattr(tbs, "forward", lambda q, k, v, kind, block, scale, plan: block_sparse.forward(
+        q, k, v, kind, block, scale * 1.5, plan=plan))
+    monkeypatch.setattr(tbs, "backward", block_sparse.backward)
+    with pytest.raises(RuntimeError, match="out is off block_sparse"):
+        tbs.verify(torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.skipif(not HAVE_TRITON or tbs.interpreting(), reason="needs triton, outside the interpreter")

@@ -144,7 +144,8 @@ def compile_for_gpu(direction: str, dtype: torch.dtype, d: int, capability: int 
     warps = opts.pop("num_warps")
     elem = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     typed = {"Q": elem, "K": elem, "V": elem, "DO": elem, "TILE_Q0": "i32", "TILE_Q1": "i32", "COL_START": "i64",
-             "COLS": "i32", "VIS_START": "i64", "VIS_WORDS": "i32", "VIS": "i32"}
+             "COL_END": "i64", "COLS": "i32", "VIS_START": "i64", "VIS_HEAD": "i64", "VIS_WORDS": "i32",
+             "VIS": "i32"}
     pointers = set(typed) | {"OUT", "LSE", "DELTA", "DQ", "DK", "DV_"}
     signature = {n: "constexpr" if n in opts else f"*{typed.get(n, 'fp32')}" if n in pointers
                  else "fp32" if n == "scale" else "i32" for n in fn.arg_names}

@@ -4,9 +4,10 @@ Plain functions: triton_block_sparse applies ``triton.jit`` on first use. See th
 packed plan, the grid and the precision policy.
 
 Both kernels run one program per (batch * query head, tile) and share the same column walk: the
-tile's key columns ``COLS[c_start:c_end]`` in chunks of BLOCK_N, each chunk's K/V rows gathered by
-column index, and the visibility bits of the chunk read from the tile's bitmask (row-major
-[hq, rows, words] int32 words, bit c % 32 of word c // 32 for the tile's c-th column).
+tile's key columns ``COLS[COL_START[t]:COL_END[t]]`` in chunks of BLOCK_N, each chunk's K/V rows
+gathered by column index, and the visibility bits of the chunk read from the tile's bitmask (head
+h's rows from word VIS_START[t] + h * VIS_HEAD[t], VIS_WORDS[t] int32 words per row, bit c % 32 of
+word c // 32 for the tile's c-th column).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import triton.language as tl
 
 
 def sparse_fwd_kernel(Q, K, V, OUT, LSE,
-                      TILE_Q0, TILE_Q1, COL_START, COLS, VIS_START, VIS_WORDS, VIS,
+                      TILE_Q0, TILE_Q1, COL_START, COL_END, COLS, VIS_START, VIS_HEAD, VIS_WORDS, VIS,
                       scale, HQ, GROUP, D, DV,
                       sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
                       sob, soh, sos, slb, slh,
@@ -29,7 +30,7 @@ def sparse_fwd_kernel(Q, K, V, OUT, LSE,
     q0 = tl.load(TILE_Q0 + tile)
     tq = tl.load(TILE_Q1 + tile) - q0
     c_start = tl.load(COL_START + tile)
-    c_end = tl.load(COL_START + tile + 1)
+    c_end = tl.load(COL_END + tile)
     n_words = tl.load(VIS_WORDS + tile)
     offs_m = tl.arange(0, BLOCK_M)
     row_ok = offs_m < tq
@@ -43,7 +44,7 @@ def sparse_fwd_kernel(Q, K, V, OUT, LSE,
     if WIDEN:
         q = q.to(tl.float32)
     # first word of each row's bitmask (int64: the packed masks of a long plan pass 2**31 words)
-    vis_row = VIS + tl.load(VIS_START + tile) + (h * tq + offs_m).to(tl.int64) * n_words
+    vis_row = VIS + tl.load(VIS_START + tile) + h * tl.load(VIS_HEAD + tile) + offs_m.to(tl.int64) * n_words
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -81,7 +82,7 @@ def sparse_fwd_kernel(Q, K, V, OUT, LSE,
 
 
 def sparse_bwd_kernel(Q, K, V, DO, DELTA, LSE, DQ, DK, DV_,
-                      TILE_Q0, TILE_Q1, COL_START, COLS, VIS_START, VIS_WORDS, VIS,
+                      TILE_Q0, TILE_Q1, COL_START, COL_END, COLS, VIS_START, VIS_HEAD, VIS_WORDS, VIS,
                       scale, HQ, GROUP, D, DV,
                       sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
                       sdob, sdoh, sdos, sdod, slb, slh, sdqb, sdqh, sdqs,
@@ -101,7 +102,7 @@ def sparse_bwd_kernel(Q, K, V, DO, DELTA, LSE, DQ, DK, DV_,
     q0 = tl.load(TILE_Q0 + tile)
     tq = tl.load(TILE_Q1 + tile) - q0
     c_start = tl.load(COL_START + tile)
-    c_end = tl.load(COL_START + tile + 1)
+    c_end = tl.load(COL_END + tile)
     n_words = tl.load(VIS_WORDS + tile)
     offs_m = tl.arange(0, BLOCK_M)
     row_ok = offs_m < tq
@@ -122,7 +123,7 @@ def sparse_bwd_kernel(Q, K, V, DO, DELTA, LSE, DQ, DK, DV_,
     # a row with lse = -inf saw nothing: P = 0 there (its exp would be +inf)
     row_live = lse > float("-inf")
     lse = tl.where(row_live, lse, 0.0)
-    vis_row = VIS + tl.load(VIS_START + tile) + (h * tq + offs_m).to(tl.int64) * n_words
+    vis_row = VIS + tl.load(VIS_START + tile) + h * tl.load(VIS_HEAD + tile) + offs_m.to(tl.int64) * n_words
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for c0 in range(c_start, c_end, BLOCK_N):
         offs_c = c0 + tl.arange(0, BLOCK_N)

@@ -1,15 +1,19 @@
 """Block-sparse attention in plain torch (any device): computes only the visible tiles of a plan.
 
 Same (out, lse) interface as :mod:`megatron_burst.kernels.reference`, for ``kind="sparse"``
-blocks: the keyword ``plan`` is a tuple of :class:`megatron_burst.sparse.SparseTile` (up to 64
-query rows, the key columns the tile gathers, a per-head mask). Tiles absent from the plan are
-skipped. Rows that see nothing get out 0 and lse -inf (their gradients are 0). fp32 math; the
-backward recomputes probabilities from the given lse and D.
+blocks: the keyword ``plan`` is a :class:`megatron_burst.sparse.PackedTiles` (what the planner
+builds: query tiles of up to 64 rows, the key columns each gathers, a per-head bitmask) or
+hand-written tiles (a tuple of :class:`megatron_burst.sparse.SparseTile`, converted by
+:func:`megatron_burst.sparse.as_packed`). Tiles absent from the plan are skipped. Rows that see
+nothing get out 0 and lse -inf (their gradients are 0). fp32 math; the backward recomputes
+probabilities from the given lse and D.
 
-The tiles of a plan are packed once (cached on the plan object): row indices [T, rows] and column
-indices [T, cols] padded to the largest tile, the mask padded with False. Padded rows and columns
-point at one extra scratch row of each buffer, so a whole group of tiles is one batched matmul
-(a Python loop per 64-row tile costs more than its arithmetic at these sizes).
+The kernel batches the tiles: it expands the packed plan once on its device (no read-back;
+cached on the PackedTiles, so it dies with the plan) into row indices [T, R] and column indices
+[T, C] padded to the largest tile and the visibility bits as a bool mask [h, T, R, C] (False on
+padding). Padded rows and columns point at one extra scratch row of each buffer, so a whole group
+of tiles is one batched matmul (a Python loop per 64-row tile costs more than its arithmetic at
+these sizes).
 """
 from __future__ import annotations
 
@@ -17,45 +21,63 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_burst.sparse import PackedTiles, as_packed, unpack_bits
+
 # elements (b * hq * tiles * rows * cols) of one group's fp32 scores: 4M = 16 MiB
 GROUP_ELEMS = 1 << 22
+# elements (h * tiles * rows * cols) of the bit expansion of one chunk of tiles: 16M
+UNPACK_ELEMS = 1 << 24
 
 
 @dataclass
-class _Packed:
+class _Batched:
     rows: torch.Tensor  # [T, R] query row of each tile row; padding -> sq (a scratch row)
     cols: torch.Tensor  # [T, C] key column of each tile column; padding -> sk (a scratch row)
     vis: torch.Tensor  # [h, T, R, C] bool, False on padding
 
 
-def _pack(plan: tuple, sq: int, sk: int, device: torch.device) -> _Packed:
-    """The packed form of ``plan`` for a q block of sq rows and a kv block of sk rows on ``device``,
-    cached on the plan when it can carry attributes (megatron_burst.sparse.TilePlan), so it lives
-    and dies with the plan (a dynamic pattern's plans go with the step)."""
-    cache = plan.__dict__.setdefault("_packed", {}) if hasattr(plan, "__dict__") else {}
-    key = (str(device), sq, sk)
-    if key not in cache:
-        cache[key] = _pack_now(plan, sq, sk, device)
-    return cache[key]
+def _batched(plan, hq: int, sq: int, sk: int, device: torch.device) -> _Batched:
+    """The batched form of ``plan`` for hq query heads, a q block of sq rows and a kv block of sk
+    rows on ``device``, cached on the plan's PackedTiles there."""
+    tiles = as_packed(plan, hq, device)
+    cache = tiles.__dict__.setdefault("_batched", {})
+    if (sq, sk) not in cache:
+        cache[(sq, sk)] = _batch_now(tiles, sq, sk)
+    return cache[(sq, sk)]
 
 
-def _pack_now(plan: tuple, sq: int, sk: int, device: torch.device) -> _Packed:
-    T = len(plan)
-    R = max(t.q1 - t.q0 for t in plan)
-    C = max(t.cols.numel() for t in plan)
-    h = plan[0].vis.shape[0]
-    rows = torch.full((T, R), sq, dtype=torch.long)
-    cols = torch.full((T, C), sk, dtype=torch.long)
-    vis = torch.zeros(h, T, R, C, dtype=torch.bool)
-    for i, t in enumerate(plan):
-        n, c = t.q1 - t.q0, t.cols.numel()
-        rows[i, :n] = torch.arange(t.q0, t.q1)
-        cols[i, :c] = t.cols
-        vis[:, i, :n, :c] = t.vis
-    return _Packed(rows.to(device), cols.to(device), vis.to(device))
+def _batch_now(p: PackedTiles, sq: int, sk: int) -> _Batched:
+    """The batched form of ``p`` on its device, built with whole-tensor ops (no read-back)."""
+    device = p.device
+    T, R, C, h = p.tiles, p.max_rows, p.max_cols, p.heads
+    r = torch.arange(R, device=device)
+    rows = p.q0.long()[:, None] + r
+    rows_in = (p.q1 - p.q0).long()[:, None]
+    rows = torch.where(r < rows_in, rows, sq)
+    slot = p.col_start[:T, None] + torch.arange(C, device=device)
+    col_ok = slot < p.col_end[:, None]
+    if p.cols.numel():
+        cols = torch.where(col_ok, p.cols[slot.clamp(0, p.cols.numel() - 1)].long(), sk)
+    else:
+        cols = torch.full((T, C), sk, dtype=torch.long, device=device)
+    words = -(-C // 32)
+    vis = torch.zeros(h, T, R, C, dtype=torch.bool, device=device)
+    if not (T and C and p.vis.numel()):
+        return _Batched(rows, cols, vis)
+    w = torch.arange(words, device=device)
+    head = torch.arange(h, device=device)[:, None, None, None]
+    step = max(1, UNPACK_ELEMS // max(1, h * R * words * 32))
+    for a in range(0, T, step):  # chunks of tiles: the expanded bits stay bounded
+        b = min(a + step, T)
+        at = (p.vis_start[a:b, None, None] + r[:, None] * p.vis_words[a:b, None, None]
+              + w)[None] + head * p.vis_head[a:b, None, None]  # [h, t, R, words] word addresses
+        ok = (w < p.vis_words[a:b, None, None]) & (r[:, None] < rows_in[a:b, :, None])
+        got = torch.where(ok, p.vis[at.clamp(0, p.vis.numel() - 1)], 0)
+        vis[:, a:b] = unpack_bits(got, C) & col_ok[None, a:b, None, :]
+    return _Batched(rows, cols, vis)
 
 
-def _groups(b: int, h: int, p: _Packed):
+def _groups(b: int, h: int, p: _Batched):
     T, R = p.rows.shape
     per = max(1, GROUP_ELEMS // max(1, b * h * R * p.cols.shape[1]))
     for t0 in range(0, T, per):
@@ -99,7 +121,7 @@ def forward(q, k, v, kind="sparse", block=1, scale=1.0, plan=()):
     lse = torch.full((b, hq, sq + 1), float("-inf"), dtype=torch.float32, device=q.device)
     if not plan:
         return out[:, :, :sq], lse[:, :, :sq]
-    p = _pack(plan, sq, sk, q.device)
+    p = _batched(plan, hq, sq, sk, q.device)
     qp, kp, vp = _padded(q), _padded(k), _padded(v)
     for grp in _groups(b, hq, p):
         rows, cols = p.rows[grp], p.cols[grp]
@@ -128,7 +150,7 @@ def backward(dout, q, k, v, D, lse, kind="sparse", block=1, scale=1.0, plan=()):
     dv = torch.zeros(b, hkv, sk + 1, v.shape[-1], dtype=torch.float32, device=q.device)
     if not plan:
         return dq[:, :, :sq], dk[:, :, :sk], dv[:, :, :sk]
-    p = _pack(plan, sq, sk, q.device)
+    p = _batched(plan, hq, sq, sk, q.device)
     qp, kp, vp, dop = _padded(q), _padded(k), _padded(v), _padded(dout)
     stats = torch.stack([lse.float(), D.float()])
     stats = torch.cat([stats, stats.new_zeros(2, b, hq, 1)], 3)  # scratch row: lse 0, D 0 (masked anyway)

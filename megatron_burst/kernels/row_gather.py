@@ -6,12 +6,15 @@ vertical-slash plan. An isolated slash line puts one visible pair in each row of
 here every row gathers just its own keys (``index_select`` of K/V rows, then row-wise dot
 products), so the cost follows the visible pairs. Dense columns (vertical lines, a local band of
 slashes) stay with the tile kernel, whose matmuls are cheaper per score (the split:
-:func:`megatron_burst.sparse.plan_pair`).
+:func:`megatron_burst.sparse.plan_pair`). Plans have this part on CPU only
+(:func:`megatron_burst.sparse.dense_column_for`): on CUDA every visible column goes to the Triton
+tile kernel.
 
 Same (out, lse) interface as the other kernels, for ``kind="gather"`` blocks: the keyword
 ``plan`` is a tuple of :class:`megatron_burst.sparse.SparseRows` groups (rows [R]; idx, valid
-[hq, R, n]), rows grouped by how many keys they gather. Rows with no valid key get out 0 and lse
--inf (zero gradients). fp32 math, rows processed in chunks so the gathered K/V copies stay small.
+[hq, R, n]; on the plan's device, copied once to q's when elsewhere), rows grouped by how many
+keys they gather. Rows with no valid key get out 0 and lse -inf (zero gradients). fp32 math, rows
+processed in chunks so the gathered K/V copies stay small.
 """
 from __future__ import annotations
 
@@ -27,11 +30,13 @@ def _chunks(plan, q: torch.Tensor, k: torch.Tensor):
     """(rows [r], kv-head key indices [hq, r, n], valid [hq, r, n], kv head of each query head [hq]) chunks."""
     b, hq, _, d = q.shape
     for group in plan:
-        on_device = group.__dict__.setdefault("_on_device", {})  # copies made once per device
-        key = str(q.device)
-        if key not in on_device:
-            on_device[key] = tuple(t.to(q.device) for t in (group.rows, group.idx, group.valid))
-        rows, idx, valid = on_device[key]
+        if group.rows.device == q.device:
+            rows, idx, valid = group.rows, group.idx, group.valid
+        else:  # copies made once per device
+            on_device = group.__dict__.setdefault("_on_device", {})
+            if q.device not in on_device:
+                on_device[q.device] = tuple(t.to(q.device) for t in (group.rows, group.idx, group.valid))
+            rows, idx, valid = on_device[q.device]
         step = max(1, CHUNK_ELEMS // max(1, b * hq * idx.shape[2] * d))
         for r0 in range(0, rows.numel(), step):
             sl = slice(r0, r0 + step)

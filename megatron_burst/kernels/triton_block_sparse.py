@@ -1,21 +1,23 @@
 """Block-sparse attention in Triton (GPU; CPU through Triton's interpreter), the fast twin of
 :mod:`megatron_burst.kernels.block_sparse` with the same (out, lse) / gradients interface.
 
-Packed plan (built once per (plan object, device), see :func:`pack`): a plan is a tuple of
-:class:`megatron_burst.sparse.SparseTile`; the kernels read it as flat device tensors
+Plan: a :class:`megatron_burst.sparse.PackedTiles` (what the planner builds on the device, read
+as it is) or hand-written tiles (a tuple of :class:`megatron_burst.sparse.SparseTile`, packed once
+per (plan object, device), see :func:`pack`). The kernels read its flat device tensors
 
 * ``q0``, ``q1`` [T] int32 -- each tile's query rows [q0, q1) (at most 64 rows);
-* ``col_start`` [T + 1] int64 and ``cols`` [sum nc] int32 -- tile t's key columns are
-  ``cols[col_start[t]:col_start[t + 1]]`` (local key indices, any count per tile);
-* ``vis_words`` [T] int32, ``vis_start`` [T] int64 and ``vis`` int32 -- tile t's visibility
-  ``vis[h, r, c]`` as a bitmask: ``ceil(nc / 32)`` words per (head, row), row-major [hq, rows, words]
-  from ``vis_start[t]``; column c is bit ``c % 32`` of word ``c // 32`` (8x smaller than bool).
+* ``col_start``, ``col_end`` [T] int64 and ``cols`` int32 -- tile t's key columns are
+  ``cols[col_start[t]:col_end[t]]`` (local key indices, any count per tile);
+* ``vis_start``, ``vis_head`` [T] int64, ``vis_words`` [T] int32 and ``vis`` int32 -- tile t's
+  visibility ``vis[h, r, c]`` as a bitmask: ``vis_words[t]`` words per (head, row), head h's rows
+  from ``vis_start[t] + h * vis_head[t]``; column c is bit ``c % 32`` of word ``c // 32`` (8x
+  smaller than bool).
 
-Plans are long-lived cached tuples. A :class:`megatron_burst.sparse.TilePlan` (what the CP code
-passes) carries its packed form as an attribute, like block_sparse's, so it dies with the plan (a
-dynamic pattern's plans go every step). A plain tuple's packed form is cached by ``id(plan)``
-together with a reference to the plan (the id cannot be reused while it is held) in a bounded LRU
-(PACK_CACHE entries and PACK_CACHE_BYTES of packed tensors).
+Hand-written tiles are packed tile after tile (``vis_head`` = rows x words of the tile). A
+:class:`megatron_burst.sparse.TilePlan` carries its packed form as an attribute, so it dies with
+the plan. A plain tuple's packed form is cached by ``id(plan)`` together with a reference to the
+plan (the id cannot be reused while it is held) in a bounded LRU (PACK_CACHE entries and
+PACK_CACHE_BYTES of packed tensors).
 
 Grid: one program per (batch * query head, tile). Forward: the program holds its tile's query rows
 (BLOCK_M >= rows) and walks the tile's columns in chunks of BLOCK_N: gathers the K/V rows by
@@ -39,12 +41,12 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from megatron_burst.kernels import block_sparse
+from megatron_burst.sparse import PackedTiles, as_packed
 
 AVAILABLE = importlib.util.find_spec("triton") is not None
 
@@ -61,113 +63,63 @@ PACK_CACHE = 256
 PACK_CACHE_BYTES = 1 << 30
 
 
+def unavailable() -> Optional[str]:
+    """Why this kernel cannot run in this process (None: it can, on CUDA or under the interpreter)."""
+    if not AVAILABLE:
+        return "triton is not installed (pip install triton)"
+    if not torch.cuda.is_available() and not interpreting():
+        return "no CUDA device"
+    return None
+
+
+def supports(dtype: torch.dtype, head_dim: int, kind: str) -> Optional[str]:
+    """Why (dtype, head dim, kind) is out of this kernel's reach (None: supported)."""
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"fp16/bf16/fp32 only, not {dtype}"
+    if head_dim > MAX_HEAD_DIM:
+        return f"head dim up to {MAX_HEAD_DIM}, not {head_dim}"
+    return None if kind == "sparse" else f"mask kind {kind!r} (sparse only)"
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@dataclass(frozen=True)
-class PackedPlan:
-    """A plan as flat device tensors (see the module docstring); ``block_m``: tile rows padded to a power of two."""
-
-    q0: torch.Tensor
-    q1: torch.Tensor
-    col_start: torch.Tensor
-    cols: torch.Tensor
-    vis_start: torch.Tensor
-    vis_words: torch.Tensor
-    vis: torch.Tensor
-    heads: int
-    block_m: int
-    rows: int  # the last tile's q1: q must have at least this many rows
-    keys: int  # the largest column + 1: k must have at least this many rows
-
-    @property
-    def tiles(self) -> int:
-        return self.q0.numel()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q0, self.q1, self.col_start, self.cols,
-                                                          self.vis_start, self.vis_words, self.vis))
-
-
-_packed: "OrderedDict[tuple[int, torch.device], tuple[tuple, PackedPlan]]" = OrderedDict()
+_packed: "OrderedDict[tuple[int, torch.device], tuple[tuple, PackedTiles]]" = OrderedDict()
 
 
 def _next_pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
 
 
-def _bitmask(vis: torch.Tensor) -> torch.Tensor:
-    """vis bool [h, r, nc] -> int32 [h, r, ceil(nc / 32)] with column c at bit c % 32 of word c // 32."""
-    h, r, nc = vis.shape
-    words = -(-nc // 32)
-    padded = torch.zeros(h, r, words, 32, dtype=torch.bool)
-    padded.view(h, r, words * 32)[:, :, :nc] = vis
-    packed = torch.zeros(h, r, words, dtype=torch.int32)
-    for bit in range(32):  # bit 31 lands on the sign: two's complement, as the kernels read it
-        packed |= padded[..., bit].to(torch.int32) << bit
-    return packed
+def pack(plan, heads: int, device: torch.device) -> PackedTiles:
+    """``plan`` for ``heads`` query heads on ``device`` as the kernels read it: a PackedTiles as it
+    is (copied once if on another device); hand-written tiles (a tuple of SparseTile) packed and
+    cached: on the plan itself when it carries attributes (megatron_burst.sparse.TilePlan: the
+    packed form dies with the plan), else in a bounded LRU keyed by id(plan) that holds the plan.
 
-
-def pack(plan: tuple, heads: int, device: torch.device) -> PackedPlan:
-    """The packed form of ``plan`` (a tuple of SparseTile) for ``heads`` query heads on ``device``, cached:
-    on the plan itself when it carries attributes (megatron_burst.sparse.TilePlan: the packed form
-    dies with the plan), else in a bounded LRU keyed by id(plan) that holds the plan.
-
-    Raises ValueError if a tile's visibility is not [heads, q1 - q0, len(cols)], tiles' rows overlap
-    or an index is negative (the kernels index memory by them unchecked).
+    Raises ValueError if the plan's heads differ, a tile's visibility is not
+    [heads, q1 - q0, len(cols)], tiles' rows overlap or an index is negative (the kernels index
+    memory by them unchecked).
     """
     device = torch.device(device)
+    if isinstance(plan, PackedTiles):
+        return as_packed(plan, heads, device)
     if hasattr(plan, "__dict__"):
         store = plan.__dict__.setdefault("_triton_packed", {})
         if device not in store or store[device].heads != heads:
-            store[device] = _pack_now(plan, heads, device)
+            store[device] = PackedTiles.from_tiles(plan, heads, device)
         return store[device]
     key = (id(plan), device)
     hit = _packed.get(key)
     if hit is not None and hit[0] is plan and hit[1].heads == heads:
         _packed.move_to_end(key)
         return hit[1]
-    packed = _pack_now(plan, heads, device)
+    packed = PackedTiles.from_tiles(plan, heads, device)
     _packed[key] = (plan, packed)
     held = sum(entry[1].nbytes for entry in _packed.values())
     while len(_packed) > 1 and (len(_packed) > PACK_CACHE or held > PACK_CACHE_BYTES):  # keep the newest
         held -= _packed.popitem(last=False)[1][1].nbytes
-    return packed
-
-
-def _pack_now(plan: tuple, heads: int, device: torch.device) -> PackedPlan:
-    ordered = sorted(plan, key=lambda t: t.q0)
-    q0, q1, counts, words, masks = [], [], [], [], []
-    end = 0
-    for i, t in enumerate(ordered):
-        rows, nc = t.q1 - t.q0, t.cols.numel()
-        if tuple(t.vis.shape) != (heads, rows, nc):
-            raise ValueError(f"sparse plan tile {i} (rows [{t.q0}, {t.q1}), {nc} columns) has visibility "
-                             f"{tuple(t.vis.shape)}; expected [{heads}, {rows}, {nc}] for {heads} query heads")
-        if t.q0 < end:
-            raise ValueError(f"sparse plan tiles overlap at row {t.q0}: the kernel writes each tile's rows once")
-        if t.q0 < 0 or (nc and int(t.cols.min()) < 0):
-            raise ValueError(f"sparse plan tile {i} has rows [{t.q0}, {t.q1}) and a column "
-                             f"{int(t.cols.min()) if nc else None}: indices must be >= 0")
-        end = max(end, t.q1)
-        q0.append(t.q0)
-        q1.append(t.q1)
-        counts.append(nc)
-        m = _bitmask(t.vis.cpu().bool())
-        words.append(m.shape[-1])
-        masks.append(m.reshape(-1))
-    zero = torch.zeros(1, dtype=torch.int64)
-    col_start = torch.cat([zero, torch.tensor(counts, dtype=torch.int64).cumsum(0)])
-    vis_start = torch.cat([zero, torch.tensor([m.numel() for m in masks], dtype=torch.int64).cumsum(0)])[:-1]
-    cols = torch.cat([t.cols.cpu().to(torch.int32) for t in ordered]) if ordered else torch.zeros(0, dtype=torch.int32)
-    vis = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.int32)
-    on = lambda t: t.to(device)  # noqa: E731
-    packed = PackedPlan(on(torch.tensor(q0, dtype=torch.int32)), on(torch.tensor(q1, dtype=torch.int32)),
-                        on(col_start), on(cols), on(vis_start), on(torch.tensor(words, dtype=torch.int32)),
-                        on(vis), heads, _next_pow2(max((b - a for a, b in zip(q0, q1)), default=1)),
-                        max(q1, default=0), int(cols.max()) + 1 if cols.numel() else 0)
     return packed
 
 
@@ -188,7 +140,7 @@ def _kernels() -> tuple[Any, Any]:
     return _jitted[mode]
 
 
-def _fits(p: PackedPlan, q: torch.Tensor, k: torch.Tensor) -> None:
+def _fits(p: PackedTiles, q: torch.Tensor, k: torch.Tensor) -> None:
     """The kernels index q rows and k/v rows by the plan unchecked: refuse a plan beyond the tensors."""
     if p.rows > q.shape[2] or p.keys > k.shape[2]:
         raise ValueError(f"sparse plan reaches query row {p.rows - 1} and key {p.keys - 1} but q has {q.shape[2]} "
@@ -236,7 +188,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str = "spar
     _fits(p, q, k)
     fwd, _ = _kernels()
     fwd[(b * hq, p.tiles)](
-        q, k, v, out, lse, p.q0, p.q1, p.col_start, p.cols, p.vis_start, p.vis_words, p.vis,
+        q, k, v, out, lse, p.q0, p.q1, p.col_start, p.col_end, p.cols, p.vis_start, p.vis_head, p.vis_words, p.vis,
         float(scale), hq, hq // k.shape[1], d, v.shape[-1],
         *q.stride(), *k.stride(), *v.stride(), *out.stride()[:3], *lse.stride()[:2],
         **launch_options("forward", {q.dtype, k.dtype, v.dtype}, d, v.shape[-1], p.block_m, interpreting()))
@@ -266,7 +218,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if D.stride() != lse.stride() or lse.stride(-1) != 1:
         D, lse = D.contiguous(), lse.contiguous()
     bwd[(b * hq, p.tiles)](
-        q, k, v, dout, D, lse, dq, dk, dv, p.q0, p.q1, p.col_start, p.cols, p.vis_start, p.vis_words, p.vis,
+        q, k, v, dout, D, lse, dq, dk, dv, p.q0, p.q1, p.col_start, p.col_end, p.cols, p.vis_start, p.vis_head,
+        p.vis_words, p.vis,
         float(scale), hq, hq // hkv, d, v.shape[-1],
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride()[:2], *dq.stride()[:3],
         *dk.stride()[:3], *dv.stride()[:3],
@@ -276,7 +229,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 def verify(device: torch.device, dtype: torch.dtype, tol: float = 3e-2) -> bool:
-    """Check this kernel against :mod:`block_sparse` on a small GQA plan (forward and backward).
+    """Check this kernel against :mod:`block_sparse` on a small GQA plan (forward and backward):
+    True, or the exception of the call, or RuntimeError naming the output that is off
+    (megatron_burst.kernels.choice turns either into a KernelSelfCheckError).
 
     The plan has a short last tile, a row that sees nothing and tiles with different column counts;
     errors are measured relative to the reference's largest magnitude (``tol`` allows for bf16).
@@ -300,14 +255,14 @@ def verify(device: torch.device, dtype: torch.dtype, tol: float = 3e-2) -> bool:
         ref = (ref_out, ref_lse) + block_sparse.backward(do, q, k, v, D, ref_lse, "sparse", 1, 0.125, plan=plan)
         got = forward(q, k, v, "sparse", 1, 0.125, plan=plan)
         got = got + backward(do, q, k, v, D, ref_lse, "sparse", 1, 0.125, plan=plan)
-        for a, b in zip(got, ref):
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
             if a.shape != b.shape or not torch.equal(torch.isinf(a), torch.isinf(b)):
-                return False
+                raise RuntimeError(f"{name}: shape {tuple(a.shape)} or its -inf rows differ from block_sparse's "
+                                   f"{tuple(b.shape)}")
             a, b = (torch.where(torch.isinf(t), 0.0, t.float()) for t in (a, b))  # NaN stays and fails
-            if not bool(((a - b).abs().max() <= tol * b.abs().max().clamp_min(1.0))):
-                return False
-    except Exception:  # a Triton build or driver that cannot compile or run the kernel here
-        return False
+            err, allowed = (a - b).abs().max().item(), tol * max(b.abs().max().item(), 1.0)
+            if not err <= allowed:
+                raise RuntimeError(f"{name} is off block_sparse by {err:.3g} (allowed {allowed:.3g})")
     finally:
         _packed.pop((id(plan), torch.device(device)), None)
     return True
