@@ -304,14 +304,17 @@ def test_non_square_causal_runs_as_square_parts_on_square_only_kernels(monkeypat
 
 def test_one_rank_runs_one_kernel_call_each_way(monkeypatch):
     """At world size 1 with one block: one forward and one backward kernel call, no merge, the
-    final output handed to the backward (no stand-in); results equal the reference."""
+    final output handed to the backward (no stand-in, and no D for a kernel that reads the
+    output); results equal the reference."""
     calls = []
     seen_out = []
     spy = _stand_in("spy", calls=calls)
     real_backward = spy.backward
 
     def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0, positions=None, out=None):
-        seen_out.append(out is not None)
+        seen_out.append((out is not None, D is None))
+        if out is not None:  # like torch's fused ops: D from the output it is given
+            D = (dout.float() * out.float()).sum(-1)
         return real_backward(dout, q, k, v, D, lse, kind, block, scale, positions)
 
     spy.backward, spy.TAKES_OUT = backward, True
@@ -325,7 +328,7 @@ def test_one_rank_runs_one_kernel_call_each_way(monkeypatch):
     v = torch.randn(33, 2, 2, 16, generator=g, requires_grad=True)
     out = mb.cp_attention(q, k, v, layout="contiguous")
     out.backward(torch.ones_like(out))
-    assert [c[0] for c in calls] == ["forward", "backward"] and seen_out == [True]
+    assert [c[0] for c in calls] == ["forward", "backward"] and seen_out == [(True, True)]
     qr, kr, vr = (t.detach().permute(1, 2, 0, 3).requires_grad_() for t in (q, k, v))
     ref, _ = reference.forward(qr, kr, vr, "causal", 1, 1 / math.sqrt(16))
     ref.backward(torch.ones_like(ref))

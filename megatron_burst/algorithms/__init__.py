@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron_burst.algorithms import allgather, burst, ring, ulysses
 from megatron_burst.algorithms.schedule import CPConfig
 from megatron_burst.documents import THD, CuSeqlens, Documents, check_cu_seqlens, check_thd, check_window
-from megatron_burst.kernels import block_backward, block_forward, row_dot
+from megatron_burst.kernels import block_backward, block_forward, reads_output, row_dot
 from megatron_burst.kernels.choice import KernelPolicy, agree, choose
 from megatron_burst.layout import BlockMask
 from megatron_burst.layout import check_layout, check_local_len
@@ -104,11 +104,12 @@ class _CPAttention(torch.autograd.Function):
         fmt = ctx.qkv_format
         dout_h = to_bhsd(dout, fmt).contiguous()
         out_h = to_bhsd(out, fmt)
-        D = row_dot(dout_h, out_h)
         whole = single_block(ctx.cfg, qh.shape[2])
-        if whole is not None:
+        if whole is not None:  # a kernel that reads the output itself needs no D
+            D = None if reads_output(qh, whole.kind, ctx.cfg.kernel) else row_dot(dout_h, out_h)
             dq, dk, dv = block_backward(dout_h, qh, kh, vh, D, lse, whole, ctx.cfg.scale, ctx.cfg.kernel, out=out_h)
         else:
+            D = row_dot(dout_h, out_h)
             dq, dk, dv = _BACKWARD[ctx.backward_algo](dout_h, qh, kh, vh, D, lse, ctx.cfg, out=out_h)
         grads = (from_bhsd(g.to(qh.dtype), fmt) for g in (dq, dk, dv))
         return (*grads, None, None, None, None, None, None)

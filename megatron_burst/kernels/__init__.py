@@ -96,11 +96,15 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
     D = rowsum(dout * out) [b, hq, n] and lse [b, hq, n] are for the whole q block (fp32). ``out``
     [b, hq, n, d]: the final output of these query rows when the caller holds it (kernels that read
-    O, torch's fused ops, then skip building a stand-in from D).
+    O, torch's fused ops, then skip building a stand-in from D; D may then be None, see
+    :func:`reads_output`).
     """
     qsl, ksl = mask.q_slice, mask.kv_slice
     qs = q[:, :, qsl]
     impl = _resolve(kernel, qs, mask.kind, "backward")
+    if D is None and (out is None or not getattr(impl, "TAKES_OUT", False)):
+        raise ValueError(f"block_backward got D=None, but the {impl.__name__.rsplit('.', 1)[-1]} kernel needs D "
+                         "(or the final output, out=, if it reads it)")
     if _needs_square(impl, mask):
         dq, dk, dv = [], 0, 0
         for part, _ in _square_causal_parts(mask):
@@ -113,8 +117,14 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     extra = _mask_data(mask)
     if out is not None and getattr(impl, "TAKES_OUT", False):
         extra["out"] = out[:, :, qsl]
-    return impl.backward(dout[:, :, qsl], qs, k[:, :, ksl], v[:, :, ksl], D[:, :, qsl], lse[:, :, qsl], mask.kind,
-                         mask.block, scale, **extra)
+    return impl.backward(dout[:, :, qsl], qs, k[:, :, ksl], v[:, :, ksl], None if D is None else D[:, :, qsl],
+                         lse[:, :, qsl], mask.kind, mask.block, scale, **extra)
+
+
+def reads_output(q: torch.Tensor, kind: str, kernel: KernelSpec = None) -> bool:
+    """Whether the backward kernel of ``kind`` blocks forms D from the output it is given (``out=``),
+    so a caller holding the output may pass D=None."""
+    return getattr(_resolve(kernel, q, kind, "backward"), "TAKES_OUT", False)
 
 
 def _mask_data(mask: BlockMask) -> dict:

@@ -8,6 +8,7 @@ calls and forward-returned placeholders). The op returns lse as [b, h, s, 1]; th
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -16,6 +17,8 @@ from megatron_burst.kernels import torch_ops
 from megatron_burst.kernels.cpu_flash import stand_in_output
 from megatron_burst.kernels.cuda_flash import _fake_cuda_allowed, _rows
 from megatron_burst.kernels.reference import expand_kv, reduce_kv
+
+logger = logging.getLogger("megatron_burst.kernels")
 
 NAME = "cudnn"
 KINDS = ("full", "causal")
@@ -70,10 +73,36 @@ def _forward_op(q, k, v, causal, scale):
                           is_causal=causal, return_debug_mask=False, scale=scale)
 
 
+_NATIVE_GQA: dict[tuple, bool] = {}
+
+
+def native_gqa(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this build's cuDNN op takes fewer key/value heads than query heads (then K and V are
+    not repeated per query head in memory). A capability probe, once per (device, dtype): a tiny
+    forward with 2 query heads over 1 kv head; the self-check then validates whichever path runs."""
+    key = (str(device), dtype)
+    if key not in _NATIVE_GQA:
+        if _fake_cuda_allowed():
+            return False
+        q, kv = torch.zeros(1, 2, 16, 8, dtype=dtype, device=device), torch.zeros(1, 1, 16, 8, dtype=dtype, device=device)
+        try:
+            _forward_op(q, kv, kv, False, None)
+            _NATIVE_GQA[key] = True
+        except RuntimeError:  # this build wants equal head counts: K, V are expanded instead
+            _NATIVE_GQA[key] = False
+        logger.info("megatron-burst: cuDNN attention on %s / %s takes GQA %s", device, dtype,
+                    "natively" if _NATIVE_GQA[key] else "through expanded K, V")
+    return _NATIVE_GQA[key]
+
+
+def _kv(t: torch.Tensor, hq: int) -> torch.Tensor:
+    return t if t.shape[1] == hq or native_gqa(t.device, t.dtype) else expand_kv(t, hq)
+
+
 def forward(q, k, v, kind="full", block=1, scale=1.0):
     """(out [b, hq, sq, d] in q's dtype, lse [b, hq, sq] fp32)."""
     hq, sq = q.shape[1], q.shape[2]
-    res = _forward_op(q, expand_kv(k, hq), expand_kv(v, hq), kind == "causal", scale)
+    res = _forward_op(q, _kv(k, hq), _kv(v, hq), kind == "causal", scale)
     lse = res[1]
     return res[0], _rows(lse.reshape(lse.shape[0], lse.shape[1], -1), sq)
 
@@ -90,7 +119,9 @@ def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0, out: Option
     if lse_rank == 4:
         lse = lse.unsqueeze(-1)
     dq, dk, dv = torch_ops.call(
-        _BWD, grad_out=dout, query=q, key=expand_kv(k, hq), value=expand_kv(v, hq), out=o, logsumexp=lse,
+        _BWD, grad_out=dout, query=q, key=_kv(k, hq), value=_kv(v, hq), out=o, logsumexp=lse,
         philox_seed=seed, philox_offset=offset, attn_bias=None, cum_seq_q=cum_q, cum_seq_k=cum_k,
         max_q=q.shape[2], max_k=k.shape[2], dropout_p=0.0, is_causal=kind == "causal", scale=scale)
-    return dq, reduce_kv(dk, hkv), reduce_kv(dv, hkv)
+    if dk.shape[1] != hkv:
+        dk, dv = reduce_kv(dk, hkv), reduce_kv(dv, hkv)
+    return dq, dk, dv
