@@ -12,13 +12,14 @@ MCORE_SPEC ?= megatron-core==0.16.1
 STAMP := $(VENV)/.megatron-burst-env
 PYTEST_ARGS ?=
 
-.PHONY: all env demo test functional-test clean-data help
+.PHONY: all env demo test gpu-test functional-test clean-data help
 
 all: help
 
 help:
 	@echo "make demo   - build data, train a small GPT at CP=4 (4 CPU ranks) and at CP=1, compare"
 	@echo "make test   - run the test suite"
+	@echo "make gpu-test - run the GPU suite (tests/gpu; needs CUDA, about 5 min on one H100)"
 	@echo "make functional-test - run every Megatron-style functional-test case on CPU, print the pass/fail table"
 	@echo "make env    - only create/refresh $(VENV)"
 
@@ -36,8 +37,15 @@ $(STAMP): setup.py Makefile
 demo: env
 	$(PY) examples/demo.py
 
+# tests/gpu needs CUDA (make gpu-test); here its code runs as a CPU dry run (tests/test_gpu_suite_dry_run.py)
 test: env
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/gpu $(PYTEST_ARGS) tests
+
+# The GPU suite (every test skipped without CUDA). On a GPU machine whose python already has a CUDA
+# torch and no network for `make env`: make gpu-test GPU_PY=python3 (that python runs it, env is skipped).
+GPU_PY ?=
+gpu-test: $(if $(GPU_PY),,env)
+	$(or $(GPU_PY),$(PY)) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS) tests/gpu
 
 # Every case under tests/functional_tests/test_cases/gpt (make test runs a CI subset of them).
 functional-test: env

@@ -1,13 +1,18 @@
-"""Check megatron-burst inside a real Megatron-LM checkout, on CPU, in a few minutes.
+"""Check megatron-burst inside a real Megatron-LM checkout, on CPU.
 
     cd Megatron-LM && git checkout core_v0.16.1 && git apply /path/to/megatron-burst/patches/pretrain_gpt.patch
     pip install six regex pyyaml pydantic          # Megatron-LM's training-side imports
-    PYTHONPATH=/path/to/Megatron-LM python /path/to/megatron-burst/examples/check_megatron_lm.py
+    PYTHONPATH=/path/to/Megatron-LM python /path/to/megatron-burst/examples/check_megatron_lm.py [--quick]
+
+Every check launches fresh gloo ranks that import Megatron-LM (about 10 s each on 2 cores): the full
+list took 459 s on a quiet 2-core machine before the issue-M2 checks were added (which add 8
+launches), and over 600 s under load. ``--quick`` runs one check of each kind and the issue-M2 ones
+(10 launches, about 2 minutes by the same measure; not timed: no checkout here).
 
 It drives the patched ``pretrain_gpt.py``'s own pieces: Megatron-LM's ``parse_args`` and
 ``validate_args`` with our ``extra_args_provider``, its ``model_provider`` and ``gpt_builder``
 (unpatched, and through the patch's ``wrap_model_provider``), our ``slice_batch`` and its
-``loss_func``. Three kinds of checks, each printing one line:
+``loss_func``. Five kinds of checks, each printing one line:
 
 * **same model**: for each flag set (dense, --qk-layernorm, MoE, MTP, --swiglu, --bf16, a user
   --spec with --cp-layout striped) the patched model at CP = 2 has exactly the unpatched CP = 1
@@ -22,8 +27,11 @@ It drives the patched ``pretrain_gpt.py``'s own pieces: Megatron-LM's ``parse_ar
 * **hybrid model**: with --linear-attention-type (and Megatron-LM's own --linear-attention-freq)
   the patched builder makes the LASP-2H model, linear layers where the pattern says, and it trains
   a step at CP = 1; at CP = 2 (LASP-2 and LASP-1) it trains like CP = 1 ("same training").
+* **trains**: the patched model takes a step at CP = 1 with an odd ``--seq-length`` (any length on
+  one rank).
 * **refused at startup**: flag sets megatron-burst cannot honour raise a ValueError naming the flag
-  before anything is built.
+  before anything is built (a refusal by Megatron-LM's own ``validate_args`` first is reported as such,
+  and fails the check).
 
 Megatron-LM's training loop itself needs CUDA; everything here runs on gloo. Exits 1 if a case fails.
 """
@@ -66,6 +74,11 @@ SAME_MODEL = [  # flag sets whose patched parameters must equal the unpatched mo
 ]
 # LASP-2H: layers 1-3 Lightning-style linear attention, layer 4 softmax (the demo's hybrid)
 LIGHTNING_3_1 = ["--num-layers", "4", "--linear-attention-type", "lightning", "--linear-attention-freq", "4"]
+# Gated DeltaNet hybrid (Qwen3-Next style): layers 1 and 3 GDN, sized by Megatron-LM's own --linear-* flags
+GDN_SIZES = ["--linear-conv-kernel-dim", "4", "--linear-key-head-dim", "16", "--linear-value-head-dim", "16",
+             "--linear-num-key-heads", "2", "--linear-num-value-heads", "4"]
+GDN_1_1 = ["--num-layers", "4", "--linear-attention-type", "gated_delta_net",
+           "--linear-attention-freq", "2"] + GDN_SIZES
 SAME_TRAINING = [  # (CP size, flags): patched vs unpatched CP = 1 with the model-defining flags
     (1, ["--fused-lm-loss"]),
     (2, ["--cp-layout", "striped", "--cp-algo", "burst", "--fused-lm-loss"]),
@@ -82,6 +95,12 @@ SAME_TRAINING = [  # (CP size, flags): patched vs unpatched CP = 1 with the mode
     (2, ["--window-size", "8,0", "--window-attn-skip-freq", "2", "--cp-layout", "zigzag", "--cp-algo", "ring"]),
     (2, ["--sparse-attention", "vertical_slash", "--sparse-budget", "0.2", "0.2", "--sparse-last-q", "16",
          "--cp-layout", "striped", "--cp-stripe", "8", "--cp-algo", "burst"]),
+    # Megatron's TransformerLayer passes --cp-comm-type (default p2p) to the GDN layers under CP
+    (2, GDN_1_1 + ["--cp-layout", "zigzag"]),
+]
+TRAINS = [  # (CP size, flags): the patched model takes a step (finite loss); any length at CP = 1
+    (1, ["--seq-length", "31"]),
+    (1, ["--seq-length", "31", "--cp-layout", "striped", "--cp-stripe", "4"]),
 ]
 HYBRID = [  # (flags, the decoder layers' attention): CP = 1
     (["--num-layers", "4", "--linear-attention-type", "gla", "--linear-attention-freq", "([1]+[0])*2"],
@@ -97,11 +116,25 @@ REFUSED = [  # (CP size, flags, the flag the error must name)
     (1, ["--cp-ring", "double"], "--cp-ring double"),
     (1, ["--linear-attention-type", "gla", "--experimental-attention-variant", "gated_delta_net",
          "--linear-attention-freq", "2"], "--experimental-attention-variant"),
+    (2, ["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2"] + GDN_SIZES,
+     "--linear-attention-type gated_delta_net"),
+    (2, GDN_1_1 + ["--cp-comm-type", "a2a"], "--cp-comm-type a2a"),
+    (2, ["--sparse-attention", "vertical_slash", "--sparse-last-q", "16", "--reset-attention-mask"],
+     "--reset-attention-mask"),
+    (2, ["--sparse-attention", "vertical_slash", "--sparse-last-q", "16", "--window-size", "8,0", "--cp-algo", "burst"],
+     "--window-size 8,0"),
 ]
+# --quick: one check of each kind and the issue-M2 cases (the full list takes 8-10 minutes on 2 cores)
+QUICK = {"same_model": [[]], "same_training": [(2, ["--cp-layout", "zigzag", "--cp-comm-type", "p2p"]),
+                                               (2, GDN_1_1 + ["--cp-layout", "zigzag"])],
+         "trains": TRAINS[:1], "hybrid": [], "refused": [REFUSED[0], REFUSED[-4], REFUSED[-1]]}
 # flags that change the computation's precision: compared with a looser tolerance
 LOSS_RTOL, GRAD_RTOL, BF16_LOSS_RTOL, BF16_GRAD_RTOL = 1e-5, 1e-4, 2e-2, 1e-1
+# GDN's dt_bias / A_log gradients are sums whose terms cancel to ~1e-3 of their size: fp32 rounding
+# alone moves them by ~1.4e-4 relative (tests/test_gated_delta_net.py compares in fp64 for that)
+GDN_GRAD_RTOL = 1e-3
 MODEL_FLAGS = ("--qk-layernorm", "--swiglu", "--bf16", "--spec", *MOE, *USER_SPEC[1:], *HETEROGENEOUS,
-               "--num-layers", "--linear-attention-type", "--linear-attention-freq",
+               "--num-layers", "--linear-attention-type", "--linear-attention-freq", *GDN_SIZES[::2],
                # masks: the CP = 1 reference attends under the same window / sparse pattern
                "--window-size", "--window-attn-skip-freq", "--sparse-attention", "--sparse-budget", "--sparse-last-q")
 
@@ -135,9 +168,12 @@ def _rank(extra: list[str], patched: bool, step: bool) -> dict:
     arguments.get_device_arch_version = lambda: 10  # validate_args asks CUDA for the GPU generation
     sys.argv = _megatron_argv(world, world, extra)
     provider_args = partial(burst_lm.extra_args_provider, chained=None)
-    with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
-        args = arguments.parse_args(extra_args_provider=provider_args if patched else None)
-        arguments.validate_args(args, {})
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
+            args = arguments.parse_args(extra_args_provider=provider_args if patched else None)
+            arguments.validate_args(args, {})
+    except (AssertionError, ValueError) as exc:  # Megatron-LM's own checks, before ours
+        return {"error": f"Megatron-LM's validate_args: {type(exc).__name__}: {exc}"}
     args.padded_vocab_size = VOCAB
     set_args(args)
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
@@ -155,10 +191,11 @@ def _rank(extra: list[str], patched: bool, step: bool) -> dict:
     if not step:
         return out
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    seq = args.seq_length
+    tokens = torch.randint(0, VOCAB, (BATCH, seq + 1), generator=g)
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-             "loss_mask": (torch.rand(BATCH, SEQ, generator=g) > 0.2).float(),
-             "position_ids": torch.arange(SEQ).expand(BATCH, SEQ).contiguous(), "attention_mask": None}
+             "loss_mask": (torch.rand(BATCH, seq, generator=g) > 0.2).float(),
+             "position_ids": torch.arange(seq).expand(BATCH, seq).contiguous(), "attention_mask": None}
     local = burst_lm.slice_batch(batch, args) if patched else batch
     model.train()
     logits_or_loss = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
@@ -202,7 +239,13 @@ def _show(flags: list[str]) -> str:
     return " ".join(flags)
 
 
-def main() -> int:
+def main(argv: Optional[list] = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Check megatron-burst inside a patched Megatron-LM checkout (CPU)")
+    parser.add_argument("--quick", action="store_true",
+                        help="one check of each kind plus the issue-M2 cases (10 launches instead of 55)")
+    quick = parser.parse_args(argv).quick
     try:
         import pretrain_gpt  # noqa: F401
     except ImportError as exc:
@@ -218,18 +261,22 @@ def main() -> int:
         failed |= not ok
         print(f"{'ok  ' if ok else 'FAIL'} {line}", flush=True)
 
-    for extra in SAME_MODEL:
+    same_model, same_training, trains, hybrid, refused = (
+        (QUICK["same_model"], QUICK["same_training"], QUICK["trains"], QUICK["hybrid"], QUICK["refused"]) if quick
+        else (SAME_MODEL, SAME_TRAINING, TRAINS, HYBRID, REFUSED))
+    for extra in same_model:
         ref = run(1, [f for f in extra if f not in ("--cp-layout", "striped")], patched=False, step=False)
         got = run(2, extra, step=False)
         ok = "error" not in got and got["params"] == ref["params"] and got["core"] == "BurstCoreAttention"
         report(ok, f"same model: CP=2 {_show(extra) or '(dense)'}: {len(ref['params'])} parameters "
                    f"{'equal' if ok else 'DIFFER from'} the unpatched model's ({got.get('error', got.get('core'))})")
-    ref = run(1, [], patched=False, step=False)
-    got = run(1, ["--cp-algo", "none"], step=False)
-    ok = (got.get("cls"), got.get("core"), got.get("params")) == ("GPTModel", "DotProductAttention", ref["params"])
-    report(ok, f"same model: CP=1 --cp-algo none: {got.get('cls')} with {got.get('core')}, Megatron's own model")
+    if not quick:
+        ref = run(1, [], patched=False, step=False)
+        got = run(1, ["--cp-algo", "none"], step=False)
+        ok = (got.get("cls"), got.get("core"), got.get("params")) == ("GPTModel", "DotProductAttention", ref["params"])
+        report(ok, f"same model: CP=1 --cp-algo none: {got.get('cls')} with {got.get('core')}, Megatron's own model")
     refs: dict = {}
-    for cp, extra in SAME_TRAINING:
+    for cp, extra in same_training:
         key = tuple(_model_flags(extra))
         if key not in refs:
             refs[key] = run(1, list(key))
@@ -242,19 +289,25 @@ def main() -> int:
                        for k in ref["grads"])
         bf16 = "--bf16" in extra
         loss_tol, grad_tol = (BF16_LOSS_RTOL, BF16_GRAD_RTOL) if bf16 else (LOSS_RTOL, GRAD_RTOL)
+        if "gated_delta_net" in extra:
+            grad_tol = GDN_GRAD_RTOL
         ok = abs(got["loss"] - ref["loss"]) <= loss_tol * abs(ref["loss"]) and grad_err <= grad_tol
         ok = ok and (got["hits"] > 0) == ("--seq-selective-ckpt-ratio" in extra)  # the store served the recompute
         ok = ok and got["cls"] == "BurstGPTModel"
         report(ok, f"same training: CP={cp} {_show(extra)}: loss {got['loss']:.6f} (CP=1 reference "
                    f"{ref['loss']:.6f}), max relative gradient difference {grad_err:.2e}"
                    + (f", {got['hits']} selective-checkpoint hits" if got["hits"] else ""))
-    for extra, layers in HYBRID:
+    for cp, extra in trains:
+        got = run(cp, extra)
+        ok = "error" not in got and got["cls"] == "BurstGPTModel" and torch.isfinite(torch.tensor(got["loss"])).item()
+        report(ok, f"trains: CP={cp} {' '.join(extra)}: " + (got.get("error") or f"loss {got['loss']:.6f}"))
+    for extra, layers in hybrid:
         got = run(1, extra)
         ok = "error" not in got and got["layers"] == layers and got["cls"] == "BurstGPTModel"
         ok = ok and torch.isfinite(torch.tensor(got["loss"])).item()
         report(ok, f"hybrid model: CP=1 {' '.join(extra)}: {got.get('error') or ', '.join(got['layers'])}, "
                    f"loss {got.get('loss', float('nan')):.6f}")
-    for cp, extra, flag in REFUSED:
+    for cp, extra, flag in refused:
         got = run(cp, extra, step=False)
         ok = "error" in got and flag in got["error"]
         report(ok, f"refused at startup: CP={cp} {' '.join(extra)}: " + (got.get("error") or "BUILT (not refused)"))

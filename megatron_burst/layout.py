@@ -8,6 +8,8 @@ A layout maps a global sequence of ``seq_len`` tokens onto ``world_size`` ranks:
 * ``striped``: stripes of ``stripe`` consecutive tokens are dealt round-robin: stripe j goes to rank
   j mod W. ``stripe=1`` puts token t on rank t mod W; wider stripes are "block-striped".
 
+On one rank (``world_size=1``) every layout is the identity, so any sequence length works there.
+
 In every layout a rank's local tokens are in increasing global order. That makes the diagonal block
 (q rank == kv rank) plain causal in local indices, and lets :func:`block_mask` describe every other
 (q rank, kv rank) block as a rectangle with a simple mask inside.
@@ -35,9 +37,10 @@ def check_layout(layout: str, stripe: int = 1) -> None:
 
 
 def seq_divisor(layout: str, world_size: int, stripe: int = 1) -> int:
-    """The number the global sequence length must be divisible by for ``layout``."""
+    """The number the global sequence length must be divisible by for ``layout`` (1 on one rank,
+    where every layout is the identity)."""
     check_layout(layout, stripe)
-    if layout == "contiguous":
+    if world_size == 1 or layout == "contiguous":
         return world_size
     if layout == "zigzag":
         return 2 * world_size
@@ -68,7 +71,7 @@ def layout_indices(seq_len: int, rank: int, world_size: int, layout: str, stripe
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside [0, {world_size})")
     n = seq_len // world_size
-    if layout == "contiguous":
+    if layout == "contiguous" or world_size == 1:  # one rank holds everything, in order
         return torch.arange(rank * n, (rank + 1) * n)
     if layout == "zigzag":
         c = n // 2

@@ -206,17 +206,21 @@ def linear_attention_spec(linear_attention: str, *, use_te: bool = False, cp_lay
 
 
 def gated_delta_net_spec(*, use_te: bool = False, rms_norm: bool = True, cp_layout: Optional[str] = None,
-                         cp_stripe: Optional[int] = None) -> ModuleSpec:
+                         cp_stripe: Optional[int] = None, cp_layer_comm_types: Optional[tuple] = None) -> ModuleSpec:
     """The ``self_attention`` spec of a Gated DeltaNet layer: :class:`CPGatedDeltaNet` (Megatron's
     GatedDeltaNet with context parallelism) with Megatron's submodules for the backend. With
     Transformer Engine the layer's input norm is fused into ``in_proj`` (as in Megatron's own GDN
     spec, ``metainfo["fuse_input_layernorm"]``); without it the layer keeps a separate norm.
-    ``rms_norm``: the per-head output norm (Qwen3-Next's RMSNorm)."""
+    ``rms_norm``: the per-head output norm (Qwen3-Next's RMSNorm). ``cp_layer_comm_types``: Megatron's
+    per-layer ``--cp-comm-type`` list (each layer checks its own entry)."""
     make_linear_cp_options(None, cp_layout, cp_stripe)
     backend = _backend(use_te)
     fused = use_te and backend.column_parallel_layer_norm_linear() is not None
+    params = {"cp_layout": cp_layout, "cp_stripe": cp_stripe}
+    if cp_layer_comm_types is not None:
+        params["cp_layer_comm_types"] = tuple(cp_layer_comm_types)
     return ModuleSpec(
-        module=CPGatedDeltaNet, params={"cp_layout": cp_layout, "cp_stripe": cp_stripe},
+        module=CPGatedDeltaNet, params=params,
         submodules=GatedDeltaNetSubmodules(
             in_proj=backend.column_parallel_layer_norm_linear() if fused else backend.column_parallel_linear(),
             out_norm=backend.layer_norm(rms_norm=rms_norm, for_qk=False), out_proj=backend.row_parallel_linear()),
@@ -303,7 +307,8 @@ def hybrid_block_spec(spec: Any, config: Any, pattern: Sequence[int], *, linear_
     make_linear_cp_options(linear_cp_algo, options.get("cp_layout"), options.get("cp_stripe"))
     if linear_attention == GATED_DELTA_NET:
         linear = gated_delta_net_spec(use_te=use_te, rms_norm=config.normalization == "RMSNorm",
-                                      cp_layout=options.get("cp_layout"), cp_stripe=options.get("cp_stripe"))
+                                      cp_layout=options.get("cp_layout"), cp_stripe=options.get("cp_stripe"),
+                                      cp_layer_comm_types=options.get("cp_layer_comm_types"))
     else:
         linear = linear_attention_spec(linear_attention, use_te=use_te, cp_layout=options.get("cp_layout"),
                                        cp_stripe=options.get("cp_stripe"), linear_cp_algo=linear_cp_algo)

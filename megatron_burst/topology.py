@@ -20,6 +20,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron_burst.comm import RingComm
+from megatron_burst.world import group_timeout
 
 RING_SHAPES = ("flat", "double")
 
@@ -115,13 +116,13 @@ def build_cp_topology(cp_group: Optional[dist.ProcessGroup], ranks_per_node: int
         for n in range(nodes):
             members = list(ranks[n * R:(n + 1) * R])
             for purpose in ("act", "grad"):
-                g = dist.new_group(members)
+                g = dist.new_group(members, timeout=group_timeout())
                 if tuple(ranks) == tuple(mine) and n == node:
                     inner_groups[purpose] = g
         for l in range(R):
             members = list(ranks[l::R])
             for purpose in ("act", "grad"):
-                g = dist.new_group(members)
+                g = dist.new_group(members, timeout=group_timeout())
                 if tuple(ranks) == tuple(mine) and l == local:
                     outer_groups[purpose] = g
     topo = CPTopology(cp_group, rank, world, R, None)
@@ -230,11 +231,11 @@ def build_usp_topology(cp_group: Optional[dist.ProcessGroup], ulysses_size: int,
     ulysses_group = ring_group = None
     for ranks in sorted({tuple(m) for m, _, _ in everyone}):
         for g in range(world // U):
-            pg = dist.new_group(list(ranks[g * U:(g + 1) * U]))
+            pg = dist.new_group(list(ranks[g * U:(g + 1) * U]), timeout=group_timeout())
             if ranks == tuple(mine) and g == rank // U:
                 ulysses_group = pg
         for j in range(U):
-            pg = dist.new_group(list(ranks[j::U]))
+            pg = dist.new_group(list(ranks[j::U]), timeout=group_timeout())
             if ranks == tuple(mine) and j == rank % U:
                 ring_group = pg
     R = ranks_per_node or world

@@ -16,8 +16,10 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from typing import NoReturn
+from datetime import timedelta
+from typing import NoReturn, Optional
 
+import torch
 import torch.distributed as dist
 
 
@@ -30,6 +32,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def group_timeout() -> Optional[timedelta]:
+    """The timeout of the default process group (``init_process_group(timeout=...)``, Megatron-LM's
+    ``--distributed-timeout-minutes``), for process groups made later; None without a world or
+    where the backend does not report it (new_group then takes torch's default)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        timeout = group._get_backend(device).options._timeout
+    except Exception:  # a private API: absent in some torch builds
+        return None
+    return timeout if isinstance(timeout, timedelta) and timeout.total_seconds() > 0 else None
 
 
 def exit_rank(code: int = 0) -> NoReturn:

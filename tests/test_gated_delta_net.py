@@ -195,3 +195,45 @@ def test_flags_and_spec_for_gated_delta_net():
     kinds = [layer.submodules.self_attention.module.__name__ for layer in block.layer_specs]
     assert kinds == ["CPGatedDeltaNet"] * 3 + ["SelfAttention"]
     assert block.layer_specs[0].submodules.self_attention.module is CPGatedDeltaNet
+
+
+# ----------------------------------------------------------------------------- Megatron's cp_comm_type
+
+def build_gdn_layer(cp: int, **kwargs) -> str:
+    """CPGatedDeltaNet built the way Megatron's TransformerLayer builds it under CP (cp_comm_type
+    passed by keyword): its (cp_comm_type, exchange), or the error."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_burst import train
+    from megatron_burst.specs import gated_delta_net_spec
+    from test_megatron_model import small_args
+
+    args = small_args(GDN + ["--context-parallel-size", str(cp)])
+    opts, sizes = train.validate_args(args, dist.get_world_size())
+    groups = train.init_parallel(sizes)
+    config = train.model_config(args, sizes, torch.device("cpu"))
+    layer_comm = kwargs.pop("cp_layer_comm_types", None)
+    spec = gated_delta_net_spec(use_te=False, **({"cp_layer_comm_types": layer_comm} if layer_comm else {}))
+    try:
+        layer = build_module(spec, config=config, layer_number=kwargs.pop("layer_number", 1),
+                             pg_collection=groups.pg_collection, **kwargs)
+    except ValueError as exc:
+        return str(exc)
+    return f"{getattr(layer, 'cp_comm_type', None)}:{getattr(layer, 'cp_exchange', None)}"
+
+
+def test_gdn_layer_takes_megatrons_cp_comm_type():
+    """Megatron's TransformerLayer passes cp_comm_type to every attention module under CP; the
+    GDN layer used to raise TypeError on it. The ring and all-gather types run its map all-gather;
+    head all-to-alls are refused naming the layer and the value; per-layer lists pick the entry."""
+    for comm in ("p2p", "allgather", "all_gather", "ring", "burst", "auto"):
+        assert run_ranks(2, build_gdn_layer, 2, cp_comm_type=comm) == [f"{comm}:allgather"] * 2
+    for comm, algo in (("a2a", "ulysses"), ("a2a+p2p", "usp")):
+        for msg in run_ranks(2, build_gdn_layer, 2, cp_comm_type=comm, layer_number=3):
+            assert f"layer 3 (gated_delta_net): --cp-comm-type {comm}" in msg and algo in msg, msg
+    msg = run_ranks(2, build_gdn_layer, 2, cp_comm_type="spiral")[0]
+    assert "--cp-comm-type spiral is not a context-parallel communication type" in msg
+    lists = ("p2p", "a2a", "allgather", "a2a")
+    assert run_ranks(2, build_gdn_layer, 2, cp_layer_comm_types=lists, layer_number=3) == ["allgather:allgather"] * 2
+    assert "layer 2 (gated_delta_net)" in run_ranks(2, build_gdn_layer, 2, cp_layer_comm_types=lists, layer_number=2)[0]
+    assert run_ranks(1, build_gdn_layer, 1) == ["None:None"]  # one rank: no exchange, nothing passed

@@ -178,6 +178,8 @@ def test_cpu_choice_is_the_measured_default(monkeypatch):
                            ("block_causal", "cpu_flash", "tiled"), ("positions", "cpu_flash", "tiled"),
                            ("sparse", "block_sparse", "block_sparse"), ("gather", "row_gather", "row_gather"))
     assert choice.choose(CPU, torch.float32, 64, ("causal",)).kernels == (("causal", "cpu_flash", "cpu_flash"),)
+    # the CPU op's backward takes fp32 only: fp64 (exactness runs) goes to tiled
+    assert choice.choose(CPU, torch.float64, 64, ("causal",)).kernels == (("causal", "cpu_flash", "tiled"),)
 
 
 # ------------------------------------------------------------------------------- ranks agree

@@ -61,3 +61,20 @@ def test_errors_name_the_fix():
         mb.layout_indices(8, 2, 2, "contiguous")
     with pytest.raises(ValueError, match="stripe"):
         mb.layout_indices(8, 0, 2, "zigzag", stripe=2)
+
+
+@pytest.mark.parametrize("layout,stripe", [("contiguous", 1), ("zigzag", 1), ("striped", 1), ("striped", 4)])
+def test_one_rank_holds_any_length_in_order(layout, stripe):
+    """Issue M2: at CP = 1 an odd --seq-length failed at the first step ("not divisible by 2, which
+    layout='zigzag' needs with world_size=1"). On one rank every layout is the identity."""
+    from megatron_burst.layout import check_seq_len
+
+    for seq in (1, 7, 31, 127):
+        check_seq_len(seq, 1, layout, stripe)
+        assert seq_divisor(layout, 1, stripe) == 1
+        assert torch.equal(mb.layout_indices(seq, 0, 1, layout, stripe), torch.arange(seq))
+        x = torch.randn(2, seq, 3)
+        assert torch.equal(mb.shard(x, 1, 0, 1, layout, stripe), x)
+        assert torch.equal(mb.unshard([x], 1, layout, stripe), x)
+    with pytest.raises(ValueError, match="divisible by 4"):  # two ranks still need their chunks
+        check_seq_len(30, 2, "zigzag")

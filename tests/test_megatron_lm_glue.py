@@ -249,3 +249,132 @@ def test_modelopt_builder_is_refused(monkeypatch):
         provider(lambda *a, **k: None, True, True)
     args.cp_algo = "none"
     assert provider(lambda *a, **k: None, True, True) == "model" and called
+
+
+# ------------------------------------------------------------ issue M2: tried as a Megatron-LM user would
+
+# What Megatron-LM's TransformerLayer passes every attention module under CP by default (its
+# --cp-comm-type defaults to p2p): the stand-in's config carries it the same way.
+MEGATRON_LM_DEFAULTS = ["--cp-comm-type", "p2p"]
+GDN_HYBRID = ["--num-layers", "4", "--linear-attention-type", "gated_delta_net", "--linear-attention-freq", "2"]
+
+
+def megatron_lm_step(cp: int, extra: list, seq: int) -> dict:
+    """One step through the patched pretrain_gpt.py's pieces: ``wrap_gpt_builder`` around the
+    stand-in builder, ``megatron_lm.slice_batch`` (the patch's batch slicing), the per-token loss
+    pretrain_gpt's loss_func computes, gradients all-reduced over CP. Returns the loss, every full
+    gradient and the decoder's attention modules."""
+    import megatron_lm_standin
+    from megatron_burst import train
+    from megatron_burst.megatron import megatron_lm
+    from megatron_burst.megatron.gated_delta_net import CPGatedDeltaNet
+    from test_megatron_model import fixed_batch, full_grads
+
+    args, _, groups = _megatron_lm_args(cp, "dense", MEGATRON_LM_DEFAULTS + ["--seq-length", str(seq)] + extra)
+    cpu = torch.device("cpu")
+    train.seed_everything(args.seed, cpu)
+    model = megatron_lm.wrap_gpt_builder(megatron_lm_standin.gpt_builder)(args, True, True)
+    local = megatron_lm.slice_batch(fixed_batch(seq), args)
+    model.train()
+    losses = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
+    mask = local["loss_mask"]
+    sums = torch.stack([(losses.double() * mask.double()).sum(), mask.double().sum()]).detach()
+    dist.all_reduce(sums, group=groups.dp_cp)
+    ((losses.double() * mask.double()).sum() / sums[1]).backward()
+    train.allreduce_grads(model, groups)
+    attention = [layer.self_attention for layer in model.decoder.layers]
+    return {"loss": (sums[0] / sums[1]).item(), "grads": full_grads(model, groups), "tokens": local["tokens"].shape[1],
+            "layers": [type(a).__name__ for a in attention],
+            "gdn_comm": sorted({(getattr(a, "cp_comm_type", None), getattr(a, "cp_exchange", None))
+                                for a in attention if isinstance(a, CPGatedDeltaNet)})}
+
+
+def test_gated_delta_net_under_megatron_lm_at_cp2_equals_cp1():
+    """Used to crash: Megatron's TransformerLayer passes cp_comm_type to every attention module
+    under CP, and CPGatedDeltaNet.__init__ did not take it (TypeError). Now the GDN layers take
+    Megatron's default p2p (running their map all-gather), and the hybrid at CP = 2 equals CP = 1."""
+    from test_megatron_model import _assert_matches
+
+    ref = run_ranks(1, megatron_lm_step, 1, GDN_HYBRID, 24)[0]
+    assert ref["layers"] == ["CPGatedDeltaNet", "SelfAttention"] * 2
+    for layout in ("zigzag", "contiguous"):
+        for rank, res in enumerate(run_ranks(2, megatron_lm_step, 2, GDN_HYBRID + ["--cp-layout", layout], 24)):
+            assert res["gdn_comm"] == [("p2p", "allgather")], res["gdn_comm"]
+            _assert_matches(res, ref, f"GDN under Megatron-LM CP=2 {layout} rank {rank}")
+
+
+@pytest.mark.parametrize("extra", [[], GDN_HYBRID], ids=["dense", "gdn-hybrid"])
+def test_odd_sequence_length_trains_at_cp1_through_the_patch(extra):
+    """Used to fail at the first step: megatron_lm.slice_batch refused --seq-length 31 at CP = 1
+    ("not divisible by 2, which layout='zigzag' needs with world_size=1"). One rank holds any length."""
+    import math
+
+    res = run_ranks(1, megatron_lm_step, 1, extra, 31)[0]
+    assert res["tokens"] == 31 and math.isfinite(res["loss"]), res["loss"]
+
+
+def _megatron_lm_flags(**attrs):
+    from megatron_burst.megatron.args import add_args
+
+    args = add_args(argparse.ArgumentParser()).parse_args([])
+    args.seq_length, args.context_parallel_size, args.tensor_model_parallel_size = 32, 2, 1
+    args.num_layers, args.num_attention_heads, args.hidden_size = 4, 4, 32
+    for key, value in attrs.items():
+        setattr(args, key, value)
+    return args
+
+
+@pytest.mark.parametrize("attrs,needles", [
+    ({"experimental_attention_variant": "gated_delta_net", "linear_attention_freq": 2},
+     ["--experimental-attention-variant gated_delta_net", "--linear-attention-type gated_delta_net"]),
+    ({"hierarchical_context_parallel_sizes": [2, 2]},
+     ["--hierarchical-context-parallel-sizes 2 2", "must multiply to --context-parallel-size 2"]),
+    ({"reset_attention_mask": True, "linear_attention_type": "gated_delta_net"}, ["--reset-attention-mask"]),
+    ({"reset_attention_mask": True, "sparse_attention": "vertical_slash", "sparse_last_q": 8},
+     ["--sparse-attention", "--reset-attention-mask"]),
+    ({"linear_attention_type": "gated_delta_net", "cp_comm_type": "a2a"}, ["layer 1 (gated_delta_net)", "a2a"]),
+    ({"linear_attention_type": "gated_delta_net", "linear_attention_freq": 2,
+      "cp_comm_type": ["p2p", "a2a", "a2a", "p2p"]},
+     ["layer 3 (gated_delta_net)", "--cp-comm-type a2a"]),
+])
+def test_trial_combinations_are_refused_at_startup(attrs, needles):
+    """What the engine cannot run is refused by check_args (before any collective), naming the flags."""
+    from megatron_burst.megatron import megatron_lm
+
+    with pytest.raises(ValueError) as err:
+        megatron_lm.check_args(_megatron_lm_flags(**attrs))
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+
+
+def test_sparse_with_a_window_under_burst_names_the_window_only():
+    """Used to say "drop --window-size (use --cp-algo ring or burst)" with burst already chosen."""
+    from megatron_burst.megatron import megatron_lm
+
+    args = _megatron_lm_flags(sparse_attention="vertical_slash", sparse_last_q=8, window_size=(8, 0), cp_algo="burst")
+    with pytest.raises(ValueError) as err:
+        megatron_lm.check_args(args)
+    assert "--window-size 8,0" in str(err.value) and "ring or burst)" not in str(err.value), str(err.value)
+    args.window_size, args.cp_algo = None, "allgather"
+    with pytest.raises(ValueError, match=r"--cp-algo allgather \(use ring or burst\)"):
+        megatron_lm.check_args(args)
+
+
+def test_wrapped_provider_refuses_before_megatrons_model_provider(monkeypatch):
+    """--experimental-attention-variant gated_delta_net at CP = 2 used to reach Megatron's own
+    TransformerConfig assertion ("Gated delta net does not support context parallel"): the wrapped
+    model_provider now runs check_args before Megatron's model_provider builds anything."""
+    import sys
+    import types
+
+    from megatron_burst.megatron import megatron_lm
+
+    args = _megatron_lm_flags(experimental_attention_variant="gated_delta_net", linear_attention_freq=2)
+    training = types.ModuleType("megatron.training")
+    training.get_args = lambda: args
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    called = []
+    provider = megatron_lm.wrap_model_provider(lambda *a, **k: called.append(a) or "model")
+    with pytest.raises(ValueError, match="--linear-attention-type gated_delta_net"):
+        provider(lambda *a, **k: None, True, True)
+    assert not called

@@ -257,3 +257,97 @@ def test_gpt_dataset_over_corpus(tmp_path):
             assert piece in corpus, f"sample {i}: {piece!r} is not corpus text"
     batch = data.collate([ds[i] for i in range(3)])
     assert batch["tokens"].shape == (3, 64) and batch["loss_mask"].shape == (3, 64)
+
+
+# ------------------------------------------------------------ issue M2: tried as a Megatron-LM user would
+
+def test_odd_sequence_length_trains_at_cp1(tmp_path):
+    """Used to fail at the first step: "sequence length 31 is not divisible by 2, which
+    layout='zigzag' needs with world_size=1". One rank holds any length, in every layout."""
+    import math
+
+    for layout in (["--cp-layout", "zigzag"], ["--cp-layout", "striped", "--cp-stripe", "4"]):
+        metrics = run_ranks(1, train_run, _argv(tmp_path, 1, "--seq-length", "31", *layout))[0]
+        assert len(metrics) == 1 and math.isfinite(metrics[0]["lm_loss"]), metrics
+
+
+@pytest.mark.parametrize("extra,needles", [
+    (["--hierarchical-context-parallel-sizes", "2", "2"],
+     ["--hierarchical-context-parallel-sizes 2 2 multiply to 4", "must multiply to --context-parallel-size 2"]),
+    (["--reset-attention-mask", "--linear-attention-type", "lightning"], ["--reset-attention-mask"]),
+    (["--reset-attention-mask", "--linear-attention-type", "gated_delta_net"], ["--reset-attention-mask"]),
+    (["--reset-attention-mask", "--sparse-attention", "vertical_slash", "--sparse-last-q", "8"],
+     ["--sparse-attention", "--reset-attention-mask"]),
+    (["--sparse-attention", "vertical_slash", "--sparse-last-q", "8", "--window-size", "8,0", "--cp-algo", "burst"],
+     ["--window-size 8,0"]),
+    (["--linear-attention-type", "gated_delta_net", "--cp-comm-type", "a2a"], ["(gated_delta_net)", "a2a"]),
+])
+def test_trial_combinations_are_refused_before_training(tmp_path, extra, needles):
+    """Combinations the trial found accepted (hierarchical sizes that do not make the CP size) or
+    failing only at the first step are refused by validate_args, before any process group."""
+    from megatron_burst.train import build_parser, validate_args
+
+    args = build_parser().parse_args(_argv(tmp_path, 1, "--context-parallel-size", "2", *extra))
+    with pytest.raises(ValueError) as err:
+        validate_args(args, 2)
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+    assert "use ring or burst" not in str(err.value)  # burst (or no algorithm) was chosen: nothing to pick
+
+
+def test_distributed_timeout_minutes_is_megatrons_flag(tmp_path):
+    from megatron_burst.train import build_parser, validate_args
+
+    parser = build_parser()
+    assert parser.parse_args(_argv(tmp_path, 1)).distributed_timeout_minutes == 10  # Megatron-LM's default
+    half = parser.parse_args(_argv(tmp_path, 1, "--distributed-timeout-minutes", "0.5"))
+    assert half.distributed_timeout_minutes == 0.5
+    with pytest.raises(ValueError, match="--distributed-timeout-minutes 0"):
+        validate_args(parser.parse_args(_argv(tmp_path, 1, "--distributed-timeout-minutes", "0")), 1)
+
+
+STALL_TIMEOUT_MIN = 0.1  # 6 s: the fraction our flag accepts beyond Megatron-LM's int
+
+
+def test_stalled_peer_ends_the_job_naming_the_timeout(tmp_path):
+    """Used to hang: SIGSTOP one rank of a CP = 2 run and the other waited forever. Every process
+    group now has --distributed-timeout-minutes' timeout: the waiting rank raises after it, says
+    so naming the flag, and exits 1."""
+    import signal
+    import time
+
+    from megatron_burst.world import free_port
+
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    flags = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+             "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "100000", "--context-parallel-size", "2",
+             "--cp-algo", "burst", "--data-cache-path", str(tmp_path / "data"), "--corpus-max-bytes",
+             str(CORPUS_BYTES), "--distributed-timeout-minutes", str(STALL_TIMEOUT_MIN)]
+    cmd = [sys.executable, "-m", "megatron_burst.train", *flags]
+    procs, logs = [], []
+    deadline = time.monotonic() + 240  # hard bound on the whole test
+    try:
+        for rank in (0, 1):
+            out, err = tmp_path / f"out{rank}", tmp_path / f"err{rank}"
+            logs.append((out, err))
+            with open(out, "w") as o, open(err, "w") as e:
+                procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=o, stderr=e,
+                                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+        while "iteration        2/" not in logs[0][0].read_text():  # training, both ranks in step
+            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0][1].read_text()[-3000:]
+            time.sleep(0.2)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        stalled = time.monotonic()
+        code = procs[0].wait(timeout=max(1.0, deadline - time.monotonic()))
+        waited = time.monotonic() - stalled
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+                proc.wait(timeout=30)
+    err = logs[0][1].read_text()
+    assert code == 1, err[-3000:]
+    assert f"--distributed-timeout-minutes {STALL_TIMEOUT_MIN:g} (6 s)" in err and "stalled or died" in err, err[-3000:]
+    assert waited < 6 + 54, f"rank 0 ended {waited:.0f} s after its peer stalled (timeout 6 s)"

@@ -1,4 +1,4 @@
-"""``python -m megatron_burst.bench <name> [options]``: attention | kernels | multinode | loss | ckpt | linear | sparse."""
+"""``python -m megatron_burst.bench <name> [options]``: attention | kernels | multinode | loss | ckpt | linear | sparse | gpu."""
 import importlib
 import sys
 
@@ -10,6 +10,7 @@ BENCHES = {
     "ckpt": "megatron_burst.bench.ckpt",
     "linear": "megatron_burst.bench.linear",
     "sparse": "megatron_burst.bench.sparse",
+    "gpu": "megatron_burst.bench.gpu",
 }
 
 

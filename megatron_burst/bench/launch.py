@@ -1,7 +1,9 @@
 """Start W local gloo ranks for a benchmark (or join the ones torchrun started) and gather results."""
 from __future__ import annotations
 
+import io
 import os
+import queue as queue_module
 import traceback
 from typing import Any, Callable, Optional
 
@@ -21,7 +23,10 @@ def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, ar
     except Exception:
         traceback.print_exc()
         exit_rank(1)
-    queue.put((rank, result))
+    # by value: torch's queue would pass tensors as shared-memory handles, which die with this process
+    buf = io.BytesIO()
+    torch.save(result, buf)
+    queue.put((rank, buf.getvalue()))
     queue.close()
     queue.join_thread()  # the queue's feeder thread must hand the result over before os._exit
     exit_rank(0)  # barrier, then end without gloo's teardown (it can abort a finished rank)
@@ -55,10 +60,10 @@ def run_local(world_size: int, fn: Callable[..., Any], *args: Any, threads: int 
             if any(p.exitcode not in (None, 0) for p in procs):
                 raise RuntimeError(f"a benchmark rank failed (exit codes {[p.exitcode for p in procs]})")
             try:
-                rank, res = queue.get(timeout=1.0)
-                results[rank] = res
-            except Exception:  # queue.Empty: poll the exit codes again
+                rank, blob = queue.get(timeout=1.0)
+            except queue_module.Empty:  # poll the exit codes again
                 continue
+            results[rank] = torch.load(io.BytesIO(blob), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=30)

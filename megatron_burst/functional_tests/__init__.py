@@ -4,6 +4,7 @@
     python -m megatron_burst.functional_tests run [CASE ...]    # run, compare with golden values, table
     python -m megatron_burst.functional_tests record [CASE ...] # (re)write golden_values_cpu.json
     python -m megatron_burst.functional_tests data DIR          # the corpus as ${DATA_PATH} for Megatron-LM
+    python -m megatron_burst.functional_tests harness-command [CASE ...]  # Megatron-LM's run_ci_test.sh command
 
 Cases live where Megatron-LM keeps its own, ``tests/functional_tests/test_cases/gpt/<case>/``
 (``model_config.yaml`` + ``golden_values_cpu.json``), so the same directories run under a patched

@@ -1,4 +1,5 @@
-"""``python -m megatron_burst.functional_tests {list,run,record,data}``: see the package docstring."""
+"""``python -m megatron_burst.functional_tests {list,run,record,data,check-megatron-lm,harness-command}``: see
+the package docstring."""
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--actual-dir", type=Path, default=None,
                    help="values of a run (run --actual-dir) to compare with the golden values (default: the golden "
                         "values themselves)")
+    s = sub.add_parser("harness-command", help="print the run_ci_test.sh command that runs cases under Megatron-LM's "
+                                                "own harness (GPU), with the golden-values file each case has")
+    s.add_argument("cases", nargs="*", help="case names (default: all)")
+    s.add_argument("--golden", default=None, metavar="FILE",
+                   help="golden-values file name in the case directory (default: a GPU environment's "
+                        "golden_values_<env>.json when the case has one, else golden_values_cpu.json)")
+    s.add_argument("--output-path", default="/tmp/out", help="OUTPUT_PATH (default /tmp/out)")
+    s.add_argument("--data-path", default="/data/burst/data",
+                   help="DATA_PATH, as printed by the data command (default /data/burst/data)")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")  # megatron.core's import-time notes about Apex / Transformer Engine
     if args.command == "data":
@@ -53,6 +63,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             tp, cp = c.size("--tensor-model-parallel-size"), c.size("--context-parallel-size")
             then = f" -> CP {c.size('--context-parallel-size', True)}" if c.test_type == "ckpt-resume" else ""
             print(f"{c.name:40s} {c.test_type:12s} TP {tp} CP {cp}{then}  ranks {c.world_size()}")
+        return 0
+    if args.command == "harness-command":
+        from megatron_burst.functional_tests.megatron_lm import harness_command
+
+        try:
+            for case in cases:
+                print(f"# {case.name}\n{harness_command(case, args.golden, args.output_path, args.data_path)}")
+        except CaseError as exc:
+            p.error(str(exc))
         return 0
     if args.command == "check-megatron-lm":
         from megatron_burst.functional_tests.megatron_lm import check

@@ -34,7 +34,7 @@ import types
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
-from megatron_burst.functional_tests.cases import REPO_ROOT, Case, megatron_words, resolve_vars
+from megatron_burst.functional_tests.cases import REPO_ROOT, Case, CaseError, megatron_words, resolve_vars
 
 MEGATRON_LM_TAG = "core_v0.16.1"
 DEFAULT_GIT = "https://github.com/NVIDIA/Megatron-LM.git"
@@ -165,6 +165,38 @@ def check_case(case: Case, mlm_utils, actual_dir: Optional[Path]) -> List[str]:
         except ValueError as exc:
             failures.append(f"Megatron-LM's parse_args with megatron-burst's args provider rejects {key}: {exc}")
     return failures
+
+
+def harness_golden(case: Case, name: Optional[str] = None) -> Path:
+    """The golden-values file to hand Megatron-LM's ``run_ci_test.sh`` (GOLDEN_VALUES_PATH): ``name``
+    when given (it must exist in the case), else a GPU environment's file when the case has one
+    (``golden_values_<environment>_<platform>.json``, recorded from a first GPU run), else
+    ``golden_values_cpu.json``, which every case has."""
+    if name is not None:
+        path = case.path / name
+        if not path.exists():
+            have = ", ".join(sorted(p.name for p in case.path.glob("golden_values_*.json")))
+            raise CaseError(f"{case.name} has no {name} (it has {have}): record it from a first GPU run (README: "
+                            "Functional tests, In Megatron-LM's own harness) or pass one it has")
+        return path
+    gpu = sorted(p for p in case.path.glob("golden_values_*.json") if p != case.golden_path)
+    return gpu[0] if gpu else case.golden_path
+
+
+def harness_command(case: Case, golden: Optional[str] = None, out: str = "/tmp/out",
+                    data_path: str = "/data/burst/data") -> str:
+    """The command that runs ``case`` under Megatron-LM's ``run_ci_test.sh`` (from the checkout's root,
+    with the case directory copied to its tests/functional_tests/test_cases/gpt/): every variable it
+    needs, the golden file the case has (:func:`harness_golden`), and one GPU per TP x CP rank."""
+    gold = harness_golden(case, golden)
+    where = f"tests/functional_tests/test_cases/gpt/{case.name}"
+    return " \\\n    ".join([
+        "bash tests/functional_tests/shell_test_utils/run_ci_test.sh",
+        f"TRAINING_SCRIPT_PATH=pretrain_gpt.py TRAINING_PARAMS_PATH={where}/model_config.yaml",
+        f"GOLDEN_VALUES_PATH={where}/{gold.name} OUTPUT_PATH={out}",
+        f"TENSORBOARD_PATH={out}/tb CHECKPOINT_SAVE_PATH={out}/ckpt CHECKPOINT_LOAD_PATH={out}/ckpt",
+        f"DATA_PATH={data_path} DATA_CACHE_PATH={out}/cache ENABLE_LIGHTWEIGHT_MODE=false N_REPEAT=1",
+        f"GPUS_PER_NODE={case.world_size()}"])
 
 
 def check(cases: Sequence[Case], megatron_lm: Optional[Path] = None, actual_dir: Optional[Path] = None) -> int:

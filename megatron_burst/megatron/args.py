@@ -100,6 +100,29 @@ def resolve_cp_algo(cp_algo: Optional[str], cp_comm_type: Union[str, Sequence[st
                      "or --cp-algo")
 
 
+# A Gated DeltaNet layer has one CP exchange, an all-gather of per-segment state maps. It serves the
+# --cp-comm-type values naming a ring (p2p, Megatron-LM's default; ring, burst, auto) or an all-gather
+# (allgather, all_gather): the result is the same, in one collective. Head all-to-alls (a2a, a2a+p2p)
+# it does not implement.
+GDN_COMM_REFUSED = ("ulysses", "usp")
+
+
+def check_gated_delta_net_comm_type(comm: Optional[str], layer: Optional[int] = None) -> str:
+    """The exchange a Gated DeltaNet layer runs for Megatron's ``cp_comm_type`` value ``comm``
+    (what TransformerLayer passes it under CP): "allgather" (its per-segment maps) for p2p,
+    allgather/all_gather and ring/burst/auto; ValueError naming the layer and the value for a2a,
+    a2a+p2p and values that are not CP communication types."""
+    where = f"layer {layer} (gated_delta_net)" if layer is not None else "gated_delta_net"
+    algo = resolve_cp_algo(None, comm)  # validates the value, naming it
+    if algo in GDN_COMM_REFUSED:
+        raise ValueError(f"{where}: --cp-comm-type {comm} exchanges attention heads all-to-all ({algo}), which "
+                         "Gated DeltaNet layers do not implement (they all-gather per-segment state maps): give "
+                         "the gated_delta_net layers p2p or allgather (Megatron's per-layer --cp-comm-type list, one "
+                         "value per layer), or choose ulysses/usp for the softmax layers with --cp-algo and leave "
+                         "--cp-comm-type at p2p")
+    return "allgather"
+
+
 def make_cp_options(cp_algo: Optional[str] = None, cp_layout: Optional[str] = None,
                     cp_stripe: Optional[int] = None,
                     cp_comm_type: Union[str, Sequence[str], None] = None, cp_ring: Optional[str] = None,
@@ -322,6 +345,16 @@ def cp_options_from_args(args: argparse.Namespace) -> CPOptions:
     check_selective_ckpt_algo(ratio, opts.algo)
     seq_length = getattr(args, "seq_length", None)
     cp = getattr(args, "context_parallel_size", None) or 1
+    sizes = getattr(args, "hierarchical_context_parallel_sizes", None)
+    if sizes:  # Megatron-LM asserts this too; its first entry also sets our ring's ranks per node
+        product = 1
+        for size in sizes:
+            product *= int(size)
+        if product != cp:
+            raise ValueError(f"--hierarchical-context-parallel-sizes {' '.join(str(x) for x in sizes)} multiply to "
+                             f"{product}, but they must multiply to --context-parallel-size {cp} (A2A x P2P = CP): "
+                             "give such sizes, or drop the flag")
+    _check_sparse_flags(args, opts)
     if opts.algo == STOCK_ATTENTION and opts.layout != "zigzag":
         raise ValueError(f"--cp-algo none keeps Megatron's attention, which slices in zigzag only: drop "
                          f"--cp-layout {opts.layout}")
@@ -334,6 +367,37 @@ def cp_options_from_args(args: argparse.Namespace) -> CPOptions:
             raise ValueError(f"--seq-length {seq_length} with --context-parallel-size {cp} and "
                              f"--cp-layout {opts.layout}: {exc}") from None
     return opts
+
+
+def _check_sparse_flags(args: argparse.Namespace, opts: CPOptions) -> None:
+    """--sparse-attention vertical_slash runs on the ring/burst schedules of the softmax layers,
+    without windows, sequence-selective checkpointing, attention dropout or documents: refuse the
+    others at the flags, each naming what to drop."""
+    if getattr(args, "sparse_attention", "none") in (None, "none") or opts.algo == STOCK_ATTENTION:
+        return
+    clash = []
+    if opts.algo not in ("ring", "burst"):
+        clash.append(f"--cp-algo {opts.algo} (use ring or burst)" if opts.algo != PER_LAYER
+                     else "a per-layer --cp-comm-type list (use --cp-algo ring or burst)")
+    window = getattr(args, "window_size", None)
+    if window:
+        from megatron_burst.megatron.attention import layer_window
+
+        config = argparse.Namespace(window_size=window,
+                                    window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None))
+        num_layers = getattr(args, "num_layers", None) or 1
+        if any(layer_window(config, number) is not None for number in range(1, num_layers + 1)):
+            clash.append(f"--window-size {','.join(str(x) for x in window)}")
+    if opts.selective_ckpt_ratio is not None:
+        clash.append(f"--seq-selective-ckpt-ratio {opts.selective_ckpt_ratio}")
+    dropout = getattr(args, "attention_dropout", 0.0) or 0.0
+    if dropout > 0:
+        clash.append(f"--attention-dropout {dropout} (pass 0)")
+    if getattr(args, "reset_attention_mask", False):
+        clash.append("--reset-attention-mask (documents)")
+    if clash:
+        raise ValueError(f"--sparse-attention vertical_slash runs on the ring/burst schedules alone, over whole "
+                         f"causal sequences: drop {'; '.join(clash)}")
 
 
 def check_selective_ckpt_algo(ratio: Optional[float], algo: str) -> None:
@@ -389,6 +453,19 @@ def linear_options_from_args(args: argparse.Namespace, cp_opts: CPOptions,
     kind = getattr(args, "linear_attention_type", None)
     freq = getattr(args, "linear_attention_freq", None)
     megatron_variant = getattr(args, "experimental_attention_variant", None)
+    cp = getattr(args, "context_parallel_size", None) or 1
+    if megatron_variant is not None and kind is None and cp > 1 and cp_opts.algo != STOCK_ATTENTION:
+        # Megatron's own variant layers have no context parallelism (its config asserts as much for GDN)
+        hint = ("megatron-burst runs Megatron-Core's GatedDeltaNet layers under context parallelism itself: pass "
+                "--linear-attention-type gated_delta_net instead (same parameters; --linear-attention-freq places "
+                "them)" if megatron_variant == GATED_DELTA_NET else
+                "megatron-burst's context-parallel attention does not implement it; train it at "
+                "--context-parallel-size 1")
+        raise ValueError(f"--experimental-attention-variant {megatron_variant} with --context-parallel-size {cp}: "
+                         f"{hint}")
+    if kind is not None and getattr(args, "reset_attention_mask", False) and cp_opts.algo != STOCK_ATTENTION:
+        raise ValueError(f"--reset-attention-mask with --linear-attention-type {kind}: linear attention layers do "
+                         "not take documents yet (softmax layers do); drop one of the two flags")
     if kind is None:
         if freq is not None and megatron_variant is None:
             raise ValueError(f"--linear-attention-freq {freq} has no linear layers to place: add "
@@ -437,11 +514,26 @@ def _gated_delta_net_options(args: argparse.Namespace, cp_opts: CPOptions, patte
     if algo not in (None, DEFAULT_LINEAR_CP_ALGO):
         raise ValueError(f"--linear-cp-algo {algo}: gated_delta_net always exchanges its per-segment maps in one "
                          f"all-gather (LASP-2 style); drop --linear-cp-algo or pass {DEFAULT_LINEAR_CP_ALGO}")
+    # Megatron-LM sizes the layers by its own --linear-* flags (megatron_burst.train by the attention's)
+    sizes = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+             "linear_num_value_heads")
+    unset = [f"--{name.replace('_', '-')}" for name in sizes if hasattr(args, name) and getattr(args, name) is None]
+    if 1 in pattern and unset:
+        raise ValueError(f"--linear-attention-type gated_delta_net sizes its layers by {', '.join(unset)}: set "
+                         "them (Qwen3-Next: 4, 128, 128, 16, 32)")
     key_heads = getattr(args, "linear_num_key_heads", None) or getattr(args, "num_query_groups", None) \
         or args.num_attention_heads
     if key_heads % tp:
         raise ValueError(f"--linear-attention-type gated_delta_net: {key_heads} key heads cannot be split over "
                          f"--tensor-model-parallel-size {tp}")
+    comm = getattr(args, "cp_comm_type", None)
+    if cp > 1 and comm is not None:  # what Megatron's TransformerLayer hands each layer under CP
+        per_layer = list(comm) if isinstance(comm, (list, tuple)) else [comm]
+        if len(per_layer) == 1:
+            per_layer = per_layer * len(pattern)
+        for number, (entry, linear) in enumerate(zip(per_layer, pattern), start=1):
+            if linear:
+                check_gated_delta_net_comm_type(entry, number)
     if cp > 1 and 1 in pattern and cp_opts.layout == "striped" and cp_opts.stripe < LINEAR_MIN_STRIPE:
         raise ValueError(f"--cp-layout striped with --cp-stripe {cp_opts.stripe}: gated_delta_net runs in chunks of "
                          f"at least {LINEAR_MIN_STRIPE} tokens per stripe under context parallelism; pass "

@@ -239,14 +239,16 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
 
             self.sparse = Dynamic(*cp_sparse)
             self.sparse.check(self.sparse.last_q)
-            clash = [name for name, bad in (("--window-size", self.window is not None),
-                                            ("--seq-selective-ckpt-ratio", self.options.selective_ckpt_ratio is not None),
-                                            (f"--cp-algo {self.options.algo}", self.options.algo not in ("ring", "burst")),
-                                            ("attention dropout", self.dropout_p > 0))
-                     if bad]
+            clash = [name for name, bad in (
+                (f"--window-size {','.join(str(x) for x in self.window or ())} (layer {self.layer_number})",
+                 self.window is not None),
+                (f"--seq-selective-ckpt-ratio {self.options.selective_ckpt_ratio}",
+                 self.options.selective_ckpt_ratio is not None),
+                (f"--cp-algo {self.options.algo} (use ring or burst)", self.options.algo not in ("ring", "burst")),
+                (f"--attention-dropout {self.dropout_p} (pass 0)", self.dropout_p > 0)) if bad]
             if clash:
                 raise ValueError(f"--sparse-attention vertical_slash runs on the ring/burst schedules alone: drop "
-                                 f"{', '.join(clash)} (use --cp-algo ring or burst)")
+                                 f"{'; '.join(clash)}")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by "
                              "megatron-burst: use softmax_type='vanilla'")

@@ -16,6 +16,13 @@ and (sharded) state dict, so a checkpoint moves between the two. What differs is
 
 Tensor parallelism is Megatron's (heads split over TP ranks). Packed sequences and inference
 caches are refused, as Megatron's class does.
+
+``cp_comm_type``: Megatron's ``TransformerLayer`` passes every attention module its layer's
+``--cp-comm-type`` under CP (the trainer's per-layer list arrives as ``cp_layer_comm_types``). The
+layer's one exchange, an all-gather of per-segment state maps, serves the ring and all-gather types
+(p2p -- Megatron-LM's default --, allgather/all_gather, and ring/burst/auto); a2a and a2a+p2p
+(head all-to-alls) are refused at construction, naming the layer and the value
+(:func:`megatron_burst.megatron.args.check_gated_delta_net_comm_type`).
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
 import megatron_burst
+from megatron_burst.megatron.args import check_gated_delta_net_comm_type
 from megatron_burst.linear.checks import segment_order, segments_per_rank
 from megatron_burst.linear.exchange import SegmentMap, previous_tokens
 from megatron_burst.megatron.linear_attention import LinearCPLayer, _device
@@ -69,8 +77,9 @@ class CPGatedDeltaNet(LinearCPLayer, GatedDeltaNet):
     def __init__(self, config: TransformerConfig, submodules: GatedDeltaNetSubmodules, layer_number: int = None,
                  bias: bool = False, conv_bias: bool = False, conv_init: Optional[float] = None,
                  use_qk_l2norm: bool = True, A_init_range: Tuple[float, float] = (1, 16),
-                 pg_collection: Optional[ProcessGroupCollection] = None, *, cp_layout: Optional[str] = None,
-                 cp_stripe: Optional[int] = None) -> None:
+                 pg_collection: Optional[ProcessGroupCollection] = None, cp_comm_type: Optional[str] = None, *,
+                 cp_layout: Optional[str] = None, cp_stripe: Optional[int] = None,
+                 cp_layer_comm_types: Optional[tuple] = None) -> None:
         # Megatron's __init__ needs fla and CUDA; this one builds the same modules on any device.
         MegatronModule.__init__(self, config)
         if A_init_range[0] < 0 or A_init_range[1] < A_init_range[0]:
@@ -115,6 +124,17 @@ class CPGatedDeltaNet(LinearCPLayer, GatedDeltaNet):
                                      skip_bias_add=True, is_expert=False, tp_comm_buffer_name="fc2",
                                      tp_group=pg_collection.tp)
         self._resolve_cp_options(None, cp_layout, cp_stripe)
+        if cp_layer_comm_types is not None:  # a per-layer --cp-comm-type list: this layer's entry
+            if not 1 <= (layer_number or 0) <= len(cp_layer_comm_types):
+                raise ValueError(f"layer {layer_number}: --cp-comm-type lists {len(cp_layer_comm_types)} values: give "
+                                 "one per layer")
+            cp_comm_type = cp_layer_comm_types[layer_number - 1]
+        self.cp_comm_type = cp_comm_type
+        # the exchange this layer runs: its per-segment maps, all-gathered (None: one rank, no exchange)
+        self.cp_exchange: Optional[str] = None
+        if self.cp_size > 1:
+            self.cp_exchange = (check_gated_delta_net_comm_type(cp_comm_type, layer_number) if cp_comm_type is not None
+                                else "allgather")
         self.reset_parameters()
 
     def _check_sizes(self) -> None:

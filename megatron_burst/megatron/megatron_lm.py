@@ -44,12 +44,10 @@ def check_args(args: argparse.Namespace) -> CPOptions:
     Runs when the model is built (startup, every rank, before any step and before any collective
     of ours). Returns the resolved options.
     """
-    opts = cp_options_from_args(args)  # also: layout vs --seq-length, selective ckpt vs recompute
-    if (getattr(args, "reset_attention_mask", False) and getattr(args, "linear_attention_type", None)
-            and opts.algo != STOCK_ATTENTION):
-        raise ValueError("--reset-attention-mask with --linear-attention-type: linear attention layers do not "
-                         "take documents yet (softmax layers do); drop one of the two flags")
-    linear_options(args, opts)  # --linear-attention-*: refused with --cp-algo none, among others
+    opts = cp_options_from_args(args)  # also: layout vs --seq-length, selective ckpt vs recompute, sparse
+    # --linear-attention-*: refused with --cp-algo none or --reset-attention-mask, among others;
+    # --experimental-attention-variant (Megatron's GatedDeltaNet) pointed to --linear-attention-type
+    linear_options(args, opts)
     if getattr(args, "use_legacy_models", False):
         raise ValueError("--use-legacy-models: megatron-burst works with megatron.core's GPTModel; drop the flag")
     if getattr(args, "fused_lm_loss", False) and getattr(args, "fp16", False):
@@ -77,15 +75,19 @@ def wrap_model_provider(model_provider: Callable[..., Any]) -> Callable[..., Any
     """Wrap Megatron-LM's ``model_provider(model_builder, pre_process, post_process, ...)`` so the
     builder it is given goes through :func:`wrap_gpt_builder`.
 
-    ModelOpt's builder (``--modelopt-enabled`` and friends) replaces the builder inside
-    model_provider, which would silently drop megatron-burst; it is refused instead.
+    :func:`check_args` runs first (before model_provider builds anything). ModelOpt's builder
+    (``--modelopt-enabled`` and friends) replaces the builder inside model_provider, which would
+    silently drop megatron-burst; it is refused instead.
     """
     def provider(model_builder: Callable[..., Any], pre_process: bool = True, post_process: bool = True,
                  vp_stage: Optional[int] = None, config: Any = None, pg_collection: Any = None):
         from megatron.training import get_args
 
         args = get_args()
-        if getattr(args, "modelopt_enabled", False) and cp_options_from_args(args).algo != STOCK_ATTENTION:
+        # Refusals first, before Megatron's model_provider builds a TransformerConfig (whose own
+        # assertions, e.g. Gated DeltaNet's "no context parallel", would otherwise speak first).
+        opts = check_args(args)
+        if getattr(args, "modelopt_enabled", False) and opts.algo != STOCK_ATTENTION:
             raise ValueError("ModelOpt's model builder (--modelopt-enabled) replaces the GPT builder, so "
                              "megatron-burst's attention would silently not be used: pass --cp-algo none with "
                              "ModelOpt, or train without ModelOpt")

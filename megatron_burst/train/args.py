@@ -24,6 +24,10 @@ example (4 CPU ranks, CP = 4):
 """
 
 
+# Megatron-LM's --distributed-timeout-minutes default: how long a collective waits for its peers
+DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES = 10
+
+
 class _OneRankParser(argparse.ArgumentParser):
     """Under torchrun every rank parses the flags: print a usage error once (rank 0), exit 2 on all."""
 
@@ -115,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "unless --cp-ranks-per-node is given")
     g.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl"],
                    help="default nccl when CUDA is available, else gloo")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES,
+                   metavar="MINUTES",
+                   help="Megatron-LM's flag: every process group is created with this timeout, so a collective "
+                        "a stalled or dead peer never joins ends the job with an error after it instead of "
+                        f"hanging (default {DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES:g}, as Megatron-LM; a superset of "
+                        "Megatron-LM's int: fractions such as 0.5 are accepted)")
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, required=True, help="samples per microbatch")
     g.add_argument("--global-batch-size", type=int, default=None,
@@ -228,6 +238,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> tuple[CPOptions,
         raise ValueError(f"world size {world_size} is not divisible by --tensor-model-parallel-size "
                          f"{tp} x --context-parallel-size {cp}: launch a multiple of {tp * cp} ranks")
     dp = world_size // (tp * cp)
+    timeout = getattr(args, "distributed_timeout_minutes", DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES)
+    if not timeout > 0:  # also NaN
+        raise ValueError(f"--distributed-timeout-minutes {timeout} must be > 0 (minutes a collective waits for "
+                         f"its peers; default {DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES})")
     heads = args.num_attention_heads
     args.num_query_groups = args.num_query_groups or heads
     if heads % args.num_query_groups:

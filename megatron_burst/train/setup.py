@@ -5,13 +5,14 @@ import argparse
 import math
 import random
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_burst.megatron.args import CPOptions
-from megatron_burst.train.args import ParallelSizes
+from megatron_burst.train.args import DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES, ParallelSizes
 
 
 @dataclass
@@ -31,13 +32,20 @@ def print_rank_0(msg: str) -> None:
         print(msg, flush=True)
 
 
-def init_parallel(sizes: ParallelSizes) -> Groups:
-    """initialize_model_parallel(tp, pp=1, cp) on an initialized torch.distributed world."""
+def init_parallel(sizes: ParallelSizes, timeout_minutes: Optional[float] = None) -> Groups:
+    """initialize_model_parallel(tp, pp=1, cp) on an initialized torch.distributed world, every
+    group with ``timeout_minutes`` (None: the world's own timeout, which ``python -m
+    megatron_burst.train`` sets from --distributed-timeout-minutes)."""
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from megatron_burst.world import group_timeout
+
+    if timeout_minutes is None:
+        world = group_timeout()
+        timeout_minutes = world.total_seconds() / 60 if world is not None else DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES
     ps.initialize_model_parallel(sizes.tp, 1, context_parallel_size=sizes.cp,
-                                 create_gloo_process_groups=False)
+                                 create_gloo_process_groups=False, distributed_timeout_minutes=timeout_minutes)
     return Groups(tp=ps.get_tensor_model_parallel_group(), cp=ps.get_context_parallel_group(),
                   dp=ps.get_data_parallel_group(),
                   dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
