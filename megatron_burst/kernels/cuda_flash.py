@@ -32,42 +32,19 @@ _BWD_ARGS = ("grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q
 
 def unavailable() -> Optional[str]:
     """Why this kernel cannot run in this process (None: it can, on a CUDA device)."""
-    if not torch.cuda.is_available() and not _fake_cuda_allowed():
-        return "no CUDA device"
-    return torch_ops.missing_reason(_FWD, _FWD_ARGS) or torch_ops.missing_reason(_BWD, _BWD_ARGS)
-
-
-def _fake_cuda_allowed() -> bool:
-    """Under FakeTensorMode (CPU tests of the CUDA adapters) the schema checks still apply."""
-    from torch._guards import detect_fake_mode
-
-    return detect_fake_mode() is not None
+    return torch_ops.fused_op_unavailable(_FWD, _FWD_ARGS, _BWD, _BWD_ARGS)
 
 
 def supports(dtype: torch.dtype, head_dim: int, kind: str) -> Optional[str]:
     """Why (dtype, head dim, kind) is out of this op's reach (None: supported)."""
-    if dtype not in (torch.float16, torch.bfloat16):
-        return f"fp16/bf16 only, not {dtype}"
-    if head_dim % 8 or head_dim > 256:
-        return f"head dim a multiple of 8 up to 256, not {head_dim}"
-    if kind not in KINDS:
-        return f"mask kind {kind!r} (full and causal only)"
-    return None
-
-
-_PLACEHOLDERS: dict[torch.device, tuple] = {}
+    return torch_ops.fused_op_supports(dtype, head_dim, kind, 256)
 
 
 def _placeholders(device: torch.device, dtype: torch.dtype) -> tuple:
     """(cum_seq_q, cum_seq_k, philox_seed, philox_offset) as the forward returns them for a dense call."""
-    if device in _PLACEHOLDERS:
-        return _PLACEHOLDERS[device]
-    x = torch.zeros(1, 1, 16, 8, dtype=dtype, device=device)
-    res = torch_ops.call(_FWD, query=x, key=x, value=x, dropout_p=0.0, is_causal=False, return_debug_mask=False)
-    found = (res[2], res[3], res[6], res[7])
-    if not _fake_cuda_allowed():  # fake tensors (CPU tests) must not stand in for a real run's
-        _PLACEHOLDERS[device] = found
-    return found
+    res = torch_ops.dense_call_outputs(_FWD, device, dtype, lambda x: torch_ops.call(
+        _FWD, query=x, key=x, value=x, dropout_p=0.0, is_causal=False, return_debug_mask=False))
+    return res[2], res[3], res[6], res[7]
 
 
 def _rows(lse: torch.Tensor, rows: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from megatron_burst.kernels import torch_ops
 from megatron_burst.kernels.cpu_flash import stand_in_output
-from megatron_burst.kernels.cuda_flash import _fake_cuda_allowed, _rows
+from megatron_burst.kernels.cuda_flash import _rows
 from megatron_burst.kernels.reference import expand_kv, reduce_kv
 
 logger = logging.getLogger("megatron_burst.kernels")
@@ -34,38 +34,21 @@ _BWD_ARGS = ("grad_out", "query", "key", "value", "out", "logsumexp", "philox_se
 
 def unavailable() -> Optional[str]:
     """Why this kernel cannot run in this process (None: it can, on a CUDA device)."""
-    if not torch.cuda.is_available() and not _fake_cuda_allowed():
-        return "no CUDA device"
     if torch.cuda.is_available() and not torch.backends.cudnn.is_available():
         return "torch was built without cuDNN"
-    return torch_ops.missing_reason(_FWD, _FWD_ARGS) or torch_ops.missing_reason(_BWD, _BWD_ARGS)
+    return torch_ops.fused_op_unavailable(_FWD, _FWD_ARGS, _BWD, _BWD_ARGS)
 
 
 def supports(dtype: torch.dtype, head_dim: int, kind: str) -> Optional[str]:
     """Why (dtype, head dim, kind) is out of this op's reach (None: supported). Head dims above 128
     are left to the flash op: cuDNN's backward support for them depends on its version."""
-    if dtype not in (torch.float16, torch.bfloat16):
-        return f"fp16/bf16 only, not {dtype}"
-    if head_dim % 8 or head_dim > 128:
-        return f"head dim a multiple of 8 up to 128, not {head_dim}"
-    if kind not in KINDS:
-        return f"mask kind {kind!r} (full and causal only)"
-    return None
-
-
-_PLACEHOLDERS: dict[torch.device, tuple] = {}
+    return torch_ops.fused_op_supports(dtype, head_dim, kind, 128)
 
 
 def _placeholders(device: torch.device, dtype: torch.dtype) -> tuple:
     """(cum_seq_q, cum_seq_k, philox_seed, philox_offset, lse rank) as the forward returns them."""
-    if device in _PLACEHOLDERS:
-        return _PLACEHOLDERS[device]
-    x = torch.zeros(1, 1, 16, 8, dtype=dtype, device=device)
-    res = _forward_op(x, x, x, False, None)
-    found = (res[2], res[3], res[6], res[7], res[1].dim())
-    if not _fake_cuda_allowed():
-        _PLACEHOLDERS[device] = found
-    return found
+    res = torch_ops.dense_call_outputs(_FWD, device, dtype, lambda x: _forward_op(x, x, x, False, None))
+    return res[2], res[3], res[6], res[7], res[1].dim()
 
 
 def _forward_op(q, k, v, causal, scale):
@@ -82,7 +65,7 @@ def native_gqa(device: torch.device, dtype: torch.dtype) -> bool:
     forward with 2 query heads over 1 kv head; the self-check then validates whichever path runs."""
     key = (str(device), dtype)
     if key not in _NATIVE_GQA:
-        if _fake_cuda_allowed():
+        if torch_ops.fake_mode_active():
             return False
         q, kv = torch.zeros(1, 2, 16, 8, dtype=dtype, device=device), torch.zeros(1, 1, 16, 8, dtype=dtype, device=device)
         try:

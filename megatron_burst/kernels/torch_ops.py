@@ -11,7 +11,7 @@ torch's autograd passes, so it is right for the installed build by construction.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -82,3 +82,45 @@ def call(name: str, **kwargs: Any):
         else:
             positional.append(kwargs[a.name])
     return op_packet(name).default(*positional, **keyword)
+
+
+def fake_mode_active() -> bool:
+    """Under FakeTensorMode (CPU tests of the CUDA adapters) the schema checks still apply."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode() is not None
+
+
+def fused_op_unavailable(fwd: str, fwd_args: tuple[str, ...], bwd: str, bwd_args: tuple[str, ...]) -> Optional[str]:
+    """Why torch's fused CUDA op pair (``fwd``, ``bwd``) cannot be called here (None: it can)."""
+    if not torch.cuda.is_available() and not fake_mode_active():
+        return "no CUDA device"
+    return missing_reason(fwd, fwd_args) or missing_reason(bwd, bwd_args)
+
+
+def fused_op_supports(dtype: torch.dtype, head_dim: int, kind: str, max_head_dim: int) -> Optional[str]:
+    """Why torch's fused CUDA attention ops do not cover (dtype, head dim, kind) (None: they do)."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"fp16/bf16 only, not {dtype}"
+    if head_dim % 8 or head_dim > max_head_dim:
+        return f"head dim a multiple of 8 up to {max_head_dim}, not {head_dim}"
+    if kind not in ("full", "causal"):
+        return f"mask kind {kind!r} (full and causal only)"
+    return None
+
+
+_DENSE_OUTPUTS: dict[tuple, tuple] = {}
+
+
+def dense_call_outputs(fwd: str, device: torch.device, dtype: torch.dtype,
+                       run: Callable[[torch.Tensor], tuple]) -> tuple:
+    """What ``run`` (a call of the forward op ``fwd`` on one tiny dense input) returns on (device,
+    dtype), once: the placeholders its backward takes for a dense call. Not kept under fake tensors
+    (they must not stand in for a real run's)."""
+    key = (fwd, str(device), dtype)
+    if key in _DENSE_OUTPUTS:
+        return _DENSE_OUTPUTS[key]
+    found = tuple(run(torch.zeros(1, 1, 16, 8, dtype=dtype, device=device)))
+    if not fake_mode_active():
+        _DENSE_OUTPUTS[key] = found
+    return found

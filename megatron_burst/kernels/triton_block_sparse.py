@@ -38,17 +38,15 @@ TRITON_INTERPRET=1 works when set before the process first imports triton; see
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections import OrderedDict
 from typing import Any, Optional
 
 import torch
 
 from megatron_burst.kernels import block_sparse
+from megatron_burst.kernels.triton_env import AVAILABLE, interpreting, unavailable  # noqa: F401  (module face)
 from megatron_burst.sparse import PackedTiles, as_packed
 
-AVAILABLE = importlib.util.find_spec("triton") is not None
 
 # GPU (column chunk BLOCK_N, warps) per (direction, input bits). No GPU was available to time them:
 # they are the spill-free choices among BLOCK_N in {16, 32, 64} x warps in {4, 8} by the register
@@ -63,15 +61,6 @@ PACK_CACHE = 256
 PACK_CACHE_BYTES = 1 << 30
 
 
-def unavailable() -> Optional[str]:
-    """Why this kernel cannot run in this process (None: it can, on CUDA or under the interpreter)."""
-    if not AVAILABLE:
-        return "triton is not installed (pip install triton)"
-    if not torch.cuda.is_available() and not interpreting():
-        return "no CUDA device"
-    return None
-
-
 def supports(dtype: torch.dtype, head_dim: int, kind: str) -> Optional[str]:
     """Why (dtype, head dim, kind) is out of this kernel's reach (None: supported)."""
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -79,10 +68,6 @@ def supports(dtype: torch.dtype, head_dim: int, kind: str) -> Optional[str]:
     if head_dim > MAX_HEAD_DIM:
         return f"head dim up to {MAX_HEAD_DIM}, not {head_dim}"
     return None if kind == "sparse" else f"mask kind {kind!r} (sparse only)"
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 _packed: "OrderedDict[tuple[int, torch.device], tuple[tuple, PackedTiles]]" = OrderedDict()

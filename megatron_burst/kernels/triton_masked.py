@@ -67,13 +67,12 @@ before the process first imports triton; see :mod:`megatron_burst.loss.triton_ke
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Any, Optional
 
 import torch
 
-AVAILABLE = importlib.util.find_spec("triton") is not None
+from megatron_burst.kernels.triton_env import AVAILABLE, interpreting, unavailable  # noqa: F401  (module face)
+
 KINDS = ("full", "causal", "block_causal", "positions")
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -108,19 +107,6 @@ RANGE_CACHE = 256
 KEY_LIMIT = 1 << 30
 
 LOG2E = 1.4426950408889634
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def unavailable() -> Optional[str]:
-    """Why this kernel cannot run in this process (None: it can, on CUDA or under the interpreter)."""
-    if not AVAILABLE:
-        return "triton is not installed (pip install triton)"
-    if not torch.cuda.is_available() and not interpreting():
-        return "no CUDA device"
-    return None
 
 
 def supports(dtype: torch.dtype, head_dim: int, kind: str) -> Optional[str]:
