@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import math
 import os
@@ -177,7 +178,7 @@ def run_recompute_variant(s=12, b=3, d=24, V=50, seed=3, token_chunk=5, vocab_ch
     return [(a - b).abs().max().item() for a, b in zip(*res)]
 
 
-def run_tied(s=8, b=2, d=16, V=40, seed=5, dtype=torch.float32):
+def run_tied(s=8, b=2, d=16, V=40, seed=5, dtype=torch.float32, impl="torch"):
     """Embedding and output layer share one weight (Megatron's tied embeddings); fused vs Megatron.
 
     Returns (max |grad_fused - grad_megatron| of the shared weight, max |grad|, max |output-layer
@@ -203,7 +204,7 @@ def run_tied(s=8, b=2, d=16, V=40, seed=5, dtype=torch.float32):
             hidden = hidden.detach()
         if path in ("fused", "output_only"):
             loss = fused_linear_cross_entropy(hidden, emb.weight, labels, tp_group=group, ignore_index=IGNORE,
-                                              loss_mask=mask, token_chunk=3, vocab_chunk=7)
+                                              loss_mask=mask, token_chunk=3, vocab_chunk=7, impl=impl)
         elif path == "megatron":
             loss = megatron_losses(hidden, emb.weight, labels, tp)
         else:
@@ -216,23 +217,42 @@ def run_tied(s=8, b=2, d=16, V=40, seed=5, dtype=torch.float32):
             (grads["output_only"] + grads["embedding_only"] - grads["fused"]).abs().max().item())
 
 
-def largest_tensor(fn_name, s=16, b=4, d=8, V=96, token_chunk=16, vocab_chunk=32, kind="binary"):
-    """Largest tensor produced during forward + backward of one path ("fused", "recompute", "megatron")."""
-    hidden, weight, labels, mask = make_inputs(s, b, d, V, 11, torch.float32)
+class LargestStorage(TorchDispatchMode):
+    """Records the largest storage (in bytes) behind any tensor an op produces while active. Under
+    Triton's interpreter a launch copies each tensor argument's whole storage to and from the host
+    (as a byte tensor): never more bytes than the op itself allocated, so bytes are the fair count."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.nbytes = max(self.nbytes, t.untyped_storage().nbytes())
+        return out
+
+
+def largest_tensor(fn_name, s=16, b=4, d=8, V=96, token_chunk=16, vocab_chunk=32, kind="binary", impl="torch",
+                   dtype=torch.float32, probe_cls=None):
+    """Largest tensor produced during forward + backward of one path ("fused", "recompute", "megatron"):
+    its number of elements (LargestTensor), or with ``probe_cls=LargestStorage`` its storage's bytes."""
+    hidden, weight, labels, mask = make_inputs(s, b, d, V, 11, dtype)
     r, scale, hint = objective_weights(kind, labels, mask, 11)
     h, w = leaf(hidden), leaf(weight)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FusedLossRecomputeWarning)
-        with LargestTensor() as probe:
+        with (probe_cls or LargestTensor)() as probe:
             if fn_name == "fused":
                 loss = fused_linear_cross_entropy(h, w, labels, loss_mask=hint, token_chunk=token_chunk,
-                                                  vocab_chunk=vocab_chunk)
+                                                  vocab_chunk=vocab_chunk, impl=impl)
             elif fn_name == "recompute":
                 loss = recompute_linear_cross_entropy(h, w, labels, token_chunk=token_chunk, vocab_chunk=vocab_chunk)
             else:
                 loss = reference_linear_cross_entropy(h, w, labels)
             ((loss * r).sum() * scale).backward()
-    return probe.numel
+    return probe.nbytes if probe_cls is LargestStorage else probe.numel
 
 
 def bad_input_errors_tp():
@@ -403,7 +423,8 @@ def reads_and_collectives(s=10, b=2, d=8, V=20, sequence_parallel=False, kind="b
     return out
 
 
-def main_grad_case(dtype=torch.float32, kind="binary", ddp_attrs=True, zero_out_wgrad=False, s=9, b=2, d=12, V=30):
+def main_grad_case(dtype=torch.float32, kind="binary", ddp_attrs=True, zero_out_wgrad=False, s=9, b=2, d=12, V=30,
+                   impl="torch"):
     """accumulate_into_main_grad=True on a weight given a pre-filled fp32 main_grad by hand (as
     Megatron's DDP does). Returns the main_grad increment's error against the unfused gradient
     (fp32 reference, and Megatron's bf16 path for bf16), the returned weight gradient and flags."""
@@ -421,7 +442,7 @@ def main_grad_case(dtype=torch.float32, kind="binary", ddp_attrs=True, zero_out_
         before = dict(backward_paths)
         loss = fused_linear_cross_entropy(x["h"], w, x["labels"], tp_group=x["group"], ignore_index=IGNORE,
                                           loss_mask=x["hint"], accumulate_into_main_grad=True, token_chunk=4,
-                                          vocab_chunk=8)
+                                          vocab_chunk=8, impl=impl)
         ((loss * x["r"]).sum() * x["scale"]).backward()
     h_r, w_r = leaf(x["h"], torch.float32), leaf(w, torch.float32)
     loss_r = reference_linear_cross_entropy(h_r, w_r, x["labels"], tp_group=x["group"], ignore_index=IGNORE)
@@ -489,6 +510,69 @@ def triton_tp_case():
     return run_case(impl="triton", with_megatron=False, kind="binary")
 
 
+def triton_tp_more():
+    """TP=2 on the fast path, each rank: recompute backward with sequence parallelism (fp32, vs the
+    reference), and bf16 with Megatron's unfused bf16 error as the yardstick (megref_*)."""
+    return {"sp_mismatch": run_case(impl="triton", with_megatron=False, kind="mismatch", sequence_parallel=True),
+            "sp_binary": run_case(impl="triton", with_megatron=False, kind="binary", sequence_parallel=True),
+            "bf16": run_case(impl="triton", dtype=torch.bfloat16, kind="binary")}
+
+
+def triton_main_grad_and_tied():
+    """main_grad accumulation (scaled and recompute paths, fp32 and bf16) and a tied embedding /
+    output weight on the fast path; on each rank."""
+    return {"main_grad_binary": main_grad_case(impl="triton"),
+            "main_grad_mismatch": main_grad_case(impl="triton", kind="mismatch"),
+            "main_grad_bf16": main_grad_case(impl="triton", dtype=torch.bfloat16),
+            "tied": run_tied(impl="triton")}
+
+
+def auto_case():
+    """impl="auto" with the CPU counted as a fast-path device: the self-check runs (the interpreted
+    kernel), passes, the log line names the implementation, and the call runs the fast walk."""
+    import logging
+
+    from megatron_burst.loss import choice, fast
+
+    choice.FAST_DEVICE_TYPES = ("cuda", "cpu")
+    records = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    log = logging.getLogger("megatron_burst.loss")
+    handler, level = _Keep(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    walks = {"n": 0}
+    orig = fast.chunked_forward
+
+    def counting(*a, **k):
+        walks["n"] += 1
+        return orig(*a, **k)
+
+    fast.chunked_forward = counting
+    try:
+        hidden, weight, labels, mask = make_inputs(6, 2, 8, 20, 4, torch.float32)
+        before = dict(backward_paths)
+        h, w = leaf(hidden), leaf(weight)
+        loss = fused_linear_cross_entropy(h, w, labels, loss_mask=mask, token_chunk=5)  # impl="auto"
+        ((loss * mask).sum() / mask.sum()).backward()
+        paths = {k: backward_paths[k] - before.get(k, 0) for k in ("scaled", "recompute")}
+        h_r, w_r = leaf(hidden), leaf(weight)
+        loss_r = reference_linear_cross_entropy(h_r, w_r, labels)
+        ((loss_r * mask).sum() / mask.sum()).backward()
+    finally:
+        fast.chunked_forward = orig
+        log.removeHandler(handler)
+        log.setLevel(level)
+    return {"logged": records, "walks": walks["n"], "paths": paths,
+            "verdicts": {f"{dev} {dt}": v is True for (dev, dt), v in choice._VERDICTS.items()},
+            "err": max((loss - loss_r).abs().max().item(), (h.grad - h_r.grad).abs().max().item(),
+                       (w.grad - w_r.grad).abs().max().item())}
+
+
 def triton_main():
     """Print a JSON dict {case: errors} for the Triton kernels; needs TRITON_INTERPRET=1 at startup."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
@@ -499,10 +583,25 @@ def triton_main():
         for kind in ("binary", "mismatch"):
             # 39 tokens in chunks of 8 (partial last chunk); 50 vocabulary rows in tiles of 16.
             results[f"{str(dtype)[6:]}-{kind}"] = _triton_case(dtype, kind, 8)
+    # 64 tokens x 96 vocabulary rows in chunks of 16 tokens: bytes of the largest storage any op
+    # produced (the reference path's shows that the probe sees N x V).
+    largest = functools.partial(largest_tensor, probe_cls=LargestStorage)
+    results["largest"] = {"reference": largest("reference"),
+                          "binary": largest("fused", impl="triton"),
+                          "mismatch": largest("fused", impl="triton", kind="mismatch"),
+                          "bf16": largest("fused", impl="triton", dtype=torch.bfloat16),
+                          "bf16_mismatch": largest("fused", impl="triton", dtype=torch.bfloat16, kind="mismatch")}
+    try:
+        results["auto"] = auto_case()
+    except Exception as e:  # reported, so that the assertions on the other cases still run first
+        results["auto"] = {"error": f"{type(e).__name__}: {e}"}
     import fused_loss_cases  # not __main__: the ranks must unpickle the function by its module name
     from harness import run_ranks, shutdown_pools
     try:
         results["tp2"] = run_ranks(2, fused_loss_cases.triton_tp_case, timeout=300)
+        results["tp2_more"] = run_ranks(2, fused_loss_cases.triton_tp_more, timeout=300)
+        results["extras"] = {str(tp): run_ranks(tp, fused_loss_cases.triton_main_grad_and_tied, timeout=300)
+                             for tp in (1, 2)}
     finally:
         shutdown_pools(stop_forkserver=True)
     print(json.dumps(results))

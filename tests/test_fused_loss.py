@@ -354,9 +354,12 @@ def test_bad_inputs_name_the_value_and_the_fix():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton is not installed (pip install triton): the Triton kernels are untested")
 def test_triton_kernels_under_interpreter():
-    """Both Triton kernels on CPU (TRITON_INTERPRET=1, a fresh process: the variable must be set
-    before triton is imported): fp32 and bf16, scaled and recompute paths, TP = 1 and 2; 39 tokens
-    in chunks of 8, 50 vocabulary rows in tiles of 16."""
+    """The fast path (impl="triton": GEMMs + the Triton kernel) on CPU (TRITON_INTERPRET=1, a fresh
+    process: the variable must be set before triton is imported) against the fp32 reference: fp32
+    and bf16, scaled and recompute paths, TP = 1 and 2 (with and without sequence parallelism),
+    ignored labels and loss masks, main_grad accumulation, tied embeddings; no N x V storage; and
+    impl="auto" choosing it after its self-check ran the interpreted kernel. 39 tokens in chunks
+    of 8, 50 vocabulary rows in tiles of 16 (TP = 2: 25 per rank)."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
@@ -379,3 +382,37 @@ def test_triton_kernels_under_interpreter():
     for res in results["tp2"]:
         _check_fp32(res, sources=("ref",))
         _check_path(res, "binary")
+    for rank in results["tp2_more"]:
+        _check_fp32(rank["sp_mismatch"], sources=("ref",))
+        _check_path(rank["sp_mismatch"], "mismatch")
+        _check_fp32(rank["sp_binary"], sources=("ref",))
+        _check_path(rank["sp_binary"], "binary")
+        r = rank["bf16"]  # against the reference, within Megatron's own bf16 error (megref)
+        _check_path(r, "binary")
+        assert r["ignored_loss"] == 0.0 and r["ref_loss"] <= FP32_TOL * r["scale_loss"], r
+        _check_bf16_vs_megatron(r)
+    for tp, ranks in results["extras"].items():
+        for rank in ranks:
+            for kind in ("binary", "mismatch"):
+                r = rank[f"main_grad_{kind}"]
+                _check_path(r, kind)
+                assert r["err_vs_ref"] <= FP32_TOL * r["scale"], (tp, kind, r)
+                assert r["grad"][0] == [30 // int(tp), 12] and r["grad_added_to_main_grad"], r
+            r = rank["main_grad_bf16"]
+            assert r["err_vs_ref"] <= r["megatron_err_vs_ref"], r
+            err, scale, out_part, emb_part, sum_err = rank["tied"]
+            assert err <= FP32_TOL * scale and sum_err <= FP32_TOL * scale
+            assert out_part > 0.1 * scale and emb_part > 0.1 * scale
+    # Bytes of the largest storage of forward + backward (64 tokens x 96 rows, chunks of 16): the
+    # chunk's fp32 logits, never N x V (which the reference path shows the probe sees).
+    largest = results["largest"]
+    assert largest["reference"] == 64 * 96 * 4
+    for case in ("binary", "mismatch", "bf16", "bf16_mismatch"):
+        assert largest[case] == 16 * 96 * 4, (case, largest)
+    auto = results["auto"]
+    assert "error" not in auto, auto["error"]
+    assert auto["verdicts"] == {"cpu torch.float32": True}  # the interpreted kernel passed its self-check
+    assert auto["logged"] == ["megatron-burst: fused LM loss on cpu / float32: triton (cuBLAS GEMMs + one fused "
+                              "Triton softmax-gradient pass per token chunk)"]
+    assert auto["walks"] == 3 and auto["paths"] == {"scaled": 1, "recompute": 0}
+    assert auto["err"] <= 1e-6

@@ -225,19 +225,24 @@ def _sparse_self_check(name: str, device: torch.device, dtype: torch.dtype) -> N
 def checked(name: str, device: torch.device, dtype: torch.dtype, head_dim: int, kinds: tuple[str, ...]) -> None:
     """Self-check ``name`` once per (device, dtype, head dim, kind); re-raise a remembered failure."""
     for kind in kinds:
-        key = (name, str(device), dtype, head_dim, kind)
-        if key not in _VERIFIED:
-            try:
-                if kind in SPARSE_KINDS:
-                    _sparse_self_check(name, device, dtype)
-                else:
-                    self_check(name, device, dtype, head_dim, (kind,))
-                _VERIFIED[key] = True
-            except KernelSelfCheckError as e:
-                _VERIFIED[key] = e
-        verdict = _VERIFIED[key]
-        if verdict is not True:
-            raise verdict
+        if kind in SPARSE_KINDS:
+            run = lambda: _sparse_self_check(name, device, dtype)  # noqa: E731
+        else:
+            run = lambda: self_check(name, device, dtype, head_dim, (kind,))  # noqa: E731
+        remembered(_VERIFIED, (name, str(device), dtype, head_dim, kind), run, KernelSelfCheckError)
+
+
+def remembered(verdicts: dict, key: tuple, check, error: type) -> None:
+    """Run ``check()`` once per ``key``: remember success, or the ``error`` it raised and raise it
+    again on every later call (a self-check runs once per process; its failure stays loud)."""
+    if key not in verdicts:
+        try:
+            check()
+            verdicts[key] = True
+        except error as e:
+            verdicts[key] = e
+    if verdicts[key] is not True:
+        raise verdicts[key]
 
 
 def _cpu_choice(kind: str, dtype: torch.dtype, policy: KernelPolicy) -> tuple[str, str]:

@@ -5,9 +5,11 @@
   reference_linear_cross_entropy  -- plain full-logits fp32 autograd version (tests)
   backward_paths, FusedLossRecomputeWarning -- which backward path the fused op took
 
-Modules: fused (public function, algorithm), autograd (its autograd function), chunks (chunk
-walker, torch backend), triton_kernels (Triton backend), parallel (TP / SP collectives), config
-(validation and chunking), recompute, reference.
+Modules: fused (public function, algorithm), autograd (its autograd function), choice (what
+impl="auto" runs: the self-checked fast path on CUDA), fast (the GPU fast path: cuBLAS GEMMs + one
+fused Triton pass per chunk; FLOPs / bytes / memory), triton_kernels (its Triton kernel), chunks
+(chunk walker, torch backend), parallel (TP / SP collectives), config (validation and chunking),
+recompute, reference.
 """
 from megatron_burst.loss.autograd import FusedLossRecomputeWarning, backward_paths
 from megatron_burst.loss.config import DEFAULT_TILE_ELEMS

@@ -1,66 +1,61 @@
-"""Triton source of the kernels wrapped by :mod:`megatron_burst.loss.triton_kernels` (imports triton).
+"""Triton source of the fused loss's one elementwise kernel (imports triton).
 
-Plain functions: triton_kernels applies ``triton.jit`` on first use. See that module for the layout.
+A plain function: :mod:`megatron_burst.loss.triton_kernels` applies ``triton.jit`` on first use
+(see there for why). The layout and the algorithm are in :mod:`megatron_burst.loss.fast`.
 """
 from __future__ import annotations
 
 import triton.language as tl
 
-
-def logits_stats_kernel(H, W, BUF, TGT, MAX, SUMEXP, ZT, T, V, D,
-                        stride_h, stride_w, stride_buf,
-                        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """One program per BLOCK_T tokens: logits tiles into BUF, online max / sum-exp, target logit."""
-    pid = tl.program_id(0)
-    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = offs_t < T
-    tgt = tl.load(TGT + offs_t, mask=t_ok, other=-1)  # local target row, -1: not on this rank
-    run_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    run_sum = tl.zeros([BLOCK_T], tl.float32)
-    z_tgt = tl.zeros([BLOCK_T], tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V)
-        v_ok = offs_v < V
-        acc = tl.zeros([BLOCK_V, BLOCK_T], tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            d_ok = offs_d < D
-            w = tl.load(W + offs_v[:, None] * stride_w + offs_d[None, :],
-                        mask=v_ok[:, None] & d_ok[None, :], other=0.0)
-            h = tl.load(H + offs_t[:, None] * stride_h + offs_d[None, :],
-                        mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-            if UPCAST:  # interpreter only, see logits_stats
-                w = w.to(tl.float32)
-                h = h.to(tl.float32)
-            acc = tl.dot(w, tl.trans(h), acc, input_precision=PRECISION)
-        tl.store(BUF + offs_v[:, None] * stride_buf + offs_t[None, :], acc,
-                 mask=v_ok[:, None] & t_ok[None, :])
-        # Padding rows of the last tile must not win the max or add to the sum.
-        acc = tl.where(v_ok[:, None], acc, float("-inf"))
-        new_max = tl.maximum(run_max, tl.max(acc, axis=0))
-        # exp(-inf - finite) = 0 makes the first tile's rescale harmless.
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(acc - new_max[None, :]), axis=0)
-        run_max = new_max
-        z_tgt += tl.sum(tl.where(offs_v[:, None] == tgt[None, :], acc, 0.0), axis=0)
-    tl.store(MAX + offs_t, run_max, mask=t_ok)
-    tl.store(SUMEXP + offs_t, run_sum, mask=t_ok)
-    tl.store(ZT + offs_t, z_tgt, mask=t_ok)
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the GPU's native instruction
 
 
-def softmax_grad_kernel(BUF, G, TGT, MAX, SUMEXP, WTS, T, V, stride_buf, stride_g,
-                        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One program per (BLOCK_V, BLOCK_T) tile: G = w * (exp(z - m) / s - onehot), cast to G's dtype."""
-    offs_v = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
-    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    v_ok = offs_v < V
-    t_ok = offs_t < T
-    ok = v_ok[:, None] & t_ok[None, :]
-    z = tl.load(BUF + offs_v[:, None] * stride_buf + offs_t[None, :], mask=ok, other=0.0)
-    m = tl.load(MAX + offs_t, mask=t_ok, other=0.0)
-    s = tl.load(SUMEXP + offs_t, mask=t_ok, other=1.0)
-    w = tl.load(WTS + offs_t, mask=t_ok, other=0.0)
-    tgt = tl.load(TGT + offs_t, mask=t_ok, other=-1)
-    p = tl.exp(z - m[None, :]) / s[None, :]
-    p = tl.where(offs_v[:, None] == tgt[None, :], p - 1.0, p) * w[None, :]
-    tl.store(G + offs_v[:, None] * stride_g + offs_t[None, :], p.to(G.dtype.element_ty), mask=ok)
+def ce_rows_kernel(Z, G, TGT, WTS, MAX, SUMEXP, ZTGT, V, stride_z, stride_g,
+                   BLOCK_V: tl.constexpr, STATS: tl.constexpr, GRAD: tl.constexpr):
+    """One program per token row of the chunk's logits ``Z`` [T, V] (fp32, row stride stride_z).
+
+    STATS: walk the row once in BLOCK_V tiles, keeping the running max m and sum exp(z - m) in
+    fp32 (one exp per logit: the sum is rescaled once per tile), and read the target's logit;
+    store m, s and z_target (0 where TGT < 0: no target in this shard) to MAX, SUMEXP, ZTGT.
+    Without STATS, m and s (the global ones, combined over TP by the caller) are read from MAX
+    and SUMEXP instead.
+    GRAD: walk the row again and store the gradient of the per-token loss with respect to the
+    logits, weighted by WTS: ``G[t, v] = w_t * (exp(z - m) / s - [v == target])`` in G's dtype
+    (bf16 for bf16 inputs, the GEMM operand; G may be Z itself when both are fp32).
+    """
+    row = tl.program_id(0).to(tl.int64)
+    z_row = Z + row * stride_z
+    tgt = tl.load(TGT + row)  # local target column; -1: not in this shard (or ignored)
+    cols = tl.arange(0, BLOCK_V)
+    if STATS:
+        # The target's logit is read first: with G aliasing Z (fp32), another warp may already be
+        # writing gradients into the row once the cross-warp reductions below have passed.
+        z_tgt = tl.load(z_row + tl.maximum(tgt, 0))
+        z_tgt = tl.where(tgt >= 0, z_tgt, 0.0)
+        # First tile peeled off, so that m and s enter the loop as fp32 values (and m is finite).
+        z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
+        m = tl.max(z, axis=0)
+        s = tl.sum(tl.exp2((z - m) * LOG2E), axis=0)
+        for v0 in range(BLOCK_V, V, BLOCK_V):
+            offs = v0 + cols
+            z = tl.load(z_row + offs, mask=offs < V, other=float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp2((m - m_new) * LOG2E) + tl.sum(tl.exp2((z - m_new) * LOG2E), axis=0)
+            m = m_new
+        tl.store(MAX + row, m)
+        tl.store(SUMEXP + row, s)
+        tl.store(ZTGT + row, z_tgt)
+    else:
+        m = tl.load(MAX + row)
+        s = tl.load(SUMEXP + row)
+    if GRAD:
+        w = tl.load(WTS + row)
+        coef = w / s
+        g_row = G + row * stride_g
+        for v0 in range(0, V, BLOCK_V):
+            offs = v0 + cols
+            ok = offs < V
+            z = tl.load(z_row + offs, mask=ok, other=0.0)
+            g = tl.exp2((z - m) * LOG2E) * coef
+            g = tl.where(offs == tgt, g - w, g)
+            tl.store(g_row + offs, g.to(G.dtype.element_ty), mask=ok)

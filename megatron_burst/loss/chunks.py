@@ -2,10 +2,10 @@
 
 Per chunk (``LossConfig.token_chunk`` tokens) the logits live transposed in one reused fp32
 buffer ``buf`` ([V_local, T], contiguous): a tile of vocabulary rows is then a contiguous slice,
-and both gradient matmuls read ``buf`` (or its transpose) as is. The per-chunk steps dispatch on
-``LossConfig.impl``: "torch" (the code here: GEMMs plus elementwise passes) or "triton" (fused
-logits tile loop and softmax-gradient pass in :mod:`megatron_burst.loss.triton_kernels`; the
-gradient GEMMs stay in torch).
+and both gradient matmuls read ``buf`` (or its transpose) as is. This is the "torch" implementation
+(GEMMs plus torch elementwise passes, any device); ``LossConfig.impl == "triton"`` hands the whole
+walk to :mod:`megatron_burst.loss.fast` (cuBLAS GEMMs with fp32 logits and an in-GEMM fp32
+weight-gradient accumulator, one fused Triton pass per chunk).
 
 Whole sequences: :func:`chunked_forward` (loss, per-token stats and, on request, the gradient
 factors D and A of the fused op), :func:`recompute_grads` (exact gradients for any incoming
@@ -20,7 +20,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_burst.loss import triton_kernels
+from megatron_burst.loss import fast
 from megatron_burst.loss.config import LossConfig
 from megatron_burst.loss.parallel import all_reduce_stats, gather_sequence
 
@@ -58,22 +58,13 @@ def _logits_torch(h: torch.Tensor, weight: torch.Tensor, buf: torch.Tensor, cfg:
 
 def _chunk_forward(h: torch.Tensor, weight: torch.Tensor, tgt: torch.Tensor, hit: torch.Tensor,
                    buf: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logits of one chunk into buf; returns the global (max M, sum exp(z - M), z_target - M), [T] each.
-
-    Afterwards buf holds exp(z - M) for the torch path and the raw logits z for the Triton path;
-    :func:`_chunk_grad` and :func:`_chunk_recompute` know which.
-    """
-    if cfg.impl == "triton":
-        m_loc, s_loc, z_tgt = triton_kernels.logits_stats(h, weight, torch.where(hit, tgt, -1), buf)
-        m = m_loc.clone()
-        all_reduce_stats(m, dist.ReduceOp.MAX, cfg)
-        s = s_loc * torch.exp(m_loc - m)  # rescale the local sum to the global max
-    else:
-        m = _logits_torch(h, weight, buf, cfg)
-        z_tgt = buf.gather(0, tgt[None])[0]
-        all_reduce_stats(m, dist.ReduceOp.MAX, cfg)
-        buf.sub_(m).exp_()
-        s = buf.sum(dim=0)
+    """Logits of one chunk into buf; returns the global (max M, sum exp(z - M), z_target - M), [T]
+    each, and leaves exp(z - M) in buf."""
+    m = _logits_torch(h, weight, buf, cfg)
+    z_tgt = buf.gather(0, tgt[None])[0]
+    all_reduce_stats(m, dist.ReduceOp.MAX, cfg)
+    buf.sub_(m).exp_()
+    s = buf.sum(dim=0)
     # One all-reduce for both sums; only the rank holding a token's target contributes its logit.
     sums = torch.stack([s, torch.where(hit, z_tgt - m, 0.0)])
     all_reduce_stats(sums, dist.ReduceOp.SUM, cfg)
@@ -83,20 +74,13 @@ def _chunk_forward(h: torch.Tensor, weight: torch.Tensor, tgt: torch.Tensor, hit
 def _chunk_recompute(h: torch.Tensor, weight: torch.Tensor, m: torch.Tensor, buf: torch.Tensor,
                      cfg: LossConfig) -> None:
     """Recompute a chunk's logits into buf, in the state :func:`_chunk_forward` leaves it in."""
-    if cfg.impl == "triton":
-        no_target = torch.full((h.shape[0],), -1, dtype=torch.long, device=h.device)
-        triton_kernels.logits_stats(h, weight, no_target, buf)
-    else:
-        _logits_torch(h, weight, buf, cfg)
-        buf.sub_(m).exp_()
+    _logits_torch(h, weight, buf, cfg)
+    buf.sub_(m).exp_()
 
 
 def _chunk_grad(buf: torch.Tensor, m: torch.Tensor, s: torch.Tensor, tgt: torch.Tensor, hit: torch.Tensor,
                 wts: torch.Tensor, gbuf: Optional[torch.Tensor], cfg: LossConfig) -> torch.Tensor:
     """G = wts * (softmax - onehot), [V_local, T], in the matmul dtype (gbuf, or buf itself for fp32)."""
-    if cfg.impl == "triton":
-        out = buf if gbuf is None else gbuf
-        return triton_kernels.softmax_grad(buf, torch.where(hit, tgt, -1), m, s, wts, out)
     # w * (e / s - onehot) as e * (w / s) - w * onehot: one pass over the tile instead of two
     # (Megatron divides, subtracts, then multiplies; the results differ by one rounding at most).
     buf.mul_(wts / s)
@@ -167,6 +151,8 @@ def chunked_forward(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     fp32), D ([N, d], h's dtype, partial over this rank's vocabulary -- not yet reduced over TP --
     or None) and A ([V_local, d] fp32, or None).
     """
+    if cfg.impl == "triton":
+        return fast.chunked_forward(h, weight, labels, wts, cfg, need_dh, need_dw)
     N, d = h.shape
     loss = torch.empty(N, dtype=torch.float32, device=h.device)
     m_all, s_all = torch.empty_like(loss), torch.empty_like(loss)
@@ -190,6 +176,8 @@ def recompute_grads(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     in h's dtype, partial over this rank's vocabulary -- not yet reduced over TP -- or None,
     d weight [V_local, d] as an fp32 accumulator, or None).
     """
+    if cfg.impl == "triton":
+        return fast.recompute_grads(h, weight, labels, m_all, s_all, g, cfg, need_dh, need_dw)
     N, d = h.shape
     dh = torch.empty_like(h) if need_dh else None
     dw = torch.zeros(cfg.v_local, d, dtype=torch.float32, device=h.device) if need_dw else None

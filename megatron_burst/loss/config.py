@@ -2,7 +2,11 @@
 
 :func:`make_loss_config` checks the arguments of :func:`~megatron_burst.loss.fused_linear_cross_entropy`
 (and of the recompute baseline) on the host -- shapes, dtypes, devices, chunk sizes: no tensor is
-read, no collective runs -- and returns a :class:`LossConfig`. The one check that needs the label
+read, no collective runs -- resolves ``impl="auto"`` (:mod:`megatron_burst.loss.choice`; its
+one-time self-check runs on the device), fixes the chunking and returns a :class:`LossConfig`.
+One exception to "no collective": on CUDA under TP with the default chunk, the ranks agree on the
+chunk once per shape (a MIN all-reduce and one host read, then cached), since the fast path's
+default depends on each rank's free memory. The one check that needs the label
 *values* (every label in the vocabulary or ``ignore_index``) is split in two, so that it costs no
 host read of its own: :func:`labels_out_of_range` forms the answer on the device and
 :func:`raise_label_error` (error path only) locates the offending label for the message;
@@ -41,7 +45,7 @@ class LossConfig:
     vocab_chunk: int  # vocabulary rows per logits tile within a chunk
     ignore_index: int
     sequence_parallel: bool  # hidden (and its gradient) is this rank's sequence shard
-    impl: str  # "torch" or "triton"
+    impl: str  # "torch" or "triton" (resolved: never "auto")
 
     @property
     def vocab_start(self) -> int:
@@ -98,23 +102,53 @@ def make_loss_config(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     for arg, v in (("token_chunk", token_chunk), ("vocab_chunk", vocab_chunk)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"{name}: {arg} must be a positive int (or None for the default), got {v!r}")
-    if token_chunk is None:
-        # The chunk's logits tile is token_chunk x V_local fp32; bound it, not the token count.
-        token_chunk = max(1, DEFAULT_TILE_ELEMS // v_local)
-        if token_chunk >= 128:
-            token_chunk -= token_chunk % 128  # whole GEMM tiles
-    token_chunk = min(token_chunk, n_tokens)
-    vocab_chunk = min(vocab_chunk or DEFAULT_VOCAB_CHUNK, v_local)
-    if impl == "auto":
-        # The Triton kernels are correctness-tested (interpreter) but not yet timed on a GPU; until
-        # they are, torch (cuBLAS GEMMs + elementwise passes) is the measured, safe default.
-        impl = "torch"
-    if impl not in ("torch", "triton"):
+    if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"{name}: impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     if impl == "triton":
         triton_kernels.check_device(hidden)
+    from megatron_burst.loss.choice import resolve_impl  # imports the kernels' policy: not at module load
+
+    impl = resolve_impl(impl, hidden)
+    if token_chunk is None:
+        token_chunk = default_token_chunk(n_tokens, v_local, hidden.shape[-1], hidden.dtype, hidden.device, impl)
+        if tp_size > 1 and hidden.is_cuda:
+            # The chunk count fixes the number of collectives: every rank must walk the same chunks,
+            # but free memory (fast path) or a fallback (another impl) may differ between ranks.
+            token_chunk = _agreed_chunk(token_chunk, tp_group, (n_tokens, v_local, hidden.shape[-1], hidden.dtype),
+                                        hidden.device)
+    token_chunk = min(token_chunk, n_tokens)
+    vocab_chunk = min(vocab_chunk or DEFAULT_VOCAB_CHUNK, v_local)
     return LossConfig(tp_group if tp_size > 1 else None, tp_size, tp_rank, v_local, token_chunk, vocab_chunk,
                       ignore_index, bool(sequence_parallel), impl)
+
+
+def default_token_chunk(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, device: torch.device,
+                        impl: str) -> int:
+    """Tokens per chunk when the caller gives none. torch path: a token_chunk x V_local fp32 logits
+    tile of at most DEFAULT_TILE_ELEMS values; fast path: :func:`megatron_burst.loss.fast.default_token_chunk`
+    (a bounded number of bytes per chunk, at least ~1024 tokens, within the free memory)."""
+    if impl == "triton":
+        from megatron_burst.loss.fast import default_token_chunk as fast_chunk
+
+        return fast_chunk(n_tokens, v_local, d, dtype, device)
+    token_chunk = max(1, DEFAULT_TILE_ELEMS // v_local)
+    if token_chunk >= 128:
+        token_chunk -= token_chunk % 128  # whole GEMM tiles
+    return token_chunk
+
+
+_AGREED_CHUNKS: dict[tuple, int] = {}
+
+
+def _agreed_chunk(token_chunk: int, group: dist.ProcessGroup, shape: tuple, device: torch.device) -> int:
+    """The smallest of the ranks' default chunks (one MIN all-reduce and host read per group and
+    shape, then cached; the key holds only what every rank shares)."""
+    key = (id(group), shape)
+    if key not in _AGREED_CHUNKS:
+        t = torch.tensor([token_chunk], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        _AGREED_CHUNKS[key] = int(t.item())
+    return _AGREED_CHUNKS[key]
 
 
 def token_weights(labels: torch.Tensor, loss_mask: Optional[torch.Tensor], ignore_index: int) -> torch.Tensor:

@@ -63,10 +63,19 @@ out-of-range label raises the ValueError from the backward). The scale c stays o
 Without a backward (no_grad, frozen inputs) the label check is read in the forward instead, before
 any collective. Validation of shapes, dtypes and chunk sizes is host metadata only.
 
-Code map: :mod:`.config` (validation, chunking: :class:`LossConfig`), :mod:`.parallel` (TP / SP
-collectives), :mod:`.chunks` (chunk walker, torch backend), :mod:`.triton_kernels` (Triton
-backend), :mod:`.autograd` (the autograd function, the backward's decision), this module (the
-public function).
+Implementations (``impl``): "triton", the GPU fast path (:mod:`.fast`: cuBLAS GEMMs with fp32
+logits and an in-GEMM fp32 weight-gradient accumulator, one fused Triton softmax-gradient pass per
+chunk; its FLOPs, bytes and memory are worked out there), and "torch" (:mod:`.chunks`: the same
+algorithm in torch ops, any device). "auto" (:mod:`.choice`) runs "triton" on CUDA after a
+one-time self-check against the fp32 reference that raises on failure
+(``MEGATRON_BURST_ALLOW_SLOW_KERNELS=1``: warn and run "torch"), and "torch" elsewhere; the
+decision is logged on ``logging.getLogger("megatron_burst.loss")``.
+
+Code map: :mod:`.config` (validation, chunking: :class:`LossConfig`), :mod:`.choice` (what "auto"
+runs, the self-check), :mod:`.parallel` (TP / SP collectives), :mod:`.chunks` (chunk walker, torch
+backend), :mod:`.fast` (the fast path's walk), :mod:`.triton_kernels` (its Triton kernel),
+:mod:`.autograd` (the autograd function, the backward's decision), this module (the public
+function).
 """
 from __future__ import annotations
 
@@ -118,19 +127,22 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         accumulate_into_main_grad: Megatron's ``gradient_accumulation_fusion``: add d(weight) in
             fp32 into ``weight.main_grad`` (which must exist: Megatron's DDP creates it) and return
             Megatron's placeholder as the weight gradient (see the module docstring).
-        token_chunk: tokens per chunk (default: DEFAULT_TILE_ELEMS / (V/tp), so a chunk's fp32
-            logits tile holds at most 64 Mi values); must be equal on all TP ranks.
-        vocab_chunk: vocabulary rows per logits tile (default 16384).
-        impl: "torch" (any device), "triton" (CUDA, or CPU with TRITON_INTERPRET=1: fused logits
-            tile loop with online log-sum-exp, then torch GEMMs for the gradients) or "auto"
-            (currently torch everywhere: the Triton kernels have not been timed on a GPU yet).
+        token_chunk: tokens per chunk (default: impl "torch": DEFAULT_TILE_ELEMS / (V/tp), so a
+            chunk's fp32 logits tile holds at most 64 Mi values; impl "triton": about 1 GiB of
+            chunk buffers, at least 1024 tokens where memory allows -- see
+            :func:`megatron_burst.loss.fast.default_token_chunk`); must be equal on all TP ranks
+            (the defaults are agreed on CUDA).
+        vocab_chunk: vocabulary rows per logits tile of the torch path (default 16384).
+        impl: "auto" (the fast path on CUDA after its self-check, else "torch"), "triton" (CUDA,
+            or CPU with TRITON_INTERPRET=1: cuBLAS GEMMs + one fused Triton pass per chunk) or
+            "torch" (any device).
 
     Returns:
         fp32 per-token loss ``logsumexp_v(z_tv) - z_t,label`` with the labels' shape; 0 at ignored
         labels (whose hidden/weight gradients are 0 whatever the incoming gradient).
 
     Memory: per chunk, the fp32 logits tile token_chunk x V/tp (plus its bf16 copy for bf16
-    inputs, and a bf16 vocab_chunk x token_chunk logits tile), and in the forward the partial D
+    inputs; the torch path also a bf16 vocab_chunk x token_chunk logits tile), and in the forward the partial D
     [N, d] (and, under sequence parallelism, the gathered hidden states [N, d]). Kept from forward
     to backward: D reduced over TP ([N, d], or [N/tp, d] under sequence parallelism; input
     dtype), the fp32 weight-gradient accumulator [V/tp, d], the per-token max and sum-exp [N]

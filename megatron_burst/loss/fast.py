@@ -1,0 +1,296 @@
+"""The fused loss's GPU fast path (``impl="triton"``): cuBLAS GEMMs and one fused Triton pass per chunk.
+
+Per token chunk of T tokens (this rank's V_local = V/tp vocabulary rows, hidden size d):
+
+1. **logits** ``z = h_c W^T`` [T, V_local] -- one cuBLAS GEMM, bf16 operands, fp32 accumulation
+   and an **fp32 result** (``torch.mm(..., out_dtype=torch.float32)``): the logits are never
+   rounded to bf16, so the loss is as accurate as an fp32 computation and the gradient carries
+   one bf16 rounding (of G) instead of two (Megatron rounds the logits too).
+2. **one Triton pass** over the rows (:func:`~megatron_burst.loss.triton_kernels.ce_rows`): per
+   row the running max and sum-exp (one exp per logit) and the target logit, then the weighted
+   logits gradient ``G = w (softmax - onehot)`` written in bf16 -- the operand of the two
+   gradient GEMMs. At TP = 1 both walks of a row happen in one launch (one program per row reads
+   it twice: the statistics must be complete before its gradient is written); under TP the
+   statistics are all-reduced between a statistics launch and a gradient launch (two small
+   all-reduces per chunk, as the torch path).
+3. **d hidden** ``D_c = G W`` [T, d] -- cuBLAS, written straight into the [N, d] buffer that
+   becomes the hidden gradient (input dtype: one rounding of an fp32-accumulated sum over V).
+4. **d weight** ``A += G^T h_c`` [V_local, d] -- cuBLAS with an fp32 C operand accumulated *in
+   the GEMM* (``torch.addmm(A, G^T, h_c, out_dtype=torch.float32, out=A)``; the first chunk
+   writes A with beta = 0, so A needs no zeroing). Where torch lacks that overload, each vocabulary
+   tile's fp32 product goes through a tile-sized temporary (measured once per device, logged).
+
+No fourth GEMM: the backward only scales D and A by the incoming scalar c (see
+:mod:`megatron_burst.loss.fused`), or, for a gradient not proportional to the loss mask, runs
+this same chunk walk with the actual per-token gradient (the documented recompute path).
+
+FLOPs and bytes (N tokens, bf16, TP = 1, per chunk of T tokens):
+
+* GEMMs: 3 x 2 T V d, the unfused path's three and no more (2 N V d each over the sequence:
+  17.6 TFLOP each, 52.8 TFLOP in all at N = 16K, V = 128K, d = 4096).
+* Logits-sized traffic, per logit: 4 B written by the logits GEMM (1), 4 + 4 B read and 2 B written
+  by the Triton pass (2), 2 + 2 B read by the gradient GEMMs (3, 4) -- 18 B, one elementwise kernel. The unfused path
+  moves about 46 B per logit in 6-8 elementwise kernels (bf16 logits, their fp32 copy,
+  log-softmax, its gradient, the bf16 cast) and holds N x V of them at once.
+* Weight-gradient accumulator: 8 V d B (fp32 read + write in the epilogue of GEMM 4) per chunk,
+  i.e. (N / T) x 8 V d over the sequence -- the price of chunking over tokens. Its intensity is
+  therefore about T / 4 FLOP per byte of A: T >= 1024 keeps it above Hopper's ~300 FLOP/B ridge
+  (989 TFLOP/s over 3.35-4.8 TB/s), which is why the default chunk is large (below).
+
+Memory (beyond inputs and the gradients themselves): one chunk's fp32 logits and bf16 G, T x
+V_local x 6 B (fp32 inputs: 4 B, G overwrites z in place); the hidden-gradient factor D [N, d] in
+the input dtype -- it *becomes* d hidden -- and the fp32 accumulator A [V_local, d] -- 8 B per
+weight element with the bf16 weight gradient it turns into. Nothing of size N x V exists.
+At N = 16K, V = 128K, d = 4096, bf16: chunk 1024 tokens = 768 MiB, D = 128 MiB, A = 2 GiB,
+d weight (bf16, allocated by the backward while A is alive) = 1 GiB -- a peak of ~3.1 GiB above the
+inputs (gradients included), against the unfused path's ~24 GiB. Cut Cross-Entropy's 1154 MiB and
+Liger-Kernel's 1408 MiB there are the two bf16 gradients themselves (1152 MiB) plus nothing, or a
+256 MiB chunk: Liger accumulates d weight over token chunks in bf16 (hence its 1.5e-3 d weight
+error, ~9x the unfused path's), CCE recomputes the logits. Reaching their memory without either
+would take the fp32 accumulator A away, which no token-chunked order allows: d weight sums over
+all tokens, and its per-token factors need each token's full log-sum-exp first. With Megatron's
+gradient-accumulation fusion (``accumulate_into_main_grad``) the bf16 d weight is never allocated
+(A is added into the fp32 ``main_grad``), so the op's peak there is D + A + one chunk.
+
+Default chunk (:func:`default_token_chunk`): T = FAST_CHUNK_BYTES (1 GiB) / (V_local x bytes per
+logit), at least 1024 tokens when memory allows (GEMM 4's intensity above), then capped so that
+the chunk plus D and A fit in half of the device's free memory (CUDA; plus the allocator's cached
+free blocks), rounded down to a multiple of 512 (256, 128) tokens, and never more than N. At V =
+128K: 1024 tokens; V = 32K: 5120; TP = 2 at V = 128K: 2560. Under TP the ranks agree on it (one
+MIN all-reduce per shape, cached: see :func:`megatron_burst.loss.config.make_loss_config`), since
+the number of chunks fixes the number of collectives.
+
+Why this should beat the unfused path and CCE on Hopper: the GEMMs are the unfused path's
+(cuBLAS, same shapes up to the chunking of one dimension; ~75 ms of the unfused path's 100 ms at
+the issue's shape on an H200), the logits-sized traffic drops from ~46 B to 18 B per logit in one
+kernel instead of several (~25 ms -> ~8 ms), and nothing N x V is allocated (the unfused path's
+24 GiB). The torch path of this op (172 ms there) lost its time in its weight-gradient
+accumulation -- an fp32 product per vocabulary tile written to a temporary and added to A, 8 V d
+B per chunk on top of the GEMM, over 32 chunks of 512 tokens -- and in ~10 elementwise passes per
+chunk; here the accumulation happens in the GEMM's epilogue, over half as many chunks. Cut
+Cross-Entropy recomputes the logits in its backward -- a fourth 2 N V d GEMM -- and makes up for
+it by skipping gradient blocks whose softmax values are negligible (its default gradient
+filtering; presumably where its 1e-2 gradient error at that shape comes from); this path skips
+nothing and computes the logits once.
+
+CPU (``TRITON_INTERPRET=1``, the tests): the same walk with the GEMMs as fp32 torch matmuls of the
+(exactly representable) bf16 values -- the products are exact in fp32, as on the tensor cores, so
+only the order of the fp32 sums differs from cuBLAS.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_burst.loss import triton_kernels
+from megatron_burst.loss.config import LossConfig
+from megatron_burst.loss.parallel import all_reduce_stats
+
+__all__ = ["chunked_forward", "recompute_grads", "default_token_chunk", "bytes_per_logit", "weight_grad_mode",
+           "FAST_CHUNK_BYTES", "MIN_EFFICIENT_CHUNK"]
+
+logger = logging.getLogger("megatron_burst.loss")
+
+FAST_CHUNK_BYTES = 1 << 30  # logits-sized bytes of one chunk (fp32 logits + bf16 gradient)
+MIN_EFFICIENT_CHUNK = 1024  # tokens: GEMM 4 (fp32 accumulator) is compute-bound above ~T = 1200 on Hopper
+
+
+def bytes_per_logit(dtype: torch.dtype) -> int:
+    """Chunk bytes per logit: fp32 logits, plus a separate G in the GEMM dtype unless that is fp32."""
+    return 4 if dtype == torch.float32 else 6
+
+
+def default_token_chunk(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Tokens per chunk for the fast path, from N, V_local, d, the dtype and the free memory (see module doc)."""
+    per_token = v_local * bytes_per_logit(dtype)
+    t = max(FAST_CHUNK_BYTES // per_token, MIN_EFFICIENT_CHUNK)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        elt = torch.finfo(dtype).bits // 8
+        persistent = n_tokens * d * elt + v_local * d * 4  # D and A, allocated before the chunk buffer
+        t = min(t, max((free // 2 - persistent) // per_token, 128))
+    for step in (512, 256, 128):
+        if t >= step:
+            t -= t % step
+            break
+    return max(1, min(t, n_tokens))
+
+
+# ------------------------------------------------------------------------------------- the GEMMs
+
+_ADDMM_F32: dict[str, bool] = {}  # device -> torch.addmm(fp32 C, bf16, bf16, out_dtype=fp32, out=C) works
+
+
+def _addmm_fp32_works(device: torch.device) -> bool:
+    """Whether this torch accumulates a bf16 GEMM into an fp32 C in place (checked once per device)."""
+    key = str(device)
+    if key not in _ADDMM_F32:
+        ok = False
+        try:
+            g = torch.Generator().manual_seed(0)
+            c = torch.randn(48, 40, generator=g).to(device)
+            a = torch.randn(24, 48, generator=g).to(device=device, dtype=torch.bfloat16)
+            b = torch.randn(24, 40, generator=g).to(device=device, dtype=torch.bfloat16)
+            want = c + a.float().t() @ b.float()
+            out = torch.addmm(c, a.t(), b, out_dtype=torch.float32, out=c)
+            ok = out.data_ptr() == c.data_ptr() and bool(torch.allclose(c, want, rtol=1e-4, atol=1e-4))
+        except (RuntimeError, TypeError) as e:
+            logger.info("megatron-burst: torch.addmm(out_dtype=float32) into an fp32 accumulator is not "
+                        "available on %s (%s); the fused loss accumulates d weight through a tile buffer", device, e)
+        _ADDMM_F32[key] = ok
+    return _ADDMM_F32[key]
+
+
+def weight_grad_mode(device: torch.device) -> str:
+    """How GEMM 4 accumulates A for 16-bit inputs on ``device``: "in-GEMM" or "tile buffer" (older torch)."""
+    if device.type != "cuda":
+        return "fp32 matmul (CPU)"
+    return "in-GEMM" if _addmm_fp32_works(device) else "tile buffer"
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, w32: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    """out [T, V_local] fp32 <- h W^T with fp32 accumulation and no rounding to the input dtype."""
+    if h.dtype == torch.float32:
+        torch.mm(h, weight.t(), out=out)
+    elif h.is_cuda:
+        torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)
+    else:  # CPU (interpreter tests): bf16 values and their products are exact in fp32
+        torch.mm(h.float(), w32.t(), out=out)
+
+
+def _weight_grad_accumulate(A: torch.Tensor, G: torch.Tensor, h: torch.Tensor, first: bool, cfg: LossConfig) -> None:
+    """A [V_local, d] fp32 (+)= G^T h; ``first``: overwrite (A is uninitialized)."""
+    if G.dtype == torch.float32:
+        if first:
+            torch.mm(G.t(), h, out=A)
+        else:
+            A.addmm_(G.t(), h)
+        return
+    if not G.is_cuda:  # CPU: exact products in fp32, tile-sized temporaries
+        h32 = h.float()
+        for a in range(0, cfg.v_local, cfg.vocab_chunk):
+            b = min(a + cfg.vocab_chunk, cfg.v_local)
+            if first:
+                torch.mm(G[:, a:b].t().float(), h32, out=A[a:b])
+            else:
+                A[a:b].addmm_(G[:, a:b].t().float(), h32)
+        return
+    if first:
+        torch.mm(G.t(), h, out_dtype=torch.float32, out=A)
+    elif _addmm_fp32_works(G.device):
+        torch.addmm(A, G.t(), h, out_dtype=torch.float32, out=A)
+    else:
+        for a in range(0, cfg.v_local, cfg.vocab_chunk):
+            b = min(a + cfg.vocab_chunk, cfg.v_local)
+            A[a:b].add_(torch.mm(G[:, a:b].t(), h, out_dtype=torch.float32))
+
+
+# ----------------------------------------------------------------------------------- the walk
+
+
+class _Chunk:
+    """The buffers every chunk reuses: fp32 logits [T, V_local] and, for 16-bit inputs, G in the
+    input dtype (fp32 inputs: G overwrites the logits in place). Leading slices serve a short last
+    chunk (a leading slice of flat storage is contiguous for any row count)."""
+
+    def __init__(self, cfg: LossConfig, rows: int, dtype: torch.dtype, device: torch.device, need_grad: bool):
+        n = cfg.v_local * min(cfg.token_chunk, rows)
+        self.z = torch.empty(n, dtype=torch.float32, device=device)
+        self.g = torch.empty(n, dtype=dtype, device=device) if need_grad and dtype != torch.float32 else None
+
+    def views(self, cfg: LossConfig, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = cfg.v_local * t
+        z = self.z[:n].view(t, cfg.v_local)
+        return z, (z if self.g is None else self.g[:n].view(t, cfg.v_local))
+
+
+def _targets(labels: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(local target column or -1, whether this rank holds the target), [T] each."""
+    local = labels - cfg.vocab_start
+    hit = (local >= 0) & (local < cfg.v_local) & (labels != cfg.ignore_index)
+    return torch.where(hit, local, -1), hit
+
+
+def _stats(z: torch.Tensor, tgt: torch.Tensor, hit: torch.Tensor, cfg: LossConfig,
+           G: Optional[torch.Tensor], wts: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Global (max M, sum exp(z - M), z_target - M) of a chunk, [T] fp32 each; with G (and wts)
+    also G = wts (softmax - onehot). TP = 1: one launch; TP > 1: statistics, two all-reduces, gradient."""
+    st = torch.empty(3, z.shape[0], dtype=torch.float32, device=z.device)
+    if cfg.tp_size == 1:
+        triton_kernels.ce_rows(z, tgt, st, grad=G, wts=wts)
+        return st[0], st[1], torch.where(hit, st[2] - st[0], 0.0)
+    triton_kernels.ce_rows(z, tgt, st)
+    m_loc, s_loc, zt = st
+    m = m_loc.clone()
+    all_reduce_stats(m, dist.ReduceOp.MAX, cfg)
+    # One all-reduce for both sums; only the rank holding a token's target contributes its logit.
+    sums = torch.stack([s_loc * torch.exp(m_loc - m), torch.where(hit, zt - m, 0.0)])
+    all_reduce_stats(sums, dist.ReduceOp.SUM, cfg)
+    if G is not None:
+        st[0], st[1] = m, sums[0]
+        triton_kernels.ce_rows(z, tgt, st, grad=G, wts=wts, compute_stats=False)
+    return m, sums[0], sums[1]
+
+
+def _upcast_weight(h: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
+    return weight.float() if (not h.is_cuda and h.dtype != torch.float32) else None
+
+
+def chunked_forward(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, wts: Optional[torch.Tensor],
+                    cfg: LossConfig, need_dh: bool, need_dw: bool):
+    """The contract of :func:`megatron_burst.loss.chunks.chunked_forward` on the fast path."""
+    N, d = h.shape
+    need_grad = need_dh or need_dw
+    loss = torch.empty(N, dtype=torch.float32, device=h.device)
+    m_all, s_all = torch.empty_like(loss), torch.empty_like(loss)
+    D = torch.empty_like(h) if need_dh else None
+    A = torch.empty(cfg.v_local, d, dtype=torch.float32, device=h.device) if need_dw else None
+    if N == 0:
+        return loss, m_all, s_all, D, None if A is None else A.zero_()
+    weight = weight.contiguous()
+    w32 = _upcast_weight(h, weight)
+    bufs = _Chunk(cfg, N, h.dtype, h.device, need_grad)
+    for a in range(0, N, cfg.token_chunk):
+        r = slice(a, min(a + cfg.token_chunk, N))
+        hr = h[r]
+        z, G = bufs.views(cfg, r.stop - a)
+        _logits(hr, weight, w32, z)
+        tgt, hit = _targets(labels[r], cfg)
+        m, s, zt = _stats(z, tgt, hit, cfg, G if need_grad else None, wts[r] if need_grad else None)
+        loss[r] = torch.where(labels[r] != cfg.ignore_index, torch.log(s) - zt, 0.0)
+        m_all[r], s_all[r] = m, s
+        if need_dh:
+            torch.mm(G, weight, out=D[r])
+        if need_dw:
+            _weight_grad_accumulate(A, G, hr, a == 0, cfg)
+    return loss, m_all, s_all, D, A
+
+
+def recompute_grads(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, m_all: torch.Tensor,
+                    s_all: torch.Tensor, g: torch.Tensor, cfg: LossConfig, need_dh: bool, need_dw: bool):
+    """The contract of :func:`megatron_burst.loss.chunks.recompute_grads` on the fast path."""
+    N, d = h.shape
+    dh = torch.empty_like(h) if need_dh else None
+    dw = torch.empty(cfg.v_local, d, dtype=torch.float32, device=h.device) if need_dw else None
+    if N == 0:
+        return dh, None if dw is None else dw.zero_()
+    weight = weight.contiguous()
+    w32 = _upcast_weight(h, weight)
+    bufs = _Chunk(cfg, N, h.dtype, h.device, True)
+    for a in range(0, N, cfg.token_chunk):
+        r = slice(a, min(a + cfg.token_chunk, N))
+        hr = h[r]
+        z, G = bufs.views(cfg, r.stop - a)
+        _logits(hr, weight, w32, z)
+        tgt, _ = _targets(labels[r], cfg)
+        st = torch.stack([m_all[r], s_all[r], torch.zeros_like(m_all[r])])
+        triton_kernels.ce_rows(z, tgt, st, grad=G, wts=g[r].contiguous(), compute_stats=False)
+        if need_dh:
+            torch.mm(G, weight, out=dh[r])
+        if need_dw:
+            _weight_grad_accumulate(dw, G, hr, a == 0, cfg)
+    return dh, dw

@@ -1,0 +1,108 @@
+"""The fused LM loss on CUDA (``make gpu-test``; ~30 s on one H100): impl="auto" runs the fast path
+after its self-check, its errors against fp32 stay within the unfused bf16 path's, and it allocates
+nothing of N x V.
+
+Bar: relative Frobenius errors of the objective, d hidden and d weight against an fp32 computation
+on the same bf16 inputs; the fast path's must be at most ``BOUND`` x the unfused bf16 path's
+(bf16 logits -> fp32 cross-entropy, autograd's bf16 gradient GEMMs) + ``FLOOR``. The fast path
+keeps the logits in fp32, so its loss and gradients should come out below the unfused path's.
+The CPU dry run (MEGATRON_BURST_GPU_TESTS_ON_CPU=1) skips these: the fast path needs CUDA (its CPU
+coverage is tests/test_fused_loss.py under TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu.common import ON_CPU
+from megatron_burst.loss import FusedLossRecomputeWarning, fused_linear_cross_entropy
+
+BOUND = 1.1
+FLOOR = 1e-6
+
+pytestmark = pytest.mark.skipif(ON_CPU, reason="the fused loss's fast path needs CUDA (CPU: TRITON_INTERPRET tests)")
+
+
+def _inputs(N, V, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, d, generator=g)
+    weight = torch.randn(V, d, generator=g) * (2.0 / d ** 0.5)  # logits of std ~2: a peaked softmax
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[torch.randperm(N, generator=g)[: N // 50]] = -100
+    mask = (torch.rand(N, generator=g) > 0.1).float() * (labels != -100)
+    dev = torch.device("cuda", 0)
+    return hidden.to(dev, dtype), weight.to(dev, dtype), labels.to(dev), mask.to(dev)
+
+
+def _run(fn, hidden, weight):
+    h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    obj = fn(h, w)
+    obj.backward()
+    return obj.detach().double(), h.grad, w.grad
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_auto_runs_the_self_checked_fast_path(dtype):
+    from megatron_burst.loss import choice
+    from megatron_burst.loss.config import make_loss_config
+
+    hidden, weight, labels, mask = _inputs(64, 1000, 32, dtype)
+    cfg = make_loss_config(hidden, weight, labels, mask, None, -100, False, None, None, "auto")
+    assert cfg.impl == "triton"
+    assert choice._VERDICTS[(str(hidden.device), dtype)] is True
+    assert choice.describe(hidden.device, dtype, "triton") in choice.decisions()
+
+
+@pytest.mark.parametrize("kind", ["scaled", "recompute"])
+def test_errors_within_the_unfused_bf16_path(kind):
+    """N = 4096 in chunks of 1024, V = 32003 (a ragged tile), d = 1024, bf16."""
+    N, V, d = 4096, 32003, 1024
+    hidden, weight, labels, mask = _inputs(N, V, d, torch.bfloat16)
+    n = mask.sum()
+    r = mask / n if kind == "scaled" else torch.randn(N, device=mask.device, generator=torch.Generator(
+        device=mask.device).manual_seed(3)) * mask
+
+    def ours(h, w):
+        return (fused_linear_cross_entropy(h, w, labels, loss_mask=mask, token_chunk=1024) * r).sum()
+
+    def unfused(h, w):
+        return (F.cross_entropy((h @ w.t()).float(), labels, reduction="none") * r).sum()
+
+    def fp32(h, w):
+        return (F.cross_entropy(h.float() @ w.float().t(), labels, reduction="none") * r).sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FusedLossRecomputeWarning)  # kind "recompute": the exact, slower path
+        got = _run(ours, hidden, weight)
+    base = _run(unfused, hidden, weight)
+    ref = _run(fp32, hidden, weight)
+    for i, q in enumerate(("objective", "d hidden", "d weight")):
+        mine, theirs = _rel(got[i], ref[i]), _rel(base[i], ref[i])
+        assert mine <= BOUND * theirs + FLOOR, f"{kind}: {q} error {mine:.3e} > {BOUND} x unfused {theirs:.3e}"
+
+
+def test_no_tokens_by_vocab_allocation():
+    """N = 8192, V = 65536, d = 1024, bf16, chunks of 1024 tokens: the peak above the inputs is D,
+    A, the bf16 weight gradient and one chunk (1024 x 65536 x 6 B) -- below one bf16 N x V tensor."""
+    N, V, d = 8192, 65536, 1024
+    hidden, weight, labels, mask = _inputs(N, V, d, torch.bfloat16)
+    h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    fused_linear_cross_entropy(h, w, labels, loss_mask=mask, token_chunk=1024)  # self-check, compile
+    h.grad = w.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = fused_linear_cross_entropy(h, w, labels, loss_mask=mask, token_chunk=1024)
+    ((loss * mask).sum() / mask.sum()).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    expected = N * d * 2 + V * d * 4 + V * d * 2 + 1024 * V * 6  # D (= h.grad), A, w.grad, chunk
+    assert peak < N * V * 2, (peak, N * V * 2)
+    assert peak <= expected * 1.05 + (64 << 20), (peak, expected)

@@ -1,0 +1,55 @@
+"""python -m megatron_burst.bench loss on CPU: peers that cannot run are explicit "skipped" lines, --quick
+is refused on a CPU, and a tiny run prints a row per variant with errors against fp32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_burst.bench import loss as bench
+
+
+def test_peers_are_skipped_lines_on_cpu(capsys):
+    bench.main(["--device", "cpu", "--tokens", "64", "--vocab", "128", "--hidden", "16", "--variants", "liger", "cce",
+                "--plot", ""])
+    out = capsys.readouterr().out
+    assert "- skipped liger at N=64 V=128 d=16 TP=1: needs CUDA (this run is on cpu)" in out
+    assert "- skipped cce at N=64 V=128 d=16 TP=1: needs CUDA (this run is on cpu)" in out
+
+
+def test_skip_reasons():
+    assert bench.skip_reason("liger", "cuda", 2) == "takes no tensor-parallel group (TP = 1 only)"
+    assert bench.skip_reason("unfused_torch", "cuda", 2) == "plain torch, TP = 1 only"
+    assert bench.skip_reason("fused@2048", "cpu", 2) is None
+    assert bench.base_variant("fused@2048") == "fused"
+
+
+def test_quick_is_for_a_gpu():
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--quick", "--device", "cpu"])
+    assert exc.value.code == 2
+
+
+def test_tiny_run_prints_rows_with_errors(capsys):
+    bench.main(["--device", "cpu", "--tokens", "96", "--vocab", "256", "--hidden", "16", "--variants", "unfused",
+                "fused", "--fast-chunks", "32", "--repeats", "1", "--errors", "--plot", ""])
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| 96 |")]
+    assert [r[4].strip() for r in rows] == ["unfused", "fused", "fused@32"], out
+    by = {r[4].strip(): r for r in rows}
+    assert by["fused"][5].strip() == "torch" and by["fused@32"][6].strip() == "32"
+    for r in rows:  # fp32 on CPU: every error tiny
+        assert all(float(x) < 1e-5 for x in (r[13], r[14], r[15])), r
+    assert float(by["fused@32"][12]) < 1.0 and float(by["unfused"][12]) >= 1.0  # largest / NxV
+
+
+def test_reference_errors_of_an_exact_gradient_are_zero():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(10, 4, generator=g, dtype=torch.float64).float().requires_grad_()
+    w = torch.randn(7, 4, generator=g).requires_grad_()
+    y = torch.randint(0, 7, (10,), generator=g)
+    mask = (torch.rand(10, generator=g) > 0.3).float()
+    n = mask.sum()
+    obj = (torch.nn.functional.cross_entropy(h @ w.t(), y, reduction="none") * mask).sum() / n
+    obj.backward()
+    errs = bench.reference_errors(h, w, y, mask, n, obj.item(), h.grad, w.grad, chunk=3)
+    assert max(errs.values()) < 1e-6, errs
