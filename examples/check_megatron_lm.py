@@ -92,6 +92,7 @@ SAME_TRAINING = [  # (CP size, flags): patched vs unpatched CP = 1 with the mode
     (2, HETEROGENEOUS + ["--cp-layout", "striped"]),
     (2, LIGHTNING_3_1 + ["--cp-layout", "zigzag"]),
     (2, LIGHTNING_3_1 + ["--cp-layout", "zigzag", "--linear-cp-algo", "lasp1"]),
+    (2, LIGHTNING_3_1 + ["--reset-attention-mask", "--cp-layout", "zigzag"]),  # documents in linear layers
     (2, ["--window-size", "8,0", "--window-attn-skip-freq", "2", "--cp-layout", "zigzag", "--cp-algo", "ring"]),
     (2, ["--sparse-attention", "vertical_slash", "--sparse-budget", "0.2", "0.2", "--sparse-last-q", "16",
          "--cp-layout", "striped", "--cp-stripe", "8", "--cp-algo", "burst"]),
@@ -108,7 +109,6 @@ HYBRID = [  # (flags, the decoder layers' attention): CP = 1
     (["--linear-attention-type", "retention", "--bf16"], ["LinearSelfAttention"] * 2),
 ]
 REFUSED = [  # (CP size, flags, the flag the error must name)
-    (2, ["--reset-attention-mask", "--linear-attention-type", "gla"], "--reset-attention-mask"),
     (2, ["--multi-latent-attention"], "--multi-latent-attention"),
     (2, ["--cp-algo", "none", "--cp-layout", "striped"], "--cp-algo none"),
     (2, ["--seq-selective-ckpt-ratio", "0.5", "--recompute-granularity", "selective", "--recompute-modules",

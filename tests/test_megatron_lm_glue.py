@@ -174,7 +174,6 @@ def test_spec_layout_follows_the_model_or_is_refused():
 
 
 @pytest.mark.parametrize("attrs,needle", [
-    ({"reset_attention_mask": True, "linear_attention_type": "gla"}, "--reset-attention-mask"),
     ({"fused_lm_loss": True, "fp16": True}, "--fp16"),
     ({"use_legacy_models": True}, "--use-legacy-models"),
     ({"seq_selective_ckpt_ratio": 0.5, "recompute_granularity": "selective", "recompute_modules": ["mlp"]},
@@ -329,7 +328,6 @@ def _megatron_lm_flags(**attrs):
      ["--experimental-attention-variant gated_delta_net", "--linear-attention-type gated_delta_net"]),
     ({"hierarchical_context_parallel_sizes": [2, 2]},
      ["--hierarchical-context-parallel-sizes 2 2", "must multiply to --context-parallel-size 2"]),
-    ({"reset_attention_mask": True, "linear_attention_type": "gated_delta_net"}, ["--reset-attention-mask"]),
     ({"reset_attention_mask": True, "sparse_attention": "vertical_slash", "sparse_last_q": 8},
      ["--sparse-attention", "--reset-attention-mask"]),
     ({"linear_attention_type": "gated_delta_net", "cp_comm_type": "a2a"}, ["layer 1 (gated_delta_net)", "a2a"]),

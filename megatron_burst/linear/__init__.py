@@ -6,7 +6,7 @@ Modules: :mod:`~megatron_burst.linear.reference` (the token-by-token recurrence 
 against), :mod:`~megatron_burst.linear.chunked` (one rank's segments, chunked),
 :mod:`~megatron_burst.linear.exchange` (the states that enter the segments: LASP-2's all-gather or
 LASP-1's chain), :mod:`~megatron_burst.linear.delta` (the gated delta rule: one all-gather of
-per-segment affine maps).
+per-segment affine maps), :mod:`~megatron_burst.linear.docs` (documents: where the state resets).
 """
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_burst.documents import CuSeqlens, Documents
 from megatron_burst.linear.checks import MIN_STRIPE, check_qkv, segment_order, segments_per_rank
 from megatron_burst.linear.chunked import segment_output, segment_state
+from megatron_burst.linear.docs import check_documents, segment_documents
 from megatron_burst.linear.exchange import (Lasp1Chain, Lasp2Exchange, SegmentMap, local_entering_states,
                                             post_state_gather)
 from megatron_burst.linear.delta import gated_delta_rule
@@ -27,8 +29,10 @@ __all__ = ["linear_attention", "naive_linear_attention", "gated_delta_rule", "na
 LINEAR_CP_ALGOS = ("lasp2", "lasp1")
 
 
-def _validate(q, k, v, g, *, world_size, causal, layout, stripe, algo, qkv_format) -> None:
-    """Raise ValueError for any input linear_attention cannot take. Local checks only."""
+def _validate(q, k, v, g, *, world_size, causal, layout, stripe, algo, qkv_format,
+              cu_seqlens=None) -> Optional[Documents]:
+    """Raise ValueError for any input linear_attention cannot take; returns the validated
+    documents (None without). Local checks only."""
     if algo not in LINEAR_CP_ALGOS:
         raise ValueError(f"unknown linear attention algo {algo!r}: choose one of {', '.join(LINEAR_CP_ALGOS)}")
     s, b, h, dk = check_qkv(q, k, v, world_size=world_size, layout=layout, stripe=stripe, qkv_format=qkv_format)
@@ -42,12 +46,19 @@ def _validate(q, k, v, g, *, world_size, causal, layout, stripe, algo, qkv_forma
                              f"head; per key channel) for q {tuple(q.shape)} ({qkv_format})")
         if g.device != q.device:
             raise ValueError(f"g is on {g.device}, q on {q.device}")
+    if cu_seqlens is None:
+        return None
+    if not causal:
+        raise ValueError("documents (cu_seqlens) need causal=True: bidirectional linear attention over packed "
+                         "documents is not supported")
+    return check_documents(cu_seqlens, s * world_size, b)
 
 
 def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                      group: Optional[dist.ProcessGroup] = None, g: Optional[torch.Tensor] = None,
                      causal: bool = True, layout: str = "contiguous", stripe: int = 1, algo: str = "lasp2",
-                     scale: Optional[float] = None, qkv_format: str = "sbhd") -> torch.Tensor:
+                     scale: Optional[float] = None, qkv_format: str = "sbhd",
+                     cu_seqlens: "Optional[CuSeqlens | Documents]" = None) -> torch.Tensor:
     """Context-parallel (decayed) linear attention; exact, differentiable in q, k, v and g.
 
     q, k [s, b, h, dk], v [s, b, h, dv] (``qkv_format="sbhd"``; or [b, s, h, d] for "bshd") hold
@@ -65,12 +76,19 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     Layouts: contiguous, zigzag, block-striped with stripe >= 64 (a rank holds s / stripe
     segments). ``comm_counter`` counts an all-gather as (W - 1) x this rank's contribution sent;
     for contiguous and zigzag that does not depend on the sequence length.
+
+    ``cu_seqlens``: packed documents, as :func:`megatron_burst.cp_attention` takes them -- an int
+    tensor [0, ..., S] of global boundaries over the full sequence (S = s x CP size, the same on
+    every rank), a list of b such tensors (one per sample), or a validated
+    :class:`~megatron_burst.documents.Documents`. The state starts again from zero at every
+    document's first token, across rank boundaries, in every layout (``causal=True`` only). The
+    bytes sent are unchanged: every rank derives the segments' reset flags from the boundaries.
     """
     pg = group
     world_size = dist.get_world_size(pg) if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank(pg) if world_size > 1 else 0
-    _validate(q, k, v, g, world_size=world_size, causal=causal, layout=layout, stripe=stripe, algo=algo,
-              qkv_format=qkv_format)
+    documents = _validate(q, k, v, g, world_size=world_size, causal=causal, layout=layout, stripe=stripe, algo=algo,
+                          qkv_format=qkv_format, cu_seqlens=cu_seqlens)
     sbhd = qkv_format == "sbhd"
     s, b, h, dk = q.shape if sbhd else (q.shape[1], q.shape[0], q.shape[2], q.shape[3])
     dv = v.shape[-1]
@@ -90,22 +108,26 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         gs = segments(expand_log_decay(g_sbhd, b, h, s, dk).to(acc))
     smap = SegmentMap(pg, rank, world_size, tuple(segment_order(layout, world_size, r, per_rank)
                                                    for r in range(world_size)), causal)
+    sd = segment_documents(documents, b, smap.order[rank], smap.total, q.device)
+    doc, keep = (None, None) if sd is None else (sd.doc, sd.keep)
 
-    M, a, G = segment_state(ks, vs, gs)
+    M, a, G = segment_state(ks, vs, gs, doc)
     pending = None
     if algo == "lasp2" and world_size > 1:
         gathered, pending = post_state_gather(M, a, smap)  # overlaps with the intra-segment work below
     if causal:
-        o = segment_output(qs, ks, vs, gs, scale)
+        o = segment_output(qs, ks, vs, gs, scale, doc)
     q_in = qs if G is None else qs * torch.exp(G)  # the entering state S_in adds scale * q_in @ S_in
+    if sd is not None:  # ... to the tokens before the segment's first document start
+        q_in = q_in * sd.from_entering.unsqueeze(-1).to(q_in.dtype)
     if world_size == 1:  # the local segments are the global ones: no exchange
-        S_in = local_entering_states(M, a) if causal else M.sum(0, keepdim=True).expand_as(M)
+        S_in = local_entering_states(M, a, keep=keep) if causal else M.sum(0, keepdim=True).expand_as(M)
         inter = scale * (q_in @ S_in)
     elif algo == "lasp2":
         pending.wait()
-        inter = scale * (q_in @ Lasp2Exchange.apply(M, a, gathered, smap))
+        inter = scale * (q_in @ Lasp2Exchange.apply(M, a, gathered, smap, False, keep))
     else:  # LASP-1 computes the inter-segment term inside its chain, as the paper's Algorithm 6
-        inter = Lasp1Chain.apply(q_in, M, a, scale, smap)
+        inter = Lasp1Chain.apply(q_in, M, a, scale, smap, keep)
     o = o + inter if causal else inter
     o = o.permute(1, 2, 0, 3, 4).reshape(b, h, s, dv)  # segments back in local order
     out = o.permute(2, 0, 1, 3) if sbhd else o.permute(0, 2, 1, 3)

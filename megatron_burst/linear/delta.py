@@ -30,6 +30,15 @@ Chunks compose along the segment (P_c = A_{c-1} ... A_0, S0_c the zero-start sta
 c): the segment's (A, B) = (P_n, S0_n), its zero-start output Qin S0_c + QK U0, and q_in = Qin P_c
 so that the entering state adds scale * q_in S_in. Every exponent is <= 0; everything is fp32 and
 differentiable by autograd (exact gradients for q, k, v, g and beta).
+
+Documents: a document's first token t sees a zero state, i.e. its factor exp(g_t) becomes 0. The
+derivation above holds with every decay product replaced by the masked one: Gam[t, j] also needs
+t and j in one document, exp(G_t) (the chunk-start decay) needs t before the chunk's first
+document start, exp(G_C - G_j) needs j in the chunk's last document, and exp(G_C) is zero when a
+document starts in the chunk. Such a chunk's Ac is exactly zero: Kt is nonzero only on the
+chunk's last document, whose rows of W are zero (the masked system does not couple documents,
+and that document's right-hand side beta*exp(G)*K is masked to zero). So a segment where a
+document starts has A = 0: the all-gathered maps carry the resets, with no extra data.
 """
 from __future__ import annotations
 
@@ -39,8 +48,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_burst.documents import CuSeqlens, Documents
 from megatron_burst.linear.checks import check_qkv, segment_order, segments_per_rank
 from megatron_burst.linear.chunked import CHUNK
+from megatron_burst.linear.docs import check_documents, segment_documents
 from megatron_burst.linear.exchange import Lasp2Exchange, SegmentMap, local_entering_states, post_state_gather
 
 __all__ = ["gated_delta_rule", "delta_segment_maps", "delta_segment_outputs", "GDN_KERNELS"]
@@ -70,10 +81,13 @@ class DeltaChunks(NamedTuple):
 
 
 def delta_segment_maps(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                       beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[DeltaChunks]]:
+                       beta: torch.Tensor, doc: Optional[torch.Tensor] = None, enter: Optional[torch.Tensor] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, Optional[DeltaChunks]]:
     """(A, B, chunks) of each segment: S_out = A S_in + B. q, k [..., L, dk], v [..., L, dv],
     g, beta [..., L] (fp32) -> A [..., dk, dk], B [..., dk, dv]. ``q=None``: the maps only
-    (chunks None; another kernel forms the outputs)."""
+    (chunks None; another kernel forms the outputs). Documents: ``doc`` [..., L] each token's
+    document and ``enter`` [...] the document of the token before the segment (broadcastable
+    over the heads; see :mod:`megatron_burst.linear.docs`)."""
     L, dk, dv = k.shape[-2], k.shape[-1], v.shape[-1]
     pad = (-L) % CHUNK  # padded tokens (k = v = g = beta = 0) are identity maps at the end
     n = (L + pad) // CHUNK
@@ -84,17 +98,28 @@ def delta_segment_maps(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tens
     G = torch.cumsum(g, dim=-1)
     ones = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=k.device)
     incl, strict = ones.tril(), ones.tril(-1)
+    last = G[..., -1:]  # [.., n, 1]
+    start_decay, end_decay, through = torch.exp(G), torch.exp(last - G), torch.exp(last)
+    if doc is not None:  # the masked decay products of the module docstring
+        d = torch.cat([doc, doc[..., -1:].expand(doc.shape[:-1] + (pad,))], dim=-1) if pad else doc
+        d = d.reshape(d.shape[:-1] + (n, CHUNK))  # padded tokens stay in the last document
+        prev = torch.cat([enter.unsqueeze(-1), d[..., :-1, -1]], dim=-1)  # [.., n]: the document entering each chunk
+        same = d.unsqueeze(-1) == d.unsqueeze(-2)
+        incl, strict = incl & same, strict & same
+        from_start = (d == prev.unsqueeze(-1)).to(k.dtype)
+        start_decay = start_decay * from_start
+        end_decay = end_decay * (d == d[..., -1:]).to(k.dtype)
+        through = through * from_start[..., -1:]
     gam = torch.exp((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~incl, float("-inf")))  # [.., C(t), C(j)]
     kk = k @ k.transpose(-1, -2)
     lower = (beta.unsqueeze(-1) * kk * gam).masked_fill(~strict, 0.0)
     eye_c = torch.eye(CHUNK, dtype=k.dtype, device=k.device)
-    rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * torch.exp(G)).unsqueeze(-1) * k], dim=-1)
+    rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * start_decay).unsqueeze(-1) * k], dim=-1)
     sol = torch.linalg.solve_triangular(eye_c + lower, rhs, upper=False, unitriangular=True)
     u0, w = sol[..., :dv], sol[..., dv:]
-    last = G[..., -1:]  # [.., n, 1]
-    kt = torch.exp(last - G).unsqueeze(-1) * k
+    kt = end_decay.unsqueeze(-1) * k
     eye_k = torch.eye(dk, dtype=k.dtype, device=k.device)
-    a_chunk = torch.exp(last).unsqueeze(-1) * eye_k - kt.transpose(-1, -2) @ w  # [.., n, dk, dk]
+    a_chunk = through.unsqueeze(-1) * eye_k - kt.transpose(-1, -2) @ w  # [.., n, dk, dk]
     b_chunk = kt.transpose(-1, -2) @ u0  # [.., n, dk, dv]
     P = eye_k.expand(k.shape[:-3] + (dk, dk))
     S = k.new_zeros(k.shape[:-3] + (dk, dv))
@@ -108,7 +133,7 @@ def delta_segment_maps(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tens
         return P, S, None
     q = chunked(F.pad(q, (0, 0, 0, pad)))
     qk = (q @ k.transpose(-1, -2)) * gam
-    qin = torch.exp(G).unsqueeze(-1) * q - qk @ w
+    qin = start_decay.unsqueeze(-1) * q - qk @ w
     return P, S, DeltaChunks(qin, qk, u0, torch.stack(Ps, dim=-3), torch.stack(Ss, dim=-3), L)
 
 
@@ -138,8 +163,9 @@ def _choose_kernel(kernel: str, q: torch.Tensor):
     return fla if (kernel == "fla" or q.is_cuda) else None
 
 
-def _validate(q, k, v, g, beta, *, world_size, layout, stripe, qkv_format) -> None:
-    """Raise ValueError for any input gated_delta_rule cannot take. Local checks only."""
+def _validate(q, k, v, g, beta, *, world_size, layout, stripe, qkv_format, cu_seqlens=None) -> Optional[Documents]:
+    """Raise ValueError for any input gated_delta_rule cannot take; returns the validated
+    documents (None without). Local checks only."""
     s, b, h, dk = check_qkv(q, k, v, world_size=world_size, layout=layout, stripe=stripe, qkv_format=qkv_format)
     want = (s, b, h) if qkv_format == "sbhd" else (b, s, h)
     for name, t in (("g", g), ("beta", beta)):
@@ -150,11 +176,13 @@ def _validate(q, k, v, g, beta, *, world_size, layout, stripe, qkv_format) -> No
                              f"({qkv_format})")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    return None if cu_seqlens is None else check_documents(cu_seqlens, s * world_size, b)
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
                      group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous", stripe: int = 1,
-                     scale: Optional[float] = None, qkv_format: str = "sbhd", kernel: str = "auto") -> torch.Tensor:
+                     scale: Optional[float] = None, qkv_format: str = "sbhd", kernel: str = "auto",
+                     cu_seqlens: "Optional[CuSeqlens | Documents]" = None) -> torch.Tensor:
     """Context-parallel gated delta rule; exact, differentiable in q, k, v, g and beta.
 
     q, k [s, b, h, dk], v [s, b, h, dv], g (log-decay <= 0) and beta (in (0, 1)) [s, b, h] hold this
@@ -172,12 +200,25 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     ``kernel``: "torch" (the chunked kernel above, everywhere), "fla" (flash-linear-attention's
     Triton kernel forms the outputs from the exchanged entering states, its autograd giving their
     gradients; the maps stay in torch), "auto" (fla on CUDA when installed, else torch).
+
+    ``cu_seqlens``: packed documents, as :func:`megatron_burst.cp_attention` takes them (global
+    boundaries [0, ..., S], S = s x CP size, the same on every rank; one per sample in a list; or
+    a validated :class:`~megatron_burst.documents.Documents`): the state starts again from zero at
+    every document's first token, across rank boundaries, in every layout; the bytes sent are
+    unchanged. With documents the outputs are formed in torch ("auto" does not take fla's kernel;
+    "fla" is refused).
     """
     pg = group
     world_size = dist.get_world_size(pg) if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank(pg) if world_size > 1 else 0
-    _validate(q, k, v, g, beta, world_size=world_size, layout=layout, stripe=stripe, qkv_format=qkv_format)
+    documents = _validate(q, k, v, g, beta, world_size=world_size, layout=layout, stripe=stripe,
+                          qkv_format=qkv_format, cu_seqlens=cu_seqlens)
+    if documents is not None and kernel == "fla":
+        raise ValueError("kernel='fla' with documents (cu_seqlens) is not supported yet: use kernel='torch' or "
+                         "'auto' (which forms the outputs in torch when documents are given)")
     fla = _choose_kernel(kernel, q)
+    if documents is not None:  # fla's kernel takes cu_seqlens, but that path is not wired and tested here
+        fla = None
     sbhd = qkv_format == "sbhd"
     s, b, h, dk = q.shape if sbhd else (q.shape[1], q.shape[0], q.shape[2], q.shape[3])
     dv = v.shape[-1]
@@ -197,7 +238,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                                                    for r in range(world_size)), True)
     if fla is not None:
         return _fla_outputs(fla, q, k, v, g, beta, delta_segment_maps(None, ks, vs, gs, bs)[:2], smap, sbhd, scale)
-    A, B, chunks = delta_segment_maps(segments(q), ks, vs, gs, bs)
+    sd = segment_documents(documents, b, smap.order[rank], smap.total, q.device)
+    doc, enter = (None, None) if sd is None else (sd.doc, sd.enter)
+    A, B, chunks = delta_segment_maps(segments(q), ks, vs, gs, bs, doc, enter)
     pending = None
     if world_size > 1:  # overlaps with the local outputs below
         gathered, pending = post_state_gather(B, A, smap, label="gdn (A, B) all-gather")

@@ -14,6 +14,11 @@ dM_i = sum of every segment's delta.
   scans all segments itself. One all-gather of delta in the backward; every rank runs the reverse
   scan and keeps its own segments' dM, da. Bytes per rank and direction: (W - 1) x its own
   (M, a) [forward] or delta [backward], whatever the sequence length.
+Documents: ``keep`` [T, b] (bool, global order, the same on every rank: derived from the global
+boundaries, :mod:`megatron_burst.linear.docs`) is False for a segment in which a document starts;
+its transition is then zero, S_in(i+1) = M_i: the prefix stops there. The backward is the same
+scan with keep_i * a_i in place of a_i, and da_i gains the factor keep_i. Nothing more is sent.
+
 * :class:`Lasp1Chain` (LASP-1): the state walks the segments in global order, passed from the owner
   of segment i to the owner of segment i + 1 (W - 1 sequential hops for the contiguous layout),
   each owner computing its inter-segment output and update before sending on, and its gradient
@@ -65,45 +70,61 @@ def _decay_rows(a: torch.Tensor) -> torch.Tensor:
     return a.unsqueeze(-1)
 
 
-def _transition(a: Optional[torch.Tensor], S: torch.Tensor, matrix: bool) -> torch.Tensor:
+def _transition(a: Optional[torch.Tensor], S: torch.Tensor, matrix: bool,
+                keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The segment's map applied to the state entering it: a * S (diagonal decay), a @ S (``matrix``:
-    a [..., dk, dk], the delta rule) or S (no decay)."""
-    if a is None:
-        return S
-    return a @ S if matrix else _decay_rows(a) * S
+    a [..., dk, dk], the delta rule) or S (no decay); times ``keep`` (per sample: [b, 1, 1, 1], 0
+    where a document starts in the segment) when given."""
+    out = S if a is None else (a @ S if matrix else _decay_rows(a) * S)
+    return out if keep is None else keep * out
 
 
-def _prefix_states(M: torch.Tensor, a: Optional[torch.Tensor], matrix: bool = False) -> torch.Tensor:
+def keep_factors(keep: Optional[torch.Tensor], like: torch.Tensor) -> Optional[torch.Tensor]:
+    """keep [T, b] (bool) -> [T, b, 1, 1, 1] in ``like``'s dtype (states are [T, b, h, dk, dv])."""
+    if keep is None:
+        return None
+    return keep.to(like.dtype).reshape(tuple(keep.shape) + (1,) * (like.dim() - 2))
+
+
+def _prefix_states(M: torch.Tensor, a: Optional[torch.Tensor], matrix: bool = False,
+                   keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """S_in for segments in global order. M [T, ...state], a [T, ..., dkg] (or [T, ..., dk, dk] with
-    ``matrix``) or None -> [T, ...state]."""
+    ``matrix``) or None, keep [T, b] (bool) or None -> [T, ...state]."""
+    k = keep_factors(keep, M)
     S = [torch.zeros_like(M[0])]
     for i in range(1, M.shape[0]):
-        S.append(_transition(a[i - 1] if a is not None else None, S[-1], matrix) + M[i - 1])
+        S.append(_transition(a[i - 1] if a is not None else None, S[-1], matrix,
+                             None if k is None else k[i - 1]) + M[i - 1])
     return torch.stack(S)
 
 
-def local_entering_states(M: torch.Tensor, a: Optional[torch.Tensor], matrix: bool = False) -> torch.Tensor:
+def local_entering_states(M: torch.Tensor, a: Optional[torch.Tensor], matrix: bool = False,
+                          keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """S_in of segments that are all local and in global order (one process): the same scan,
     differentiable by autograd."""
-    return _prefix_states(M, a, matrix)
+    return _prefix_states(M, a, matrix, keep)
 
 
-def _reverse_scan(delta: torch.Tensor, S_in: torch.Tensor, a: Optional[torch.Tensor], matrix: bool = False):
+def _reverse_scan(delta: torch.Tensor, S_in: torch.Tensor, a: Optional[torch.Tensor], matrix: bool = False,
+                  keep: Optional[torch.Tensor] = None):
     """(dM, da) in global order from delta = dL/dS_in (direct) -- see module docstring. With
-    ``matrix``: G_i = delta_i + a_i^T G_{i+1} and da_i = G_{i+1} S_in(i)^T."""
+    ``matrix``: G_i = delta_i + a_i^T G_{i+1} and da_i = G_{i+1} S_in(i)^T. ``keep`` [T, b]: the
+    transitions (and so da) of segments where a document starts are zero."""
+    k = keep_factors(keep, delta)
     T = delta.shape[0]
     G = [None] * T
     G[T - 1] = delta[T - 1]
     for i in range(T - 2, -1, -1):
         back = None if a is None else (a[i].transpose(-1, -2) if matrix else a[i])
-        G[i] = delta[i] + _transition(back, G[i + 1], matrix)
+        G[i] = delta[i] + _transition(back, G[i + 1], matrix, None if k is None else k[i])
     zero = torch.zeros_like(delta[0])
     dM = torch.stack([G[i + 1] if i + 1 < T else zero for i in range(T)])
     if a is None:
         return dM, None
+    through = dM if k is None else k * dM  # the part of G_{i+1} that reaches a_i
     if matrix:
-        return dM, dM @ S_in.transpose(-1, -2)
-    prod = dM * S_in  # G_{i+1} * S_in(i)
+        return dM, through @ S_in.transpose(-1, -2)
+    prod = through * S_in  # keep_i * G_{i+1} * S_in(i)
     da = prod.sum(-1) if a.shape[-1] != 1 else prod.sum((-1, -2)).unsqueeze(-1)
     return dM, da
 
@@ -161,19 +182,20 @@ class Lasp2Exchange(torch.autograd.Function):
     ``gathered`` is the finished forward all-gather of every rank's (M, a) (see
     :func:`post_state_gather`); M and a are inputs for autograd, so dM, da flow back to them.
     ``matrix``: a is a [dk, dk] map per segment (the gated delta rule), S_out = a @ S_in + M.
+    ``keep`` [T, b] (bool, global order; documents): False makes a segment's transition zero.
     """
 
     @staticmethod
     def forward(ctx, M: torch.Tensor, a: Optional[torch.Tensor], gathered: torch.Tensor, smap: SegmentMap,
-                matrix: bool = False):
+                matrix: bool = False, keep: Optional[torch.Tensor] = None):
         shapes = [M.shape] + ([a.shape] if a is not None else [])
         parts = _unpack(gathered, smap.world_size, shapes)
         M_all = _to_global(parts[0], smap)
         a_all = _to_global(parts[1], smap) if a is not None else None
-        ctx.smap, ctx.has_decay, ctx.matrix = smap, a is not None, matrix
+        ctx.smap, ctx.has_decay, ctx.matrix, ctx.keep = smap, a is not None, matrix, keep
         if not smap.causal:
             return M_all.sum(0).unsqueeze(0).expand_as(M).contiguous()
-        S_all = _prefix_states(M_all, a_all, matrix)
+        S_all = _prefix_states(M_all, a_all, matrix, keep)
         ctx.save_for_backward(S_all, *([a_all] if a_all is not None else []))
         return _mine(S_all, smap)
 
@@ -184,10 +206,11 @@ class Lasp2Exchange(torch.autograd.Function):
         gathered = _all_gather(dS.contiguous(), smap, "backward", label)
         delta_all = _to_global(gathered.view((smap.world_size,) + tuple(dS.shape)), smap)
         if not smap.causal:
-            return delta_all.sum(0).unsqueeze(0).expand_as(dS).contiguous(), None, None, None, None
+            return delta_all.sum(0).unsqueeze(0).expand_as(dS).contiguous(), None, None, None, None, None
         saved = ctx.saved_tensors
-        dM_all, da_all = _reverse_scan(delta_all, saved[0], saved[1] if ctx.has_decay else None, ctx.matrix)
-        return _mine(dM_all, smap), (_mine(da_all, smap) if da_all is not None else None), None, None, None
+        dM_all, da_all = _reverse_scan(delta_all, saved[0], saved[1] if ctx.has_decay else None, ctx.matrix,
+                                       ctx.keep)
+        return _mine(dM_all, smap), (_mine(da_all, smap) if da_all is not None else None), None, None, None, None
 
 
 class Lasp1Chain(torch.autograd.Function):
@@ -199,13 +222,15 @@ class Lasp1Chain(torch.autograd.Function):
 
     Takes q_in [nseg, b, h, L, dk] (q * exp(G)), M, a of the local segments; returns the
     inter-segment output [nseg, b, h, L, dv]. Bidirectional: the state sum goes once around the ring.
+    ``keep`` [T, b] (bool, global order; documents): False makes a segment's transition zero.
     """
 
     @staticmethod
     def forward(ctx, q_in: torch.Tensor, M: torch.Tensor, a: Optional[torch.Tensor], scale: float,
-                smap: SegmentMap):
+                smap: SegmentMap, keep: Optional[torch.Tensor] = None):
         ring = comm.RingComm(smap.group)
         ctx.smap, ctx.has_decay, ctx.scale = smap, a is not None, scale
+        ctx.keep = keep = keep_factors(keep, M)
         if not smap.causal:
             S = _ring_sum(ring, M.sum(0), "forward", "lasp1 state ring")
             ctx.save_for_backward(q_in, S)
@@ -222,7 +247,8 @@ class Lasp1Chain(torch.autograd.Function):
                 S_in[j] = carry if pr == smap.rank else ring.exchange(
                     [], [torch.empty_like(M[j])], "forward", recv_from=pr, label=f"lasp1 state {gi}").wait()[0]
             o_inter[j] = scale * (q_in[j] @ S_in[j])
-            carry = (S_in[j] if a is None else _decay_rows(a[j]) * S_in[j]) + M[j]
+            carry = _transition(a[j] if a is not None else None, S_in[j], False,
+                                None if keep is None else keep[gi]) + M[j]
             if gi + 1 < smap.total:
                 nr, _ = smap.owner(gi + 1)
                 if nr != smap.rank:
@@ -243,9 +269,10 @@ class Lasp1Chain(torch.autograd.Function):
             delta = scale * (q_in.transpose(-1, -2) @ d_inter).sum(0)
             total = _ring_sum(ring, delta, "backward", "lasp1 dS ring")
             return scale * (d_inter @ S.transpose(-1, -2)), total.unsqueeze(0).expand(
-                (q_in.shape[0],) + tuple(total.shape)).contiguous(), None, None, None
+                (q_in.shape[0],) + tuple(total.shape)).contiguous(), None, None, None, None
         saved = ctx.saved_tensors
         q_in, S_in, a = saved[0], saved[1], (saved[2] if ctx.has_decay else None)
+        keep = ctx.keep
         dq = torch.empty_like(q_in)
         dM = torch.zeros_like(S_in)
         da = torch.zeros_like(a) if a is not None else None
@@ -262,10 +289,11 @@ class Lasp1Chain(torch.autograd.Function):
             dq[j] = scale * (d_inter[j] @ S_in[j].transpose(-1, -2))
             G = scale * (q_in[j].transpose(-1, -2) @ d_inter[j])  # this segment's own use of S_in
             if G_next is not None:
-                G = G + (G_next if a is None else _decay_rows(a[j]) * G_next)
+                k_j = None if keep is None else keep[gi]
+                G = G + _transition(a[j] if a is not None else None, G_next, False, k_j)
                 dM[j] = G_next
                 if a is not None:
-                    prod = G_next * S_in[j]
+                    prod = (G_next if k_j is None else k_j * G_next) * S_in[j]
                     da[j] = prod.sum(-1) if a.shape[-1] != 1 else prod.sum((-1, -2)).unsqueeze(-1)
             carry = G
             if gi > 0:
@@ -275,7 +303,7 @@ class Lasp1Chain(torch.autograd.Function):
                                                  label=f"lasp1 dS {gi - 1}"))
         for p in pending:
             p.wait()
-        return dq, dM, da, None, None
+        return dq, dM, da, None, None, None
 
 
 def _ring_sum(ring: comm.RingComm, local: torch.Tensor, phase: str, label: str) -> torch.Tensor:

@@ -463,9 +463,8 @@ def linear_options_from_args(args: argparse.Namespace, cp_opts: CPOptions,
                 "--context-parallel-size 1")
         raise ValueError(f"--experimental-attention-variant {megatron_variant} with --context-parallel-size {cp}: "
                          f"{hint}")
-    if kind is not None and getattr(args, "reset_attention_mask", False) and cp_opts.algo != STOCK_ATTENTION:
-        raise ValueError(f"--reset-attention-mask with --linear-attention-type {kind}: linear attention layers do "
-                         "not take documents yet (softmax layers do); drop one of the two flags")
+    # --reset-attention-mask: the linear layers take the batch's documents as the softmax layers do
+    # (the state restarts at every document start, in every layout and --linear-cp-algo)
     if kind is None:
         if freq is not None and megatron_variant is None:
             raise ValueError(f"--linear-attention-freq {freq} has no linear layers to place: add "

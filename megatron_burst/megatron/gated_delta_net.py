@@ -14,8 +14,14 @@ and (sharded) state dict, so a checkpoint moves between the two. What differs is
 * q and k are l2-normalized by fla's ``l2norm`` when installed, else by :func:`l2norm` (the same
   formula in torch), so the layer runs on CPU without fla or causal-conv1d.
 
-Tensor parallelism is Megatron's (heads split over TP ranks). Packed sequences and inference
-caches are refused, as Megatron's class does.
+Tensor parallelism is Megatron's (heads split over TP ranks). Inference caches are refused, as
+Megatron's class does.
+
+Documents (``--reset-attention-mask``: ``packed_seq_params`` with qkv_format "sbhd", as the
+softmax layers get them) make every document its own sequence, as flash-linear-attention's
+varlen kernels (``cu_seqlens``) treat packed sequences: the conv1d reads no token of an earlier
+document (its window is zero-padded at each document start) and the gated delta rule's state
+starts again from zero at each document's first token. Packed THD batches are refused.
 
 ``cp_comm_type``: Megatron's ``TransformerLayer`` passes every attention module its layer's
 ``--cp-comm-type`` under CP (the trainer's per-layer list arrives as ``cp_layer_comm_types``). The
@@ -42,6 +48,7 @@ from megatron.core.transformer.spec_utils import build_module
 import megatron_burst
 from megatron_burst.megatron.args import check_gated_delta_net_comm_type
 from megatron_burst.linear.checks import segment_order, segments_per_rank
+from megatron_burst.linear.docs import document_index
 from megatron_burst.linear.exchange import SegmentMap, previous_tokens
 from megatron_burst.megatron.linear_attention import LinearCPLayer, _device
 from megatron_burst.megatron.linear_variants import GATED_DELTA_NET
@@ -183,41 +190,62 @@ class CPGatedDeltaNet(LinearCPLayer, GatedDeltaNet):
         order = tuple(segment_order(layout, W, r, per_rank) for r in range(W))
         return SegmentMap(self.cp_group, rank, W, order, True), layout, stripe, per_rank
 
-    def _causal_conv(self, qkv: torch.Tensor, smap: SegmentMap, per_rank: int) -> torch.Tensor:
+    def _causal_conv(self, qkv: torch.Tensor, smap: SegmentMap, per_rank: int, documents=None) -> torch.Tensor:
         """Megatron's short causal conv1d + activation over the global sequence. qkv [s, b, d] in
-        layout order -> [s, b, d]."""
+        layout order -> [s, b, d]. ``documents``: no tap reads a token of an earlier document."""
         s, b, d = qkv.shape
         L, width = s // per_rank, self.conv_kernel_dim - 1
-        if L < width:
+        if L < width and smap.total > 1:
             raise ValueError(f"gated delta net: segments of {L} tokens are shorter than the conv1d's kernel - 1 = "
                              f"{width}: use a longer sequence or fewer CP ranks")
         segs = qkv.reshape(per_rank, L, b, d)
-        if width > 0:
+        if width > 0 and smap.total == 1:  # the whole sequence: zeros before it, any length
+            segs = torch.cat([segs.new_zeros(1, width, b, d), segs], dim=1)
+        elif width > 0:
             segs = torch.cat([previous_tokens(segs, width, smap), segs], dim=1)  # [nseg, width + L, b, d]
-        x = segs.permute(0, 2, 3, 1).reshape(per_rank * b, d, L + width)
-        y = F.conv1d(x, self.conv1d.weight, self.conv1d.bias, groups=d)  # no padding: the halo is the context
-        y = self.act_fn(y).reshape(per_rank, b, d, L).permute(0, 3, 1, 2)
-        return y.reshape(s, b, d)
+        if documents is None:
+            x = segs.permute(0, 2, 3, 1).reshape(per_rank * b, d, L + width)
+            y = F.conv1d(x, self.conv1d.weight, self.conv1d.bias, groups=d)  # no padding: the halo is the context
+            y = y.reshape(per_rank, b, d, L).permute(0, 3, 1, 2)  # [nseg, L, b, d]
+        else:
+            y = self._document_conv(segs, smap, documents, L, width)
+        return self.act_fn(y).reshape(s, b, d)
+
+    def _document_conv(self, segs: torch.Tensor, smap: SegmentMap, documents, L: int, width: int) -> torch.Tensor:
+        """The depthwise causal conv of segs [nseg, width + L, b, d] (halo first) with every tap
+        that would read a token of an earlier document dropped (fla's varlen causal_conv1d
+        zero-pads each sequence's start) -> [nseg, L, b, d]. One multiply-add per tap."""
+        nseg, _, b, d = segs.shape
+        every = document_index(documents, b, segs.device)  # [b, S]
+        starts = torch.tensor([gi * L for gi in smap.order[smap.rank]], device=segs.device)
+        pos = starts[:, None] + torch.arange(-width, L, device=segs.device)  # [nseg, width + L] global positions
+        doc = every[:, pos.clamp(min=0)].permute(1, 2, 0)  # [nseg, width + L, b] (the halo before 0 is zeros)
+        weight = self.conv1d.weight[:, 0, :]  # [d, kernel]: tap i reads the token kernel - 1 - i before
+        y = None
+        for i in range(width + 1):
+            same = (doc[:, i:i + L] == doc[:, width:]).unsqueeze(-1).to(segs.dtype)  # [nseg, L, b, 1]
+            term = segs[:, i:i + L] * same * weight[:, i]
+            y = term if y is None else y + term
+        return y if self.conv1d.bias is None else y + self.conv1d.bias
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 key_value_states: Optional[torch.Tensor] = None, inference_context=None,
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None, sequence_len_offset=None,
                 *, inference_params=None, **kwargs):
         """hidden_states [s, b, hidden] -> (out [s, b, hidden], bias). The mask is not read:
-        causality follows global token positions."""
+        causality follows global token positions; ``packed_seq_params`` (qkv_format "sbhd": the
+        documents of --reset-attention-mask) keeps the conv1d and the state inside each document."""
         if inference_context is not None or inference_params is not None:
             raise ValueError("gated delta net: inference contexts (state caches) are not supported")
-        if packed_seq_params is not None:
-            raise ValueError("gated delta net: packed sequences (packed_seq_params / THD) are not supported: train "
-                             "with unpacked [b, s] batches")
         qkvzba, _ = self.in_proj(hidden_states)
         s, b = qkvzba.shape[:2]
+        documents = self._documents(packed_seq_params, s, b)
         tp = self.tp_size
         qkv, gate, beta, alpha = torch.split(
             qkvzba, [self.conv_dim // tp, self.v_dim // tp, self.num_value_heads // tp, self.num_value_heads // tp],
             dim=-1)
         smap, layout, stripe, per_rank = self._segment_map(s)
-        qkv = self._causal_conv(qkv, smap, per_rank)
+        qkv = self._causal_conv(qkv, smap, per_rank, documents)
         query, key, value = torch.split(qkv, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1)
         query = query.reshape(s, b, -1, self.key_head_dim)
         key = key.reshape(s, b, -1, self.key_head_dim)
@@ -230,7 +258,7 @@ class CPGatedDeltaNet(LinearCPLayer, GatedDeltaNet):
         acc = torch.promote_types(alpha.dtype, torch.float32)  # Megatron's fp32 decay (fp64 for fp64 models)
         g = -self.A_log.to(acc).exp() * F.softplus(alpha.to(acc) + self.dt_bias.to(acc))  # [s, b, h]
         core = megatron_burst.gated_delta_rule(query, key, value, g, beta.sigmoid(), group=self.cp_group,
-                                               layout=layout, stripe=stripe, qkv_format="sbhd")
+                                               layout=layout, stripe=stripe, qkv_format="sbhd", cu_seqlens=documents)
         norm_out = self._gated_norm(core, gate)
         return self.out_proj(norm_out.reshape(s, b, -1))
 

@@ -11,6 +11,11 @@ column-parallel pair, and a row-parallel projection makes the output; heads are 
 ranks, the per-head output norm and the decays follow their heads. Context parallelism happens
 inside one call, :func:`_linear_attention_op`, over ``pg_collection.cp`` in the model's sequence
 layout (``cp_layout``/``cp_stripe``, bound by BurstGPTModel like the softmax layers').
+
+Documents (``--reset-attention-mask``) arrive as the softmax layers get them: Megatron's
+``packed_seq_params`` (qkv_format "sbhd", :mod:`megatron_burst.megatron.packed`), validated once
+per batch by :func:`~megatron_burst.megatron.packed.documents_of`; the state starts again from zero
+at each document's first token. Packed THD batches are refused.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from megatron_burst.megatron.args import (LinearCPOptions, make_linear_cp_option
 from megatron_burst.megatron.attention import FollowsModelLayout, _check_against_flags, resolve_layout_from_flags
 from megatron_burst.megatron.linear_variants import (GLA_GATE_TEMPERATURE, LinearAttentionVariant, get_variant,
                                                      lightning_log_decay, retention_log_decay)
+from megatron_burst.megatron.packed import documents_of
 
 __all__ = ["LinearSelfAttention", "LinearCPLayer", "LinearSelfAttentionSubmodules", "HeadNorm"]
 
@@ -179,6 +185,17 @@ class LinearCPLayer(FollowsModelLayout):
                              "with that cp")
         self.cp_size = cp_size
 
+    def _documents(self, packed_seq_params, local_len: int, batch: int):
+        """The batch's validated documents (None without), from Megatron's ``packed_seq_params``
+        as the softmax layers read them; packed THD batches are refused, naming the layer."""
+        if packed_seq_params is None:
+            return None
+        if packed_seq_params.qkv_format != "sbhd":
+            raise ValueError(f"{self._layout_noun} (layer {self.layer_number}): packed sequences (packed_seq_params "
+                             f"qkv_format={packed_seq_params.qkv_format!r}, THD) are not supported: train with "
+                             "[b, s] batches, whose documents (--reset-attention-mask) it takes")
+        return documents_of(packed_seq_params, local_len, batch, self.cp_size)[0]
+
 
 class LinearSelfAttention(LinearCPLayer, MegatronModule):
     """Linear self-attention with SelfAttention's signatures; the variant comes from the spec's
@@ -307,19 +324,19 @@ class LinearSelfAttention(LinearCPLayer, MegatronModule):
     ):
         """hidden_states [s, b, hidden] (this CP rank's tokens; [s/tp, ...] under sequence
         parallelism) -> (output [s, b, hidden], bias or None), like SelfAttention. The mask is not
-        read: causality follows global token positions, as in megatron-burst's softmax attention."""
+        read: causality follows global token positions, as in megatron-burst's softmax attention.
+        ``packed_seq_params`` (qkv_format "sbhd": the documents of --reset-attention-mask) resets
+        the state at every document start."""
         if key_value_states is not None:
             raise ValueError("linear attention is self-attention only (key_value_states must be None)")
         if inference_context is not None or inference_params is not None:
             raise ValueError("linear attention layers do not support inference contexts (KV/state caches) yet")
-        if packed_seq_params is not None:
-            raise ValueError("packed sequences (packed_seq_params / THD) are not supported by linear attention: "
-                             "train with unpacked [b, s] batches")
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by linear attention")
         variant, d = self.variant, self.head_dim
         mixed, _ = self.linear_qkv(hidden_states)
         s, b = mixed.shape[:2]
+        documents = self._documents(packed_seq_params, s, b)
         q, gate, k, v = torch.split(mixed.view(s, b, self.groups_per_rank, -1), self._split, dim=3)
         q = _FEATURE_MAPS[variant.qk_feature_map](q.reshape(s, b, self.heads_per_rank, d))
         k = _FEATURE_MAPS[variant.qk_feature_map](k)
@@ -340,7 +357,7 @@ class LinearSelfAttention(LinearCPLayer, MegatronModule):
         out = _linear_attention_op(q, k, v, group=self.cp_group, g=g, causal=self.causal,
                                    layout="contiguous" if one_rank else opts.layout,
                                    stripe=1 if one_rank else opts.stripe, algo=opts.algo, scale=variant.scale,
-                                   qkv_format="sbhd")
+                                   qkv_format="sbhd", cu_seqlens=documents)
         out = self.out_norm(out)
         if variant.output_gate == "swish":
             out = out * F.silu(gate.reshape(s, b, self.heads_per_rank, d))

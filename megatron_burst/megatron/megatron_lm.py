@@ -45,7 +45,7 @@ def check_args(args: argparse.Namespace) -> CPOptions:
     of ours). Returns the resolved options.
     """
     opts = cp_options_from_args(args)  # also: layout vs --seq-length, selective ckpt vs recompute, sparse
-    # --linear-attention-*: refused with --cp-algo none or --reset-attention-mask, among others;
+    # --linear-attention-*: refused with --cp-algo none, among others;
     # --experimental-attention-variant (Megatron's GatedDeltaNet) pointed to --linear-attention-type
     linear_options(args, opts)
     if getattr(args, "use_legacy_models", False):

@@ -1,0 +1,124 @@
+"""Documents for the linear-attention family: where the recurrent state starts again from zero.
+
+Packed documents ``cu_seqlens`` [0, ..., S] (global positions over the full sequence, the same on
+every CP rank; :func:`megatron_burst.documents.check_cu_seqlens`) make every document its own
+sequence: the first token of a document sees a zero state, as if the document stood alone. In the
+recurrences that is one more factor on the transition,
+
+    S_t = r_t * F_t(S_{t-1}) + (token t's own term),   r_t = 0 at a document start, else 1,
+
+so every decay form takes it as a log-decay of -inf at the document's first token. The kernels do
+not add -inf to a cumulative sum (it would poison the differences); they keep the cumulative decay
+G finite and mask with document indices instead:
+
+* inside a segment, token j reaches token t >= j iff both are in the same document; the state
+  entering the segment reaches token t iff t is still in the document of the token before the
+  segment (``enter``); the state a segment leaves from a zero start keeps only its last
+  document's tokens;
+* across segments, a segment in which a document starts (at its first token or later) is a *reset*
+  map: its transition a (LASP-2's decay, the delta rule's A) is multiplied by zero, so the prefix
+  state stops there. The global boundaries are the same on every rank, so each rank knows every
+  segment's reset flag (``keep``) without sending it: the all-gather is unchanged.
+
+:func:`segment_documents` turns validated documents into those per-token indices and per-segment
+flags for one rank's segments (cached: the same call returns every layer and step).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_burst.documents import CuSeqlens, Documents, check_cu_seqlens
+
+__all__ = ["SegmentDocuments", "check_documents", "segment_documents", "document_index"]
+
+
+@dataclass(frozen=True)
+class SegmentDocuments:
+    """One rank's segments under documents (``T`` global segments of ``L`` tokens each).
+
+    ``doc`` [nseg, b, 1, L] (long): the document index of every local token, by segment.
+    ``enter`` [nseg, b, 1] (long): the document of the token just before each local segment: the
+    document the entering state belongs to (0 before the first segment, whose state is zero).
+    ``keep`` [T, b] (bool): per global segment (global order), True when no document starts inside
+    it, so the state entering it carries on through it; False makes it a reset map.
+    """
+
+    doc: torch.Tensor
+    enter: torch.Tensor
+    keep: torch.Tensor
+
+    @property
+    def from_entering(self) -> torch.Tensor:
+        """[nseg, b, 1, L] bool: token still in the document of the state entering its segment."""
+        return self.doc == self.enter.unsqueeze(-1)
+
+
+def check_documents(cu_seqlens: "CuSeqlens | Documents", seq_len: int, batch: int) -> Documents:
+    """Validated documents of a linear-attention call (local checks only: safe before any collective).
+
+    ``cu_seqlens``: as cp_attention takes it -- one int tensor (or list of ints) [0, ..., S] shared
+    by the batch, a list of ``batch`` of them (one per sample), or a
+    :class:`~megatron_burst.documents.Documents` validated once per batch. ``seq_len`` is the
+    global length S = local length x CP size.
+    """
+    if not isinstance(cu_seqlens, Documents):
+        return check_cu_seqlens(cu_seqlens, seq_len, batch)
+    docs = cu_seqlens
+    if docs.partition is not None:
+        raise ValueError("packed THD batches (layout 'thd', TransformerEngine's per-sequence zigzag) are not supported "
+                         "by the linear-attention layers: train with [b, s] batches, whose documents "
+                         "(--reset-attention-mask, cu_seqlens) they take in every --cp-layout")
+    if docs.seq_len != seq_len:
+        raise ValueError(f"documents for {docs.seq_len} tokens do not fit this call: the global sequence has "
+                         f"{seq_len} tokens (local length x CP size)")
+    covered = 0
+    for first, end, _ in docs.groups:
+        if first != covered:
+            break
+        covered = end
+    if covered != batch:
+        raise ValueError(f"documents describe samples {[(g[0], g[1]) for g in docs.groups]}, the batch has {batch}: "
+                         "give boundaries for every sample")
+    return docs
+
+
+# Small caches: a step's layers share one batch's entries (a new batch makes new ones), and the
+# device tensors they hold are b x S longs.
+@functools.lru_cache(maxsize=8)
+def _index(documents: Documents, batch: int, device: str) -> torch.Tensor:
+    seq_len = documents.seq_len
+    pos = torch.arange(seq_len)
+    out = torch.empty(batch, seq_len, dtype=torch.long)
+    for first, end, bounds in documents.groups:
+        cuts = torch.tensor(bounds[1:-1], dtype=torch.long)
+        out[first:end] = torch.searchsorted(cuts, pos, right=True)
+    return out.to(device)
+
+
+def document_index(documents: Documents, batch: int, device: torch.device) -> torch.Tensor:
+    """[b, S] long: the document index of every global position of every sample (cached)."""
+    return _index(documents, batch, str(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _segments(documents: Documents, batch: int, order: tuple, total: int, device: str) -> SegmentDocuments:
+    every = _index(documents, batch, device)
+    L = documents.seq_len // total
+    by_segment = every.view(batch, total, L).transpose(0, 1)  # [T, b, L]
+    enter = torch.cat([torch.zeros_like(every[:, :1]), every[:, L - 1:-1:L]], dim=1).transpose(0, 1)  # [T, b]
+    keep = by_segment[..., -1] == enter
+    mine = torch.tensor(order, device=every.device)
+    return SegmentDocuments(doc=by_segment[mine].unsqueeze(2), enter=enter[mine].unsqueeze(2), keep=keep)
+
+
+def segment_documents(documents: Optional[Documents], batch: int, order: tuple, total: int,
+                      device: torch.device) -> Optional[SegmentDocuments]:
+    """The :class:`SegmentDocuments` of this rank's segments ``order`` (their global indices, in
+    local order) out of ``total`` equal global segments; None without documents."""
+    if documents is None:
+        return None
+    return _segments(documents, batch, tuple(order), total, str(device))
