@@ -178,7 +178,7 @@ def test_swiglu_ffn_size_follows_megatron_lm():
     assert args.ffn_hidden_size == 128  # 4h without --swiglu
 
 
-@pytest.mark.parametrize("flag", ["--bf16", "--fp16", "--sequence-parallel"])
+@pytest.mark.parametrize("flag", ["--fp16", "--sequence-parallel"])
 def test_unsupported_megatron_flags_point_to_megatron_lm(flag):
     from megatron_burst.train import validate_args
 
@@ -205,11 +205,11 @@ def test_usage_errors_print_once_under_torchrun():
 
     argv = [sys.executable, "-m", "megatron_burst.train", "--num-layers", "1", "--hidden-size", "32",
             "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--lr", "1e-3",
-            "--train-iters", "1", "--bf16"]
+            "--train-iters", "1", "--fp16"]
     outs = {}
     for rank in ("0", "1"):
         env = {**os.environ, "RANK": rank, "WORLD_SIZE": "2", "PYTHONWARNINGS": "ignore"}
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
         outs[rank] = (proc.returncode, proc.stderr)
-    assert outs["0"][0] == 2 and "--bf16: megatron_burst.train trains in fp32" in outs["0"][1]
+    assert outs["0"][0] == 2 and "--fp16: megatron_burst.train trains in fp32" in outs["0"][1]
     assert outs["1"] == (2, "")

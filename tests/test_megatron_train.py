@@ -274,8 +274,6 @@ def test_odd_sequence_length_trains_at_cp1(tmp_path):
 @pytest.mark.parametrize("extra,needles", [
     (["--hierarchical-context-parallel-sizes", "2", "2"],
      ["--hierarchical-context-parallel-sizes 2 2 multiply to 4", "must multiply to --context-parallel-size 2"]),
-    (["--reset-attention-mask", "--linear-attention-type", "lightning"], ["--reset-attention-mask"]),
-    (["--reset-attention-mask", "--linear-attention-type", "gated_delta_net"], ["--reset-attention-mask"]),
     (["--reset-attention-mask", "--sparse-attention", "vertical_slash", "--sparse-last-q", "8"],
      ["--sparse-attention", "--reset-attention-mask"]),
     (["--sparse-attention", "vertical_slash", "--sparse-last-q", "8", "--window-size", "8,0", "--cp-algo", "burst"],

@@ -39,7 +39,8 @@ IGNORED_ON_CPU = {
     "--use-cpu-initialization", "--dist-ckpt-strictness", "--deterministic-mode", "--attention-backend",
     "--transformer-impl", "--use-distributed-optimizer", "--exit-interval", "--num-workers",
 }
-# Megatron-LM flags the trainer does not define but whose meaning it can take: flag -> reason
+# Megatron-LM flags the CPU runner refuses (the trainer lacks them, or the case's CPU golden values
+# would not hold): flag -> reason
 REFUSED_ON_CPU = {
     "--bf16": "the CPU runner trains in fp32 (its golden values are golden_values_cpu.json); a bf16 case runs "
               "under Megatron-LM on GPU with its own golden_values_<env>.json",

@@ -13,7 +13,10 @@ every flag with its default; they are defined in :mod:`megatron_burst.train.args
 The model is megatron.core's GPTModel (:class:`~megatron_burst.megatron.model.BurstGPTModel`) with
 :mod:`megatron_burst.specs`, data is megatron.core's GPTDataset over an indexed dataset (default:
 the built-in stdlib byte corpus, :mod:`megatron_burst.data`), the optimizer torch's AdamW under
-megatron.core's OptimizerParamScheduler. gloo on CPU, nccl on GPU.
+megatron.core's OptimizerParamScheduler. gloo on CPU, nccl on GPU. ``--bf16`` trains with
+megatron.core's mixed precision as Megatron-LM sets it up: a bf16 model in Float16Module and
+DistributedDataParallel (fp32 gradient buffers and all-reduce) and get_megatron_optimizer's
+Float16OptimizerWithFloat16Params (fp32 main parameters), see :mod:`megatron_burst.train.mixed_precision`.
 
 The loss is the per-token mean over the whole global batch (every microbatch, DP and CP rank),
 so a run at any CP size follows the CP = 1 trajectory up to float rounding. Checkpoints hold
@@ -23,7 +26,8 @@ Modules, in the order a run uses them:
   args           flags and validate_args -> (CPOptions, ParallelSizes), before any collective
   setup          process groups (megatron.core.parallel_state), seeding, model and optimizer
   data           tokenizer, GPTDataset, this rank's microbatches of an iteration
-  step           loss_and_grads, allreduce_grads, clip_grads, count_zero_grads
+  step           loss_and_grads, allreduce_grads, clip_grads, count_zero_grads (fp32)
+  mixed_precision  --bf16: megatron.core's Float16Module + DDP + mixed-precision optimizer
   checkpointing  save_checkpoint / load_checkpoint (Megatron-LM's legacy layout)
   loop           run: one training run on an initialized torch.distributed world
   __main__       main: joins torchrun's world (or a world of one), runs, ends the process

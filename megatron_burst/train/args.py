@@ -195,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
                    action="store_true", dest="use_checkpoint_opt_param_scheduler",
                    help="on --load, keep the checkpoint's learning-rate schedule. Without either flag a "
                         "schedule flag that differs from the checkpoint's is an error, as in Megatron-LM")
+    g = p.add_argument_group("mixed precision")
+    g.add_argument("--bf16", action="store_true",
+                   help="Megatron-LM's --bf16: bf16 parameters and activations, fp32 gradient accumulation and "
+                        "all-reduce (megatron.core's DistributedDataParallel, grad_reduce_in_fp32) and fp32 main "
+                        "parameters in megatron.core's optimizer (get_megatron_optimizer); default fp32")
     g = p.add_argument_group("Megatron-LM flags this trainer refuses (use Megatron-LM with the patch)")
     for flag in _REFUSED_MEGATRON_FLAGS:
         g.add_argument(flag, action="store_true", help=f"refused: {_REFUSED_MEGATRON_FLAGS[flag]}")
@@ -202,13 +207,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# Megatron-LM flags users bring along that this fp32, no-SP trainer does not implement: accepted by
-# the parser (so the answer is a pointer, once, not argparse's "unrecognized arguments" per rank)
-_MEGATRON_LM_ROUTE = ("megatron_burst.train trains in fp32 without sequence parallelism; for this, run "
-                      "Megatron-LM's pretrain_gpt.py with patches/pretrain_gpt.patch (README: Using it with "
+# Megatron-LM flags users bring along that this trainer (fp32 or --bf16, no SP) does not implement:
+# accepted by the parser (so the answer is a pointer, once, not argparse's "unrecognized arguments" per rank)
+_MEGATRON_LM_ROUTE = ("run Megatron-LM's pretrain_gpt.py with patches/pretrain_gpt.patch (README: Using it with "
                       "Megatron-LM), where megatron-burst's flags work alongside it")
-_REFUSED_MEGATRON_FLAGS = {"--bf16": _MEGATRON_LM_ROUTE, "--fp16": _MEGATRON_LM_ROUTE,
-                           "--sequence-parallel": _MEGATRON_LM_ROUTE}
+_REFUSED_MEGATRON_FLAGS = {
+    "--fp16": "megatron_burst.train trains in fp32 or, with --bf16, in bf16 with fp32 main parameters; fp16 "
+              "needs a loss scaler, which it does not implement: use --bf16, or " + _MEGATRON_LM_ROUTE,
+    "--sequence-parallel": "megatron_burst.train trains in fp32 or bf16 without sequence parallelism; for it, "
+                           + _MEGATRON_LM_ROUTE,
+}
 
 
 def _cuda_training(args: argparse.Namespace) -> bool:

@@ -8,6 +8,12 @@ Each file holds ``model``, ``optimizer``, ``opt_param_scheduler``, ``iteration``
 it: a one-element list (no ``--data-parallel-random-init``) of python ``random``, numpy and torch
 CPU generator states, plus the CUDA generator and megatron.core's CUDA RNG tracker states on GPU.
 Parameters are full (CP-independent) per TP rank, so a checkpoint resumes at any CP and DP size.
+
+With ``--bf16`` (``precision`` "bf16"), ``model`` holds the bf16 parameters (keys as without the
+Float16Module / DDP wrappers, as Megatron-LM saves them) and ``optimizer`` megatron.core's
+Float16OptimizerWithFloat16Params state: the AdamW moments and the fp32 main parameters
+(``fp32_from_fp16_params``), so a resumed run continues from the exact fp32 values. A checkpoint
+resumes only in the precision it was saved in (the optimizer states differ).
 """
 from __future__ import annotations
 
@@ -33,6 +39,10 @@ MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
 # Megatron-LM's key names inside each "rng_state" entry.
 _HOST_RNG_KEYS = ("random_rng_state", "np_rng_state", "torch_rng_state")
 _CUDA_RNG_KEYS = ("cuda_rng_state", "rng_tracker_states")
+
+
+def _precision(args: argparse.Namespace) -> str:
+    return "bf16" if getattr(args, "bf16", False) else "fp32"
 
 
 def checkpoint_file(root: str, iteration: int, tp_rank: int) -> str:
@@ -95,6 +105,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, model: tor
             "opt_param_scheduler": scheduler.state_dict(),
             "args": {k: getattr(args, k) for k in MODEL_FLAGS},
             "cp": {"context_parallel_size": args.context_parallel_size, "layout": args.cp_layout},
+            "precision": _precision(args),
             "megatron_burst_version": megatron_burst.__version__,
         }
         if args.save_rng:
@@ -140,6 +151,12 @@ def load_checkpoint(root: str, model: torch.nn.Module, optimizer, scheduler,
             for k in MODEL_FLAGS if saved.get(k) != getattr(args, k)]
     if diff:
         raise ValueError(f"checkpoint {path} does not match this run: " + "; ".join(diff))
+    saved_precision = state.get("precision", "fp32")  # checkpoints from before --bf16 are fp32
+    if saved_precision != _precision(args):
+        raise ValueError(f"checkpoint {path} was saved by a {saved_precision} run ("
+                         f"{'with' if saved_precision == 'bf16' else 'without'} --bf16) but this run is "
+                         f"{_precision(args)}: resume {'with' if saved_precision == 'bf16' else 'without'} --bf16 "
+                         "(the optimizer states differ: bf16 keeps fp32 main parameters)")
     device = _model_device(model)
     rng = _check_rng_state(state, device, path) if args.load_rng else None  # before changing anything
     model.load_state_dict(state["model"])

@@ -17,6 +17,7 @@ from megatron_burst.train.checkpointing import load_checkpoint, save_checkpoint
 from megatron_burst.train.data import build_dataset, build_tokenizer, microbatches
 from megatron_burst.train.setup import (Groups, build_model, build_optimizer, init_parallel,
                                         padded_vocab_size, print_rank_0, seed_everything)
+from megatron_burst.train import mixed_precision
 from megatron_burst.train.step import allreduce_grads, clip_grads, count_zero_grads, loss_and_grads
 
 
@@ -35,6 +36,12 @@ def run(argv: Optional[Sequence[str]] = None) -> List[Dict[str, float]]:
         return _train(args, opts, sizes, groups, device)
     finally:
         ps.destroy_model_parallel()
+
+
+def precision_summary(args) -> str:
+    """The banner's precision: "fp32", or what --bf16 keeps in which precision."""
+    return ("bf16 (megatron.core Float16Module + DDP with fp32 grad accumulation/all-reduce, "
+            "Float16OptimizerWithFloat16Params with fp32 main params)" if args.bf16 else "fp32")
 
 
 def _softmax_attention(model: torch.nn.Module):
@@ -68,8 +75,10 @@ def _softmax_summary(model: torch.nn.Module, args, sizes: ParallelSizes) -> str:
     from megatron_burst.topology import CPTopology, registered_usp_topology
 
     attention = _softmax_attention(model)
-    if attention is None:
-        return ""
+    if attention is None:  # every layer linear, or another core attention (a spec given in place of ours)
+        other = next((type(m).__name__ for name, m in model.named_modules()
+                      if name.endswith("self_attention.core_attention")), None)
+        return f"core attention {other}" if other else ""
     algo = attention.options.algo
     target = attention.cp_target
     nodes = target.num_nodes if isinstance(target, CPTopology) else 1
@@ -97,8 +106,8 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                                sizes.tp)
     seed_everything(args.seed, device)
-    model = build_model(args, opts, sizes, groups, device)
-    optimizer, scheduler = build_optimizer(args, model)
+    model = build_model(args, opts, sizes, groups, device)  # --bf16: DDP(Float16Module(model))
+    optimizer, scheduler = build_optimizer(args, model, device)
     start, consumed = load_checkpoint(args.load, model, optimizer, scheduler, args, groups) if args.load else (0, 0)
     dataset = build_dataset(args, tokenizer, consumed + max(0, args.train_iters - start) * args.global_batch_size)
     n_params = sum(p.numel() for p in model.parameters())
@@ -108,7 +117,7 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
                  f"{args.num_layers} layers, hidden {args.hidden_size}, heads {args.num_attention_heads}"
                  f"/{args.num_query_groups} kv, seq {args.seq_length}, {n_params} parameters per TP rank; "
                  f"global batch {args.global_batch_size} = {sizes.num_microbatches} microbatches x "
-                 f"{args.micro_batch_size} x DP {sizes.dp}; device {device.type}")
+                 f"{args.micro_batch_size} x DP {sizes.dp}; device {device.type}; {precision_summary(args)}")
     dp_rank = dist.get_rank(groups.dp)
     eod_token = tokenizer.eod if args.reset_attention_mask else None
     tokens_per_iter = args.global_batch_size * args.seq_length
@@ -117,17 +126,23 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
     for iteration in range(start, args.train_iters):
         t0 = time.perf_counter()
         batches = microbatches(dataset, consumed, args, sizes, dp_rank)
-        for p in model.parameters():
-            p.grad = None
+        if args.bf16:
+            mixed_precision.zero_grads(model, optimizer)
+        else:
+            for p in model.parameters():
+                p.grad = None
         with megatron_burst.comm_counter() as counter:
             loss = loss_and_grads(model, batches, opts, groups, device, eod_token=eod_token)
         end_iteration(model)  # selective-checkpoint stores: verified and emptied before the update
         consumed += args.global_batch_size
-        allreduce_grads(model, groups)
-        grad_norm = clip_grads(model, args.clip_grad, groups)
-        num_zeros = count_zero_grads(model, groups) if args.log_num_zeros_in_grad else None
         lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
+        if args.bf16:  # megatron.core: fp32 grad all-reduce, then clip + AdamW on the fp32 main params
+            grad_norm, num_zeros = mixed_precision.reduce_and_step(model, optimizer, args, device)
+        else:
+            allreduce_grads(model, groups)
+            grad_norm = clip_grads(model, args.clip_grad, groups)
+            num_zeros = count_zero_grads(model, groups) if args.log_num_zeros_in_grad else None
+            optimizer.step()
         scheduler.step(args.global_batch_size)  # in samples, as Megatron-LM
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -139,6 +154,8 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
                "cp_comm_bytes_per_rank": sent.item() / dist.get_world_size(), "consumed_samples": consumed}
         if num_zeros is not None:
             row["num_zeros"] = num_zeros
+        if device.type == "cuda":  # Megatron-LM's "mem-max-allocated-bytes": the peak since the start
+            row["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         metrics.append(row)
         if iteration == start:  # the kernels are chosen (and self-checked) in the first step
             for line in kernel_report():
@@ -151,7 +168,9 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
                          f"{grad_norm:.3f} | "
                          + (f"number of zeros: {num_zeros} | " if num_zeros is not None else "")
                          + f"tokens per second: {row['tokens_per_s']:.1f} | "
-                         f"cp comm bytes per rank: {int(row['cp_comm_bytes_per_rank'])} |")
+                         + (f"mem max allocated (GiB): {row['max_memory_allocated_bytes'] / 2**30:.2f} | "
+                            if "max_memory_allocated_bytes" in row else "")
+                         + f"cp comm bytes per rank: {int(row['cp_comm_bytes_per_rank'])} |")
         if args.save and args.save_interval and (iteration + 1) % args.save_interval == 0:
             save_checkpoint(args.save, iteration + 1, consumed, model, optimizer, scheduler, args, groups)
     if args.save and metrics and (not args.save_interval or args.train_iters % args.save_interval):
@@ -160,6 +179,7 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
         softmax = _softmax_attention(model)
         with open(args.metrics_file, "w") as f:
             json.dump({"cp": sizes.cp, "tp": sizes.tp, "dp": sizes.dp, "layout": opts.layout,
+                       "precision": "bf16" if args.bf16 else "fp32",
                        "algo": softmax.options.algo if softmax is not None else None,
                        "attention": attention_summary(model, args, sizes), "kernels": kernel_report(),
                        "metrics": metrics}, f, indent=1)

@@ -75,7 +75,8 @@ def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
 
 
 def model_config(args: argparse.Namespace, sizes: ParallelSizes, device: torch.device):
-    """The TransformerConfig for these flags (fp32, CPU initialization, no fusions)."""
+    """The TransformerConfig for these flags (fp32, or with --bf16 bf16 parameters and Megatron's
+    per-token loss reduction; CPU initialization, no fusions)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import torch.nn.functional as F
@@ -106,6 +107,10 @@ def model_config(args: argparse.Namespace, sizes: ParallelSizes, device: torch.d
         recompute_granularity=args.recompute_granularity,
         recompute_method=(args.recompute_method or "uniform") if args.recompute_granularity == "full" else None,
         recompute_num_layers=(args.recompute_num_layers or 1) if args.recompute_granularity == "full" else None,
+        # --bf16 as Megatron-LM's core_transformer_config_from_args sets it; the loss is already the
+        # global per-token mean (step.loss_and_grads), so megatron.core's DDP must sum, not average
+        **(dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+                calculate_per_token_loss=True) if getattr(args, "bf16", False) else {}),
     )
 
 
@@ -143,7 +148,10 @@ def gpt_model_kwargs(args: argparse.Namespace, opts: CPOptions, sizes: ParallelS
 
 def build_model(args: argparse.Namespace, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
                 device: torch.device):
-    """BurstGPTModel with megatron-burst's layer spec, on ``device``."""
+    """BurstGPTModel with megatron-burst's layer spec, on ``device``; with --bf16 in bf16, wrapped in
+    megatron.core's Float16Module and DistributedDataParallel (fp32 main grads) as Megatron-LM wraps
+    it (:mod:`megatron_burst.train.mixed_precision`; ``mixed_precision.unwrap_model`` gives the
+    BurstGPTModel back)."""
     from megatron_burst.megatron.model import BurstGPTModel
 
     if device.type == "cpu" and args.recompute_granularity is not None:
@@ -156,20 +164,37 @@ def build_model(args: argparse.Namespace, opts: CPOptions, sizes: ParallelSizes,
     setup_cp_topology(opts, groups.cp, sizes.cp, sizes.tp)
     model = BurstGPTModel(**gpt_model_kwargs(args, opts, sizes, groups, device),
                           cp_layout=opts.layout, cp_stripe=opts.stripe, fused_lm_loss=args.fused_lm_loss)
-    return model.to(device)
+    model = model.to(device)
+    if getattr(args, "bf16", False):
+        from megatron_burst.train import mixed_precision
+
+        model = mixed_precision.wrap_model(model, device)
+    return model
 
 
-def build_optimizer(args: argparse.Namespace, model: torch.nn.Module):
-    """AdamW (no weight decay on biases and norms, as Megatron) + OptimizerParamScheduler."""
+def build_optimizer(args: argparse.Namespace, model: torch.nn.Module, device: Optional[torch.device] = None):
+    """AdamW (no weight decay on biases and norms, as Megatron) + OptimizerParamScheduler.
+
+    fp32: torch's AdamW on the model's parameters (gradients reduced and clipped by
+    :mod:`megatron_burst.train.step`). --bf16: megatron.core's ``get_megatron_optimizer``
+    (Float16OptimizerWithFloat16Params: fp32 main parameters, the same AdamW and weight-decay groups,
+    Megatron's clipping) over the DDP-wrapped model from :func:`build_model`.
+    """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        (no_decay if param.dim() == 1 or name.endswith(".bias") else decay).append(param)
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
-        lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-        weight_decay=args.weight_decay)
+    if getattr(args, "bf16", False):
+        from megatron_burst.train import mixed_precision
+
+        device = device if device is not None else next(model.parameters()).device
+        optimizer = mixed_precision.build_optimizer(args, model, device)
+    else:
+        decay, no_decay = [], []
+        for name, param in model.named_parameters():
+            (no_decay if param.dim() == 1 or name.endswith(".bias") else decay).append(param)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
+            lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+            weight_decay=args.weight_decay)
     gbs = args.global_batch_size  # Megatron-LM counts the schedule in samples (step(gbs) per iteration),
     # so a resume with another global batch size keeps its place on the schedule
     scheduler = OptimizerParamScheduler(

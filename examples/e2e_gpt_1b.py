@@ -1,0 +1,318 @@
+"""End to end on one GPU: a ~1.2B-parameter GPT at 16K tokens, bf16, trained by
+``python -m megatron_burst.train`` with our attention and the fused LM loss, measured per variant.
+
+    bash scripts/e2e_gpu.sh                 # on the GPU machine (installs megatron-core from .whl/)
+    python examples/e2e_gpt_1b.py --out DIR [--variants ...] [--smoke]
+
+The model (Llama-style GQA, one flag set for every variant):
+  24 layers, hidden h = 2048, a = 16 query heads of d = 128, g = 8 KV groups, SwiGLU MLP of
+  f = 5440 (Megatron-LM's int(8h/3 / 64) * 64), RMSNorm, no linear biases, RoPE, vocabulary
+  V = 32128 (NullTokenizer 32000 + EOD, padded to a multiple of 128), tied embedding/output,
+  sequence s = 16384, micro and global batch 1 (16384 tokens per iteration), megatron.core's
+  MockGPTDataset (synthetic tokens: the GPU machine has no network).
+Parameters N = L * (h*d*(2a + 2g) + 3*h*f + 2h) + V*h + h
+             = 24 * (2048*128*48 + 3*2048*5440 + 4096) + 32128*2048 + 2048 = 1,170,049,024
+  (QKV + output projection, the three SwiGLU matrices, two RMSNorm weights per layer; the tied
+  embedding; the final norm). The trainer prints its own count, recorded beside it.
+
+FLOPs per iteration (MFU's numerator): Megatron-LM's ``num_floating_point_operations`` for a dense
+GPT (training.py; GEMMs x 3 for forward, wgrad, dgrad; causal attention counts half the s^2 matrix):
+    12 * B * s * L * h^2 * [ (1 + g/a + s/(2h)) * (a*d/h) + (f/h) * 3/2 + V / (2*L*h) ]
+The JSON also gives the textbook 6*N*tokens + 6*L*a*d*s^2*B (= 12*L*h*s^2/2 per sequence). MFU =
+FLOPs / (iteration time x peak dense bf16 FLOP/s: 989.4e12 on H100/H200 SXM, or --peak-tflops);
+recompute is not counted (model FLOPs, not hardware FLOPs). Iteration time: the mean of the
+iterations after --warmup (the first builds the kernels' self-checks and the allocator's pool).
+Peak memory: torch.cuda.max_memory_allocated at the end (the trainer logs it on CUDA).
+
+Variants (each a fresh ``python -m megatron_burst.train`` process, so peaks and OOMs stay apart):
+  burst             our engine (--cp-algo burst; at CP = 1 one fused kernel call per direction)
+  burst_recompute   + Megatron's full recompute (uniform, 1 layer)
+  burst_recompute_selckpt  + --seq-selective-ckpt-ratio 0.5: the first forward keeps (out, lse) of
+                    the later half of the sequence, the recompute runs only the earlier half
+                    (1/4 of the causal attention FLOPs)
+  sdpa              torch.nn.functional.scaled_dot_product_attention (flash) as core attention in
+                    the same model: the plain-spec reference for our engine at CP = 1
+  megatron_local    megatron.core 0.16.1's own core attention without TransformerEngine: the local
+                    spec's DotProductAttention, which materializes the [a, s, s] scores (bf16 +
+                    an fp32 softmax: ~50 GB per layer at 16K), so it runs under full recompute and
+                    may still run out of memory on an 80 GB H100 (recorded as such). Needs CUDA.
+  (Megatron-core 0.16.1 has no torch-SDPA core attention of its own; its fused attention is
+  TransformerEngine's, which is not installed there.)
+
+Results go to OUT/e2e_results.json after every variant (a time-out keeps the finished ones), the
+trainers' output to OUT/e2e.log. ``--smoke``: the same runs at a tiny size, on CPU if no GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+FULL = dict(layers=24, hidden=2048, heads=16, groups=8, kv_channels=128, ffn=5440, vocab=32000, seq=16384,
+            iters=6, warmup=2)
+SMOKE = dict(layers=2, hidden=64, heads=4, groups=2, kv_channels=16, ffn=192, vocab=1000, seq=256,
+             iters=3, warmup=1)
+VARIANTS = {
+    "burst": [],
+    "burst_recompute": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                        "--recompute-num-layers", "1"],
+    "burst_recompute_selckpt": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                "--recompute-num-layers", "1", "--seq-selective-ckpt-ratio", "0.5"],
+    "sdpa": [],
+    "megatron_local": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                       "--recompute-num-layers", "1"],
+}
+CORE_ATTENTION = {"sdpa": "sdpa", "megatron_local": "megatron_local"}  # the others keep our spec
+PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "B200": 2250e12, "A100": 312e12}
+
+
+def padded_vocab(vocab: int) -> int:
+    return -(-(vocab + 1) // 128) * 128  # NullTokenizer: ids < vocab, EOD = vocab
+
+
+def param_count(c: dict) -> int:
+    h, a, g, d, f, L = c["hidden"], c["heads"], c["groups"], c["kv_channels"], c["ffn"], c["layers"]
+    return L * (h * d * (2 * a + 2 * g) + 3 * h * f + 2 * h) + padded_vocab(c["vocab"]) * h + h
+
+
+def flops_megatron(c: dict, batch: int = 1) -> float:
+    """Megatron-LM's num_floating_point_operations (dense GPT, SwiGLU, GQA, causal)."""
+    h, a, g, d, f, L, s = c["hidden"], c["heads"], c["groups"], c["kv_channels"], c["ffn"], c["layers"], c["seq"]
+    V = padded_vocab(c["vocab"])
+    return 12 * batch * s * L * h * h * ((1 + g / a + s / h / 2) * (a * d / h) + (f / h) * 1.5 + V / (2 * L * h))
+
+
+def flops_6n(c: dict, batch: int = 1) -> float:
+    """6 N T plus the causal attention matmuls, 6 L a d s^2 B (= 12 L h s^2 / 2 per sequence when a d = h)."""
+    s = c["seq"]
+    return 6 * param_count(c) * s * batch + 6 * c["layers"] * c["heads"] * c["kv_channels"] * s * s * batch
+
+
+def train_flags(c: dict, data_dir: str) -> List[str]:
+    return ["--num-layers", str(c["layers"]), "--hidden-size", str(c["hidden"]),
+            "--num-attention-heads", str(c["heads"]), "--num-query-groups", str(c["groups"]),
+            "--kv-channels", str(c["kv_channels"]), "--ffn-hidden-size", str(c["ffn"]), "--swiglu",
+            "--normalization", "RMSNorm", "--disable-bias-linear", "--seq-length", str(c["seq"]),
+            "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", str(c["iters"]),
+            "--lr", "1e-4", "--lr-decay-style", "constant", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", str(c["vocab"]), "--data-cache-path", data_dir, "--bf16", "--fused-lm-loss",
+            "--cp-algo", "burst", "--log-interval", "1"]
+
+
+# ------------------------------------------------------------------ worker: another core attention
+
+def _sdpa_core_attention():
+    import torch.nn.functional as F
+    from megatron.core.transformer.module import MegatronModule
+
+    class SDPACoreAttention(MegatronModule):
+        """DotProductAttention's interface over torch's scaled_dot_product_attention (causal, GQA,
+        no dropout): q, k, v [s, b, heads, d] -> [s, b, heads * d]."""
+
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                     softmax_scale=None, cp_comm_type=None, pg_collection=None):
+            super().__init__(config=config)
+            assert config.context_parallel_size == 1, "SDPACoreAttention runs at CP = 1 only"
+            self.softmax_scale = softmax_scale
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            assert packed_seq_params is None and attention_bias is None
+            groups = query.shape[2] // key.shape[2]
+            if groups > 1:  # GQA: KV heads repeated locally (as Megatron's DotProductAttention does)
+                key, value = (t.repeat_interleave(groups, dim=2) for t in (key, value))
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+            with _fused_sdpa_only(q.device):  # never torch's math fallback (it builds the s x s matrix)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+            s, b = query.shape[0], query.shape[1]
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _fused_sdpa_only(device):
+        import contextlib
+
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+
+    return SDPACoreAttention
+
+
+def _worker(kind: str, argv: List[str]) -> None:
+    """``python -m megatron_burst.train argv`` with the layer spec's core attention replaced by
+    ``kind`` (the rest of the model -- RoPE, projections, MLP, fused loss -- is the same)."""
+    import copy
+
+    import megatron_burst.specs as specs
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    core = _sdpa_core_attention() if kind == "sdpa" else DotProductAttention
+    build = specs.get_gpt_layer_spec
+
+    def spec_with_other_attention(*args, **kwargs):
+        spec = copy.deepcopy(build(*args, **kwargs))
+        spec.submodules.self_attention.submodules.core_attention = core
+        return spec
+
+    specs.get_gpt_layer_spec = spec_with_other_attention
+    from megatron_burst.train.__main__ import main
+
+    main(argv)
+
+
+# ------------------------------------------------------------------ driver
+
+_ENV_PROBE = """
+import json, sys
+info = {"python": sys.version.split()[0]}
+try:
+    import torch
+    info.update(torch=torch.__version__, cuda=torch.version.cuda,
+                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():
+        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+except Exception as exc:
+    info["torch_error"] = repr(exc)
+try:
+    import megatron.core
+    info["megatron_core"] = megatron.core.__version__
+except Exception as exc:
+    info["megatron_core_error"] = repr(exc)
+print(json.dumps(info))
+"""
+
+
+def _environment() -> dict:
+    """Versions and the device, probed in a child process (the driver never opens a CUDA context,
+    which would hold GPU memory through every variant's run)."""
+    proc = subprocess.run([sys.executable, "-c", _ENV_PROBE], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return {"probe_error": proc.stderr[-2000:]}
+
+
+def _peak_flops(override: Optional[float], device: str) -> Optional[float]:
+    if override:
+        return override * 1e12
+    return next((v for k, v in PEAK_BF16.items() if k in device), None)
+
+
+def run_variant(name: str, c: dict, args, log) -> Dict:
+    """One variant in a fresh process; its metrics, time and memory figures."""
+    metrics_file = os.path.join(args.work, f"{name}.metrics.json")
+    if os.path.exists(metrics_file):
+        os.remove(metrics_file)
+    if name == "megatron_local":  # seconds per iteration at 16K (the s x s scores, recomputed): fewer of them
+        c = {**c, "iters": min(c["iters"], c["warmup"] + 2)}
+    flags = train_flags(c, os.path.join(args.work, "data")) + VARIANTS[name] + ["--metrics-file", metrics_file]
+    kind = CORE_ATTENTION.get(name)
+    cmd = ([sys.executable, os.path.abspath(__file__), "--worker", kind, "--"] if kind
+           else [sys.executable, "-m", "megatron_burst.train"]) + flags
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    log.write(f"\n=== {name}\n$ {' '.join(cmd)}\n")
+    log.flush()
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.per_run_timeout)
+        rc, out, err = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, out, err = "timeout", exc.stdout or "", exc.stderr or ""
+        out, err = (x.decode() if isinstance(x, bytes) else x for x in (out, err))
+    wall = time.perf_counter() - t0
+    log.write(out + ("\n--- stderr (tail)\n" + err[-6000:] if rc != 0 else ""))
+    log.flush()
+    result: Dict = {"variant": name, "flags": flags[:-2], "returncode": rc, "wall_s": round(wall, 1)}
+    if rc != 0:
+        oom = "OutOfMemoryError" in err or "out of memory" in err.lower()
+        result["error"] = "out of GPU memory" if oom else (err.strip().splitlines() or ["?"])[-1][-500:]
+        return result
+    data = json.load(open(metrics_file))
+    rows = data["metrics"]
+    steady = rows[c["warmup"]:] or rows[-1:]
+    step_s = sum(r["elapsed_s"] for r in steady) / len(steady)
+    tokens = c["seq"]  # global batch 1
+    banner = re.search(r"(\d+) parameters per TP rank", out)
+    result.update({
+        "iteration_s": [round(r["elapsed_s"], 4) for r in rows],
+        "lm_loss": [round(r["lm_loss"], 4) for r in rows],
+        "step_s": round(step_s, 4),
+        "tokens_per_s": round(tokens / step_s, 1),
+        "tflops_per_s": round(flops_megatron(c) / step_s / 1e12, 1),
+        "mfu": round(flops_megatron(c) / step_s / args.peak, 4) if args.peak else None,
+        "mfu_6n": round(flops_6n(c) / step_s / args.peak, 4) if args.peak else None,
+        "peak_memory_gib": (round(rows[-1]["max_memory_allocated_bytes"] / 2**30, 2)
+                            if "max_memory_allocated_bytes" in rows[-1] else None),
+        "parameters_trainer": int(banner.group(1)) if banner else None,
+        "kernels": data.get("kernels"),
+        "precision": data.get("precision"),
+    })
+    return result
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "runs/e2e"), help="where results go (default $OUT)")
+    p.add_argument("--work", default=None, help="metrics files and mock-data cache (default /tmp/e2e_work)")
+    p.add_argument("--smoke", action="store_true", help="tiny model (runs on CPU): proves the pipeline end to end")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--seq-length", type=int, default=None, help="override the sequence length")
+    p.add_argument("--iters", type=int, default=None, help="iterations per variant")
+    p.add_argument("--per-run-timeout", type=float, default=None, help="seconds per variant (default 120)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="peak dense bf16 TFLOP/s for MFU")
+    p.add_argument("--worker", choices=["sdpa", "megatron_local"], default=None, help=argparse.SUPPRESS)
+    args, rest = p.parse_known_args(argv)
+    if args.worker:
+        _worker(args.worker, [a for a in rest if a != "--"])
+        return 0
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    c = dict(SMOKE if args.smoke else FULL)
+    if args.seq_length:
+        c["seq"] = args.seq_length
+    if args.iters:
+        c["iters"] = args.iters
+    args.per_run_timeout = args.per_run_timeout or 120
+    os.makedirs(args.out, exist_ok=True)
+    args.work = args.work or "/tmp/e2e_work"  # not under OUT: only a few files may come back from there
+    os.makedirs(args.work, exist_ok=True)
+    env = _environment()
+    args.peak = _peak_flops(args.peak_tflops, env.get("device", "cpu"))
+    cuda = env.get("device", "cpu") != "cpu"
+    summary = {"model": {**c, "padded_vocab": padded_vocab(c["vocab"]), "parameters": param_count(c),
+                         "flops_per_iteration_megatron": flops_megatron(c), "flops_per_iteration_6n": flops_6n(c),
+                         "tokens_per_iteration": c["seq"]},
+               "peak_flops": args.peak, "env": env, "smoke": args.smoke, "results": []}
+    path = os.path.join(args.out, "e2e_results.json")
+    with open(os.path.join(args.out, "e2e.log"), "a") as log:
+        for name in args.variants:
+            if name == "megatron_local" and not cuda:
+                summary["results"].append({"variant": name, "skipped": "needs CUDA: megatron.core's DotProductAttention "
+                                           "allocates its score buffer on the current CUDA device"})
+            else:
+                result = run_variant(name, c, args, log)
+                summary["results"].append(result)
+                print(json.dumps({k: result.get(k) for k in ("variant", "returncode", "step_s", "tokens_per_s",
+                                                             "mfu", "peak_memory_gib", "error", "wall_s")}), flush=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump(summary, f, indent=1)
+            os.replace(path + ".tmp", path)
+    failed = [r["variant"] for r in summary["results"] if r.get("returncode") not in (0, None)
+              and r["variant"] != "megatron_local"]
+    print(f"results: {path}" + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
