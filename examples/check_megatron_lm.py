@@ -267,7 +267,7 @@ def main(argv: Optional[list] = None) -> int:
     for extra in same_model:
         ref = run(1, [f for f in extra if f not in ("--cp-layout", "striped")], patched=False, step=False)
         got = run(2, extra, step=False)
-        ok = "error" not in got and got["params"] == ref["params"] and got["core"] == "BurstCoreAttention"
+        ok = "error" not in got and got["params"] == ref["params"] and got["core"] == "CPCoreAttention"
         report(ok, f"same model: CP=2 {_show(extra) or '(dense)'}: {len(ref['params'])} parameters "
                    f"{'equal' if ok else 'DIFFER from'} the unpatched model's ({got.get('error', got.get('core'))})")
     if not quick:

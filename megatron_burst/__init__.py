@@ -9,7 +9,9 @@ Public API (functional, usable without Megatron):
   build_cp_topology                       -- intra/inter-node rings for the topology-aware double ring
   build_usp_topology                      -- USP's 2-D groups (Ulysses groups x rings across them)
   comm_counter                            -- byte accounting of every CP transfer
-  VerticalSlash, sparse_cp_attention      -- static vertical-slash sparse attention (megatron_burst.sparse)
+  VerticalSlash, sparse_cp_attention      -- vertical-slash sparse patterns: cp_attention(pattern=...), composed
+                                             with cu_seqlens and window; sparse_cp_attention wraps it
+                                             (megatron_burst.sparse; plans: megatron_burst.sparse_plan)
   fused_linear_cross_entropy               -- LM head + vocab-parallel CE without N x V logits
 Megatron integration: megatron_burst.specs, megatron_burst.add_args, get_batch_on_this_cp_rank.
 """
@@ -26,7 +28,7 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # Megatron-facing helpers import megatron.core lazily, so the engine works without it.
     if name == "add_args":
-        from megatron_burst.megatron.args import add_args
+        from megatron_burst.megatron.flags import add_args
         return add_args
     if name == "fused_linear_cross_entropy":
         from megatron_burst.loss import fused_linear_cross_entropy

@@ -313,10 +313,10 @@ def _attention_of(block):
 
 
 @pytest.mark.parametrize("freq,want", [
-    (2, ["linear", "BurstCoreAttention"] * 2),
-    (4, ["linear"] * 3 + ["BurstCoreAttention"]),
-    (1, ["BurstCoreAttention"] * 4),
-    ([1, 0, 0, 1], ["linear", "BurstCoreAttention", "BurstCoreAttention", "linear"]),
+    (2, ["linear", "CPCoreAttention"] * 2),
+    (4, ["linear"] * 3 + ["CPCoreAttention"]),
+    (1, ["CPCoreAttention"] * 4),
+    ([1, 0, 0, 1], ["linear", "CPCoreAttention", "CPCoreAttention", "linear"]),
     (None, ["linear"] * 4),
 ])
 def test_block_spec_pattern(freq, want):
@@ -340,7 +340,7 @@ def test_block_spec_reads_config_freq_and_keeps_megatrons_mlps():
 
     block = get_gpt_decoder_block_spec(_config(linear_attention_freq=2, num_moe_experts=4, moe_layer_freq=[1, 0, 1, 0]),
                                        linear_attention="gla", use_te=False)
-    assert _attention_of(block) == ["linear", "BurstCoreAttention"] * 2
+    assert _attention_of(block) == ["linear", "CPCoreAttention"] * 2
     assert [layer.submodules.mlp.module.__name__ for layer in block.layer_specs] == ["MoELayer", "MLP"] * 2
     with pytest.raises(ValueError, match="linear_attention_freq=4 but config.linear_attention_freq=2"):
         get_gpt_decoder_block_spec(_config(linear_attention_freq=2), linear_attention_freq=4, use_te=False)

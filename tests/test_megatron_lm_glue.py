@@ -88,12 +88,12 @@ def unpatched():
 def test_patched_model_has_the_unpatched_parameters(unpatched, flag_set):
     ref = unpatched[flag_set]
     assert ref["params"] == ref["plain_params"], f"{flag_set}: the patch changed the parameters at CP=1"
-    assert ref["core"] == ["BurstCoreAttention"]
+    assert ref["core"] == ["CPCoreAttention"]
     expected_layers = 2 + (1 if flag_set == "mtp" else 0)  # the MTP layer has attention too
     assert ref["n_core"] == expected_layers
     for rank, res in enumerate(run_ranks(2, build_both, 2, flag_set, False)):
         assert res["params"] == ref["plain_params"], f"{flag_set}: CP=2 rank {rank} parameters differ"
-        assert res["core"] == ["BurstCoreAttention"] and res["cls"] == "BurstGPTModel"
+        assert res["core"] == ["CPCoreAttention"] and res["cls"] == "BurstGPTModel"
         if flag_set not in CUDA_ONLY_STEP:
             assert abs(res["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (flag_set, res["loss"], ref["loss"])
 

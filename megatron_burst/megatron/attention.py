@@ -1,10 +1,18 @@
-"""``BurstCoreAttention``: Megatron-Core ``core_attention`` backed by megatron-burst CP attention.
+"""``CPCoreAttention``: the Megatron-Core ``core_attention`` that runs every megatron-burst CP
+algorithm (ring, burst, auto, allgather, ulysses, usp; dense, windowed, documents, sparse).
 
 Megatron's ``SelfAttention`` projects q/k/v, applies RoPE and calls its ``core_attention`` with
 ``[s_local, b, heads_per_partition, d]`` tensors. This module hands them to
 :func:`megatron_burst.cp_attention` over the context-parallel group and returns
 ``[s_local, b, heads * d]``, like Megatron's ``DotProductAttention`` (which needs CUDA and refuses
-CP > 1) and ``TEDotProductAttention``.
+CP > 1) and ``TEDotProductAttention``. ``BurstCoreAttention`` is its former name (a deprecated alias).
+
+Its options come from the layer spec's params: per-field values (``cp_algo``, ``cp_layout`` ...)
+and/or ``cp_options``, the :class:`~megatron_burst.megatron.options.CPOptions` the flag boundary
+built (Megatron-LM's patched ``pretrain_gpt.py``, megatron_burst.train). It never reads
+Megatron-LM's global args. Process groups come from ``pg_collection`` (``cp``; ``hcp`` for USP),
+else from the groups built once where the process groups are made
+(:mod:`megatron_burst.megatron.groups`).
 
 Everything that cannot be honoured is rejected in ``__init__``, before any collective, with the
 setting to change. Heads come from the tensors, so TP (heads per partition) and GQA need no
@@ -29,24 +37,20 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_burst.checkpoint import SelectiveAttentionCache, selective_cp_attention
 from megatron_burst.algorithms import prepare
 from megatron_burst.documents import THD, check_window
-from megatron_burst.megatron.args import (STOCK_ATTENTION, CPOptions, check_cp_dropout, check_selective_ckpt_algo,
-                                          sparse_from_args,
-                                          cp_ranks_per_node_from_args, make_cp_options, megatron_lm_cp_flags)
-from megatron_burst.megatron.groups import needs_node_topology, needs_usp_topology, resolve_cp_ranks_per_node
+from megatron_burst.megatron.comm_types import PER_LAYER, STOCK_ATTENTION
+from megatron_burst.megatron.groups import (cp_group_from, needs_node_topology, needs_usp_topology,
+                                            resolve_cp_ranks_per_node, usp_topology_from_pg_collection)
+from megatron_burst.megatron.options import CPOptions, make_cp_options
 from megatron_burst.megatron.packed import documents_of
+from megatron_burst.megatron.validate import check_cp_dropout, check_selective_ckpt_algo
 from megatron_burst.topology import CPTopology, registered_cp_topology, registered_usp_topology
+
+__all__ = ["CPCoreAttention", "BurstCoreAttention", "FollowsModelLayout", "layer_window"]
 
 _SUPPORTED_MASKS = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
 
 
-def _cp_group_from(pg_collection: Optional[ProcessGroupCollection]) -> Optional[dist.ProcessGroup]:
-    if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
-        return pg_collection.cp
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_context_parallel_group()
-    return None  # plain single-process use: cp_attention treats None as the (size-1) world
+_cp_group_from = cp_group_from  # the name this module used
 
 
 def _checkpointing() -> bool:
@@ -56,18 +60,22 @@ def _checkpointing() -> bool:
     return tp_random.is_checkpointing()
 
 
-def _check_against_flags(flags, cp_algo: Optional[str], cp_layout: Optional[str], cp_stripe: Optional[int]) -> None:
-    """A layer spec's explicit options must agree with Megatron-LM's flags, which slice the batches."""
-    if cp_layout is not None and cp_layout != flags.cp_layout:
-        raise ValueError(f"the layer spec sets cp_layout={cp_layout!r} but --cp-layout is {flags.cp_layout!r}, and "
+def _check_against_options(options: CPOptions, cp_algo: Optional[str], cp_layout: Optional[str],
+                           cp_stripe: Optional[int]) -> None:
+    """A layer spec's explicit options must agree with the options the flag boundary resolved
+    (``cp_options``): the flags slice the batches and RoPE. An algorithm the user did not type
+    (``requested_algo`` None: the default, or one a --cp-comm-type named, checked again at
+    resolution) a spec may choose."""
+    if cp_layout is not None and cp_layout != options.layout:
+        raise ValueError(f"the layer spec sets cp_layout={cp_layout!r} but --cp-layout is {options.layout!r}, and "
                          "batches and RoPE follow the flag: pass --cp-layout "
                          f"{cp_layout}, or build the spec without cp_layout")
-    if cp_stripe is not None and cp_stripe != flags.cp_stripe:
-        raise ValueError(f"the layer spec sets cp_stripe={cp_stripe} but --cp-stripe is {flags.cp_stripe}: pass "
+    if cp_stripe is not None and cp_stripe != options.stripe:
+        raise ValueError(f"the layer spec sets cp_stripe={cp_stripe} but --cp-stripe is {options.stripe}: pass "
                          f"--cp-stripe {cp_stripe}, or build the spec without cp_stripe")
-    if cp_algo is not None and flags.cp_algo is not None and cp_algo != flags.cp_algo:
-        raise ValueError(f"the layer spec sets cp_algo={cp_algo!r} but --cp-algo is {flags.cp_algo!r}: pass one "
-                         "value (or build the spec without cp_algo)")
+    if cp_algo is not None and options.requested_algo is not None and cp_algo != options.requested_algo:
+        raise ValueError(f"the layer spec sets cp_algo={cp_algo!r} but --cp-algo is {options.requested_algo!r}: pass "
+                         "one value (or build the spec without cp_algo)")
 
 
 def layer_window(config, layer_number: int) -> Optional[tuple]:
@@ -128,28 +136,23 @@ class FollowsModelLayout:
         self.options = dataclasses.replace(self.options, layout=layout, stripe=stripe)
 
 
-def resolve_layout_from_flags(cp_layout: Optional[str], cp_stripe: Optional[int]) -> tuple:
-    """(cp_layout, cp_stripe, fixed): options left None take Megatron-LM's --cp-layout/--cp-stripe
-    when it runs with our flags; ``fixed`` tells whether the layout is now fixed (else it follows
-    the model's, see :meth:`FollowsModelLayout.bind_layout`)."""
-    flags = megatron_lm_cp_flags()
-    if flags is not None:
-        cp_layout = cp_layout if cp_layout is not None else flags.cp_layout
-        cp_stripe = cp_stripe if cp_stripe is not None else flags.cp_stripe
-    return cp_layout, cp_stripe, cp_layout is not None or cp_stripe is not None
-
-
-class BurstCoreAttention(FollowsModelLayout, MegatronModule):
-    """Context-parallel core attention with Megatron's constructor and forward signatures.
+class CPCoreAttention(FollowsModelLayout, MegatronModule):
+    """Context-parallel core attention, every megatron-burst algorithm, with Megatron's constructor
+    and forward signatures.
 
     Extra keyword arguments (set through the layer spec's params, see
-    :func:`megatron_burst.specs.get_gpt_layer_spec`): ``cp_algo`` (ring/burst/auto, or None to
-    resolve from ``cp_comm_type``), ``cp_layout`` (None: zigzag), ``cp_stripe``, ``cp_ring``
+    :func:`megatron_burst.specs.get_gpt_layer_spec`): ``cp_options`` (the
+    :class:`~megatron_burst.megatron.options.CPOptions` the flag boundary resolved), and per-field
+    values: ``cp_algo`` (ring/burst/auto/allgather/ulysses/usp, or None to resolve from
+    ``cp_comm_type``), ``cp_layout`` (None: zigzag, or the model's), ``cp_stripe``, ``cp_ring``
     (flat/double; None: double when the CP group spans nodes), ``cp_ranks_per_node`` (None: from
-    the launcher) and ``seq_selective_ckpt_ratio`` (sequence-level selective checkpointing under
-    activation recompute). None values are taken from Megatron-LM's flags when it runs with
-    :func:`megatron_burst.add_args`. Documents arrive as ``packed_seq_params`` in ``forward``
-    (see :mod:`megatron_burst.megatron.packed`).
+    the launcher), ``seq_selective_ckpt_ratio`` (sequence-level selective checkpointing under
+    activation recompute), ``cp_ulysses_size`` (None: ``config.hierarchical_context_parallel_sizes[0]``),
+    ``cp_layer_comm_types`` and ``cp_sparse``. A per-field value given together with ``cp_options``
+    must agree with it where the flags decide (layout, stripe, a typed --cp-algo); unset ones are
+    taken from it, and its layout is fixed (else the layout follows the model's, see
+    :meth:`bind_layout`). Documents arrive as ``packed_seq_params`` in ``forward`` (see
+    :mod:`megatron_burst.megatron.packed`).
     """
 
     _layout_noun = "core attention"
@@ -165,6 +168,7 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
         *,
+        cp_options: Optional[CPOptions] = None,
         cp_algo: Optional[str] = None,
         cp_layout: Optional[str] = None,
         cp_stripe: Optional[int] = None,
@@ -179,7 +183,25 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
-        self.cp_group = _cp_group_from(pg_collection)
+        self.cp_group = cp_group_from(pg_collection)
+        if cp_options is not None:  # resolved at the flag boundary: the one source of truth
+            if not isinstance(cp_options, CPOptions):
+                raise TypeError(f"cp_options must be a megatron_burst.megatron.options.CPOptions, got "
+                                f"{type(cp_options).__name__} (build it with make_cp_options or cp_options_from_args)")
+            _check_against_options(cp_options, cp_algo, cp_layout, cp_stripe)
+            if cp_algo is None and cp_options.algo != PER_LAYER:
+                cp_algo = cp_options.algo
+            cp_layout = cp_options.layout if cp_layout is None else cp_layout
+            cp_stripe = cp_options.stripe if cp_stripe is None else cp_stripe
+            cp_ring = cp_options.ring if cp_ring is None else cp_ring
+            cp_ranks_per_node = cp_ranks_per_node or cp_options.ranks_per_node
+            if seq_selective_ckpt_ratio is None:
+                seq_selective_ckpt_ratio = cp_options.selective_ckpt_ratio
+            cp_ulysses_size = cp_options.ulysses_size if cp_ulysses_size is None else cp_ulysses_size
+            cp_layer_comm_types = cp_options.layer_comm_types if cp_layer_comm_types is None else cp_layer_comm_types
+            cp_sparse = cp_options.sparse if cp_sparse is None else cp_sparse
+        if cp_ulysses_size is None and getattr(config, "hierarchical_context_parallel_sizes", None):
+            cp_ulysses_size = int(config.hierarchical_context_parallel_sizes[0])  # Megatron's a2a size
         if cp_layer_comm_types is not None:  # Megatron's per-layer --cp-comm-type: this layer's entry
             if not 1 <= self.layer_number <= len(cp_layer_comm_types):
                 raise ValueError(f"layer {self.layer_number}: --cp-comm-type lists {len(cp_layer_comm_types)} "
@@ -187,27 +209,14 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
             cp_comm_type = cp_layer_comm_types[self.layer_number - 1]
         cp_size = dist.get_world_size(self.cp_group) if dist.is_initialized() else 1
 
-        flags = megatron_lm_cp_flags()
-        if flags is not None:  # Megatron-LM with our flags: they are the one source of truth
-            _check_against_flags(flags, cp_algo, cp_layout, cp_stripe)
-            cp_algo = cp_algo if cp_algo is not None else flags.cp_algo
-            cp_ring = cp_ring if cp_ring is not None else getattr(flags, "cp_ring", None)
-            cp_ranks_per_node = cp_ranks_per_node or cp_ranks_per_node_from_args(flags)
-            if seq_selective_ckpt_ratio is None:
-                seq_selective_ckpt_ratio = getattr(flags, "seq_selective_ckpt_ratio", None)
-            if cp_sparse is None:
-                cp_sparse = sparse_from_args(flags)
-            sizes = getattr(flags, "hierarchical_context_parallel_sizes", None)
-            if cp_ulysses_size is None and sizes:
-                cp_ulysses_size = int(sizes[0])
-        # The layout is fixed (by the spec or the flags) or still free to follow the model's
-        # (BurstGPTModel binds it: see bind_layout).
-        cp_layout, cp_stripe, self._layout_fixed = resolve_layout_from_flags(cp_layout, cp_stripe)
+        # The layout is fixed (by the spec or the flag boundary's options) or still free to follow
+        # the model's (BurstGPTModel binds it: see bind_layout).
+        self._layout_fixed = cp_layout is not None or cp_stripe is not None
         self.options: CPOptions = make_cp_options(cp_algo, cp_layout, cp_stripe, cp_comm_type, cp_ring,
                                                   cp_ranks_per_node, seq_selective_ckpt_ratio,
-                                                  ulysses_size=cp_ulysses_size)
+                                                  ulysses_size=cp_ulysses_size, sparse=cp_sparse)
         if self.options.algo == STOCK_ATTENTION:
-            raise ValueError(f"layer {self.layer_number}: BurstCoreAttention with --cp-algo none: 'none' keeps "
+            raise ValueError(f"layer {self.layer_number}: CPCoreAttention with --cp-algo none: 'none' keeps "
                              "Megatron's attention, so build the model with Megatron's layer spec (drop --spec)")
         # Whether the recompute of this forward pass will run (training with grad): set by the
         # model's forward pre-hook (see megatron_burst.megatron.model); None: assume it will.
@@ -282,13 +291,19 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
                 check_heads(hq, hkv, cp_size if self.options.algo == "ulysses" else self.options.ulysses_size,
                             self.options.algo)
             if self.options.algo == "usp" and needs_usp_topology(self.options, cp_size):
-                usp = registered_usp_topology(self.cp_group, self.options.ulysses_size)
+                # Megatron's hierarchical CP groups (pg_collection.hcp) when they serve, else the
+                # groups setup_cp_topology built
+                U = self.options.ulysses_size
+                usp = (usp_topology_from_pg_collection(pg_collection, self.cp_group, U, per_node)
+                       or registered_usp_topology(self.cp_group, U))
                 if usp is None:
                     raise ValueError(
-                        f"layer {self.layer_number}: usp with Ulysses groups of {self.options.ulysses_size} needs its "
-                        "2-D process groups, built once, collectively: call megatron_burst.megatron.groups."
-                        "setup_cp_topology(options, cp_group, cp_size, tp_size) on every rank before building "
-                        "the model (megatron_burst.train and the Megatron-LM patch do)")
+                        f"layer {self.layer_number}: usp with Ulysses groups of {U} needs its 2-D process groups: "
+                        "Megatron's hierarchical CP groups in pg_collection.hcp (initialize_model_parallel(..., "
+                        f"hierarchical_context_parallel_sizes=[{U}, {cp_size // U}])), or groups built once, "
+                        "collectively: call megatron_burst.megatron.groups.setup_cp_topology(options, cp_group, "
+                        "cp_size, tp_size) on every rank before building the model (megatron_burst.train and the "
+                        "Megatron-LM patch do)")
                 self.cp_target = usp
         self.resolved_algo: Optional[str] = None  # what ``auto`` chose in the last forward
 
@@ -382,3 +397,7 @@ class BurstCoreAttention(FollowsModelLayout, MegatronModule):
                                              dropout_p=self.dropout_p, is_causal=causal,
                                              scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3)
+
+
+# The former name (it runs every algorithm, not only BurstAttention): deprecated, kept for imports.
+BurstCoreAttention = CPCoreAttention

@@ -12,17 +12,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_burst.layout import check_layout, check_seq_len, layout_indices_on
+from megatron_burst.megatron.groups import cp_rank_and_size
 
 
-def _cp_rank_size(cp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
-    if cp_group is not None:
-        return dist.get_rank(cp_group), dist.get_world_size(cp_group)
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        raise ValueError("cp_group=None needs megatron.core.parallel_state to be initialized "
-                         "(initialize_model_parallel); otherwise pass cp_group explicitly")
-    return parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_world_size()
+_cp_rank_size = cp_rank_and_size  # the name this module used
 
 
 _MASK_ERROR = ("attention_mask is not the plain causal mask (a dense mask is never applied under megatron-burst "

@@ -28,7 +28,7 @@ starts again from zero at each document's first token. Packed THD batches are re
 layer's one exchange, an all-gather of per-segment state maps, serves the ring and all-gather types
 (p2p -- Megatron-LM's default --, allgather/all_gather, and ring/burst/auto); a2a and a2a+p2p
 (head all-to-alls) are refused at construction, naming the layer and the value
-(:func:`megatron_burst.megatron.args.check_gated_delta_net_comm_type`).
+(:func:`megatron_burst.megatron.comm_types.check_gated_delta_net_comm_type`).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
 import megatron_burst
-from megatron_burst.megatron.args import check_gated_delta_net_comm_type
+from megatron_burst.megatron.comm_types import check_gated_delta_net_comm_type
 from megatron_burst.linear.checks import segment_order, segments_per_rank
 from megatron_burst.linear.docs import document_index
 from megatron_burst.linear.exchange import SegmentMap, previous_tokens
@@ -73,7 +73,7 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 class CPGatedDeltaNet(LinearCPLayer, GatedDeltaNet):
     """GatedDeltaNet under context parallelism over ``pg_collection.cp``; ``cp_layout`` and
-    ``cp_stripe`` come from the spec's params (None: Megatron-LM's flags, else the model's layout).
+    ``cp_stripe`` come from the spec's params (the flag boundary fills them; None: the model's layout).
 
     hidden_states [s, b, hidden] are this CP rank's tokens in the layout's order ([s/tp, ...] under
     sequence parallelism); returns (output [s, b, hidden], bias), like Megatron's class.

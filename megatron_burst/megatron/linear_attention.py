@@ -36,8 +36,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
 import megatron_burst
-from megatron_burst.megatron.args import (LinearCPOptions, make_linear_cp_options, megatron_lm_cp_flags)
-from megatron_burst.megatron.attention import FollowsModelLayout, _check_against_flags, resolve_layout_from_flags
+from megatron_burst.megatron.attention import FollowsModelLayout
+from megatron_burst.megatron.options import LinearCPOptions, make_linear_cp_options
 from megatron_burst.megatron.linear_variants import (GLA_GATE_TEMPERATURE, LinearAttentionVariant, get_variant,
                                                      lightning_log_decay, retention_log_decay)
 from megatron_burst.megatron.packed import documents_of
@@ -161,21 +161,15 @@ def _per_head_slice(values: torch.Tensor, tp_group: Optional[dist.ProcessGroup])
 
 class LinearCPLayer(FollowsModelLayout):
     """Mixin of the linear-family layers (LinearSelfAttention, CPGatedDeltaNet): resolves their CP
-    options (spec params, else Megatron-LM's flags, else the model's layout / the defaults) and
-    checks the CP group against the config. Sets ``options``, ``_layout_fixed`` and ``cp_size``;
+    options (spec params, which the flag boundary fills from the flags; else the model's layout /
+    the defaults) and checks the CP group against the config. Sets ``options``, ``_layout_fixed`` and ``cp_size``;
     needs ``config`` and ``cp_group``."""
 
     def _resolve_cp_options(self, linear_cp_algo: Optional[str], cp_layout: Optional[str],
                             cp_stripe: Optional[int]) -> None:
-        flags = megatron_lm_cp_flags()
-        if flags is not None:  # Megatron-LM with our flags: they are the one source of truth
-            _check_against_flags(flags, None, cp_layout, cp_stripe)
-            flag_algo = getattr(flags, "linear_cp_algo", None)
-            if linear_cp_algo is not None and flag_algo is not None and linear_cp_algo != flag_algo:
-                raise ValueError(f"the layer spec sets linear_cp_algo={linear_cp_algo!r} but --linear-cp-algo is "
-                                 f"{flag_algo!r}: pass one value (or build the spec without linear_cp_algo)")
-            linear_cp_algo = linear_cp_algo if linear_cp_algo is not None else flag_algo
-        cp_layout, cp_stripe, self._layout_fixed = resolve_layout_from_flags(cp_layout, cp_stripe)
+        # The flag boundary passes the flags' values through the spec (hybrid_block_spec): a layout
+        # given there is fixed, else it follows the model's (BurstGPTModel binds it).
+        self._layout_fixed = cp_layout is not None or cp_stripe is not None
         self.options: LinearCPOptions = make_linear_cp_options(linear_cp_algo, cp_layout, cp_stripe)
         cp_size = dist.get_world_size(self.cp_group) if dist.is_initialized() and self.cp_group is not None else 1
         if self.config.context_parallel_size != cp_size:
@@ -200,7 +194,7 @@ class LinearCPLayer(FollowsModelLayout):
 class LinearSelfAttention(LinearCPLayer, MegatronModule):
     """Linear self-attention with SelfAttention's signatures; the variant comes from the spec's
     params (``linear_attention``), and so do ``cp_layout``, ``cp_stripe`` and ``linear_cp_algo``
-    (None: Megatron-LM's flags when present, else the model's layout / the defaults).
+    (None: the model's layout / the defaults; the flag boundary fills them from the flags).
 
     Heads: ``num_attention_heads`` query heads of ``kv_channels`` dims; keys and values share
     ``num_query_groups`` heads in the variants that share them (repeated to the query heads before

@@ -6,13 +6,19 @@ releases define.
 
 What the patch changes in the model, and nothing more: Megatron builds its own layer spec from its
 own flags (dense, MoE, MTP, heterogeneous, TE or local, qk-layernorm ...); only the softmax core
-attention inside it becomes :class:`~megatron_burst.megatron.attention.BurstCoreAttention`
+attention inside it becomes :class:`~megatron_burst.megatron.attention.CPCoreAttention`
 (:func:`megatron_burst.specs.swap_core_attention`), so parameter names and counts are the
 unpatched model's. RoPE follows ``--cp-layout`` and batches are sliced in it. ``--cp-algo none``
 keeps Megatron's attention and slicing. With ``--linear-attention-type`` the model is the hybrid
 (LASP-2H) one instead: the layers ``--linear-attention-freq`` selects get linear attention in the
 same layout (their other modules stay Megatron's). Anything that cannot be honoured is refused at
 startup, naming its flag (:func:`check_args`).
+
+This module is the flag boundary on the Megatron-LM side, the only one that reads Megatron-LM's
+global state (``megatron.training.get_args`` in :func:`wrap_model_provider`, ``get_tokenizer`` in
+:func:`slice_batch`): it resolves the flags once into a
+:class:`~megatron_burst.megatron.options.BurstOptions` and hands the layers its ``cp`` part as the
+specs' ``cp_options`` (``tests/test_no_global_args.py`` keeps every other module off those globals).
 """
 from __future__ import annotations
 
@@ -22,9 +28,11 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
-from megatron_burst.megatron.args import (PER_LAYER, STOCK_ATTENTION, CPOptions, LinearAttentionOptions, add_args,
-                                          cp_options_from_args, linear_options_from_args)
 from megatron_burst.megatron.batch import get_batch_on_this_cp_rank
+from megatron_burst.megatron.comm_types import STOCK_ATTENTION
+from megatron_burst.megatron.flags import add_args
+from megatron_burst.megatron.from_args import cp_options_from_args, linear_options_from_args
+from megatron_burst.megatron.options import BurstOptions, CPOptions, LinearAttentionOptions
 
 BURST_SPEC = ["megatron_burst.specs", "gpt_layer_spec"]
 
@@ -42,26 +50,34 @@ def check_args(args: argparse.Namespace) -> CPOptions:
     """Resolve our flags and refuse what megatron-burst cannot honour, each error naming its flag.
 
     Runs when the model is built (startup, every rank, before any step and before any collective
-    of ours). Returns the resolved options.
+    of ours). Returns the resolved CP options (:func:`burst_options` returns all of them).
     """
+    return burst_options(args).cp
+
+
+def burst_options(args: argparse.Namespace) -> BurstOptions:
+    """Megatron-LM's parsed ``args`` resolved into the options the model is built with, refusing
+    what megatron-burst cannot honour (each error naming its flag). Collective-free."""
     opts = cp_options_from_args(args)  # also: layout vs --seq-length, selective ckpt vs recompute, sparse
     # --linear-attention-*: refused with --cp-algo none, among others;
     # --experimental-attention-variant (Megatron's GatedDeltaNet) pointed to --linear-attention-type
-    linear_options(args, opts)
+    linear = linear_options(args, opts)
     if getattr(args, "use_legacy_models", False):
         raise ValueError("--use-legacy-models: megatron-burst works with megatron.core's GPTModel; drop the flag")
-    if getattr(args, "fused_lm_loss", False) and getattr(args, "fp16", False):
+    fused = bool(getattr(args, "fused_lm_loss", False))
+    if fused and getattr(args, "fp16", False):
         raise ValueError("--fused-lm-loss supports fp32 and bf16 parameters, not --fp16: use --bf16, or drop "
                          "--fused-lm-loss")
-    if opts.algo == STOCK_ATTENTION:
-        return opts
+    options = BurstOptions(cp=opts, linear=linear, fused_lm_loss=fused)
+    if options.stock_attention:
+        return options
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
     if groups is not None and groups < tp and not torch.cuda.is_available():
         raise ValueError(f"--num-query-groups {groups} below --tensor-model-parallel-size {tp} needs Megatron's "
                          "KV-head all-gather, which runs on CUDA only: use at least as many query groups as TP "
                          "ranks on CPU")
-    return opts
+    return options
 
 
 def linear_options(args: argparse.Namespace, opts: CPOptions) -> Optional[LinearAttentionOptions]:
@@ -150,24 +166,27 @@ def wrap_gpt_builder(gpt_builder: Callable[..., Any]) -> Callable[..., Any]:
     def builder(args: argparse.Namespace, pre_process: bool, post_process: bool, *rest: Any, **kwargs: Any):
         from megatron_burst.megatron.model import as_burst_gpt_model
 
-        opts = check_args(args)
-        fused = bool(getattr(args, "fused_lm_loss", False)) and post_process  # the loss lives on the last stage
-        if opts.algo == STOCK_ATTENTION:
+        options = burst_options(args)  # the flags, resolved once; the layers get them as data
+        fused = options.fused_lm_loss and post_process  # the loss lives on the last stage
+        if options.stock_attention:
             model = gpt_builder(args, pre_process, post_process, *rest, **kwargs)
             return as_burst_gpt_model(model, cp_layout=None, fused_lm_loss=True) if fused else model
         from megatron.core import parallel_state
+        from megatron.core.process_groups_config import ProcessGroupCollection
 
         from megatron_burst.megatron.groups import setup_cp_topology
 
+        opts = options.cp
         cp = getattr(args, "context_parallel_size", None) or 1
         tp = getattr(args, "tensor_model_parallel_size", None) or 1
-        setup_cp_topology(opts, parallel_state.get_context_parallel_group() if cp > 1 else None, cp, tp)
-        # a per-layer --cp-comm-type list: each layer resolves its own entry (Megatron passes it)
-        options = dict(cp_algo=None if opts.algo == PER_LAYER else opts.algo, cp_layout=opts.layout,
-                       cp_stripe=opts.stripe, cp_ring=opts.ring, cp_ranks_per_node=opts.ranks_per_node,
-                       seq_selective_ckpt_ratio=opts.selective_ckpt_ratio, cp_ulysses_size=opts.ulysses_size)
+        # the groups the model will get: the builder's pg_collection, else Megatron's (with its
+        # hierarchical CP groups when --hierarchical-context-parallel-sizes made them)
+        pgs = kwargs.get("pg_collection") or (ProcessGroupCollection.use_mpu_process_groups(required_pgs=["cp", "hcp"])
+                                              if cp > 1 else None)
+        setup_cp_topology(opts, parallel_state.get_context_parallel_group() if cp > 1 else None, cp, tp,
+                          pg_collection=pgs)
         use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
-        with _attention_swapped_in(gpt_builder, options, linear_options(args, opts), use_te):
+        with _attention_swapped_in(gpt_builder, {"cp_options": opts}, options.linear, use_te):
             model = gpt_builder(args, pre_process, post_process, *rest, **kwargs)
         return as_burst_gpt_model(model, cp_layout=opts.layout, cp_stripe=opts.stripe, fused_lm_loss=fused)
 

@@ -8,7 +8,7 @@ import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from megatron_burst.checkpoint import release_before_optimizer_steps
-from megatron_burst.megatron.attention import BurstCoreAttention, FollowsModelLayout
+from megatron_burst.megatron.attention import CPCoreAttention, FollowsModelLayout
 from megatron_burst.megatron.rope import use_layout_rope
 
 
@@ -61,7 +61,7 @@ class BurstGPTModel(GPTModel):
         for layer in self.modules():  # softmax core attention and linear attention alike
             if isinstance(layer, FollowsModelLayout):
                 layer.bind_layout(cp_layout, cp_stripe)
-        attentions = [m for m in self.modules() if isinstance(m, BurstCoreAttention)]
+        attentions = [m for m in self.modules() if isinstance(m, CPCoreAttention)]
         if attentions and not getattr(self, "_burst_pass_hook", None):
             self._burst_pass_hook = self.register_forward_pre_hook(_tell_attention_whether_recompute_follows)
         release_before_optimizer_steps(self)
@@ -89,7 +89,7 @@ def _tell_attention_whether_recompute_follows(model: torch.nn.Module, inputs: An
     (a no-grad scoring pass in training mode runs Megatron's checkpoint forward all the same)."""
     follows = model.training and torch.is_grad_enabled()
     for module in model.modules():
-        if isinstance(module, BurstCoreAttention):
+        if isinstance(module, CPCoreAttention):
             module.recompute_follows = follows
 
 

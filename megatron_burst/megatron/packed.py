@@ -1,6 +1,6 @@
 """Documents in Megatron batches: ``--reset-attention-mask`` batches and packed THD batches.
 
-Both reach :class:`~megatron_burst.megatron.attention.BurstCoreAttention` through Megatron's own
+Both reach :class:`~megatron_burst.megatron.attention.CPCoreAttention` through Megatron's own
 ``packed_seq_params`` argument, which GPTModel already hands to every layer:
 
 * ``--reset-attention-mask`` ([b, s] batches, any ``--cp-layout``): a document ends after every
@@ -60,9 +60,9 @@ def get_thd_batch_on_this_cp_rank(batch: Dict[str, Any], cu_seqlens: torch.Tenso
 
     ``cp_group=None`` uses megatron.core.parallel_state's CP group (or a single rank).
     """
-    from megatron_burst.megatron.batch import _cp_rank_size
+    from megatron_burst.megatron.groups import cp_rank_and_size
 
-    rank, size = _cp_rank_size(cp_group) if cp_group is not None or dist.is_initialized() else (0, 1)
+    rank, size = cp_rank_and_size(cp_group) if cp_group is not None or dist.is_initialized() else (0, 1)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                              cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
                              max_seqlen_q=int(max_seqlen.reshape(-1)[0]), max_seqlen_kv=int(max_seqlen.reshape(-1)[0]))

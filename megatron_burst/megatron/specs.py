@@ -1,5 +1,6 @@
-"""GPT layer specs whose core attention is megatron-burst's context-parallel attention, and
-hybrid (LASP-2H) decoder blocks mixing it with linear attention.
+"""GPT layer specs whose core attention is megatron-burst's context-parallel attention
+(:class:`~megatron_burst.megatron.attention.CPCoreAttention`), and hybrid (LASP-2H) decoder blocks
+mixing it with linear attention. Public import path: ``megatron_burst.specs`` (the same module).
 
     from megatron_burst.specs import get_gpt_layer_spec, swap_core_attention, get_gpt_decoder_block_spec
     spec = get_gpt_layer_spec(cp_algo="burst")             # Megatron's local/TE layer spec, our attention
@@ -10,14 +11,17 @@ hybrid (LASP-2H) decoder blocks mixing it with linear attention.
 its own flags (qk-layernorm, MoE, MTP, heterogeneous layers, TE or local ...) and only the softmax
 core attention inside it is replaced, so the parameters are exactly the unpatched model's.
 
-Megatron-LM without the patch: ``--spec megatron_burst.specs gpt_layer_spec`` imports the
-module-level :data:`gpt_layer_spec` (a dense local/TE layer), whose options are left unset so they
-resolve at model construction from ``--cp-algo/--cp-layout`` (when :func:`megatron_burst.add_args`
-is the ``extra_args_provider``) or ``--cp-comm-type``.
+Options reach the attention as data in the spec's params: per-field (``cp_algo``, ``cp_layout``,
+...) and/or ``cp_options``, the :class:`~megatron_burst.megatron.options.CPOptions` the flag
+boundary built from the flags (the patch's builder, megatron_burst.train). Options left None
+resolve at construction: from ``cp_options`` when given, else from the model
+(:class:`~megatron_burst.megatron.model.BurstGPTModel`'s layout) and Megatron's config
+(``cp_comm_type``, ``hierarchical_context_parallel_sizes``), else the defaults; an option set here
+that disagrees with ``cp_options`` or the model is an error at construction.
 
-Options left None resolve at construction: from Megatron-LM's flags when present, else from the
-model (:class:`~megatron_burst.megatron.model.BurstGPTModel`'s layout), else the defaults; an
-option set here that disagrees with the flags or the model is an error at construction.
+Megatron-LM: ``--spec megatron_burst.specs gpt_layer_spec`` imports the module-level
+:data:`gpt_layer_spec` (a dense local/TE layer), whose options are left unset: with the patch, its
+builder fills them from ``--cp-algo/--cp-layout`` ...; without it, ``--cp-comm-type`` chooses.
 """
 from __future__ import annotations
 
@@ -31,8 +35,9 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_burst.megatron.args import linear_attention_pattern, make_cp_options, make_linear_cp_options
-from megatron_burst.megatron.attention import BurstCoreAttention
+from megatron_burst.megatron.attention import CPCoreAttention
+from megatron_burst.megatron.options import (CPOptions, linear_attention_pattern, make_cp_options,
+                                             make_linear_cp_options)
 from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 from megatron_burst.megatron.gated_delta_net import GATED_DELTA_NET, CPGatedDeltaNet
 from megatron_burst.megatron.linear_attention import LinearSelfAttention, LinearSelfAttentionSubmodules
@@ -43,7 +48,7 @@ __all__ = ["get_gpt_layer_spec", "gpt_layer_spec", "swap_core_attention", "trans
 
 # swap_core_attention's options (the softmax layers'); get_gpt_decoder_block_spec passes the rest to Megatron
 _SOFTMAX_OPTIONS = ("cp_ring", "cp_ranks_per_node", "seq_selective_ckpt_ratio", "cp_ulysses_size",
-                    "cp_layer_comm_types", "cp_sparse")
+                    "cp_layer_comm_types", "cp_sparse", "cp_options")
 
 # Megatron's softmax core attentions, by class name (importing TE's class would need TE): these are
 # what swap_core_attention replaces. Anything else in a core_attention slot is refused.
@@ -64,14 +69,14 @@ def get_gpt_layer_spec(cp_algo: Optional[str] = None, cp_layout: Optional[str] =
                        cp_ring: Optional[str] = None, cp_ranks_per_node: Optional[int] = None,
                        seq_selective_ckpt_ratio: Optional[float] = None, cp_ulysses_size: Optional[int] = None,
                        cp_layer_comm_types: Optional[tuple] = None, cp_sparse: Optional[tuple] = None,
-                       **more_options: Any) -> ModuleSpec:
-    """Megatron's GPT layer spec with :class:`BurstCoreAttention` as core attention.
+                       cp_options: Optional[CPOptions] = None, **more_options: Any) -> ModuleSpec:
+    """Megatron's GPT layer spec with :class:`CPCoreAttention` as core attention.
 
     Args:
-        cp_algo: ring, burst or auto; None resolves at construction from Megatron-LM flags or
-            ``--cp-comm-type`` (default burst).
-        cp_layout: contiguous, zigzag or striped; None resolves from ``--cp-layout``, else the
-            model's layout (BurstGPTModel's ``cp_layout``), else zigzag. Batches
+        cp_algo: ring, burst, auto, allgather, ulysses or usp; None resolves at construction from
+            ``cp_options``, else Megatron's ``cp_comm_type`` (default burst).
+        cp_layout: contiguous, zigzag or striped; None resolves from ``cp_options`` (``--cp-layout``),
+            else the model's layout (BurstGPTModel's ``cp_layout``), else zigzag. Batches
             (:func:`megatron_burst.get_batch_on_this_cp_rank`) and RoPE must use the same layout;
             a disagreement is an error at construction.
         cp_stripe: stripe width for ``striped`` (None: as the layout).
@@ -79,17 +84,21 @@ def get_gpt_layer_spec(cp_algo: Optional[str] = None, cp_layout: Optional[str] =
         cp_ranks_per_node: CP ranks per node; None: from the launcher (LOCAL_WORLD_SIZE / TP).
         seq_selective_ckpt_ratio: with activation recompute, store (out, lse) of this later
             fraction of each sequence and recompute attention only for the rest.
-        cp_ulysses_size: usp's all-to-all group size (None: Megatron-LM's
-            ``--hierarchical-context-parallel-sizes`` first entry).
+        cp_ulysses_size: usp's all-to-all group size (None: ``cp_options``, else the config's
+            ``hierarchical_context_parallel_sizes`` first entry).
         cp_layer_comm_types: Megatron's per-layer ``--cp-comm-type`` list; layer L (1-based) runs
             entry L-1 (unless cp_algo is given).
+        cp_sparse: (p_v, p_s, last_q) of the dynamic vertical-slash pattern.
+        cp_options: the :class:`CPOptions` the flag boundary resolved (``cp_options_from_args``):
+            fills every option left None here, and the options set here must agree with it.
         use_te: build on ``get_gpt_layer_with_transformer_engine_spec`` (True) or
             ``get_gpt_layer_local_spec`` (False); None: TE when it is installed.
         more_options: passed to Megatron's spec function (normalization, qk_layernorm, ...).
     """
     # Validate now, not at model construction (None stays None: resolved there).
-    make_cp_options(cp_algo if cp_algo != "usp" or cp_ulysses_size else None, cp_layout, cp_stripe, None, cp_ring,
-                    cp_ranks_per_node, seq_selective_ckpt_ratio, ulysses_size=cp_ulysses_size)
+    _check_options(dict(cp_algo=cp_algo, cp_layout=cp_layout, cp_stripe=cp_stripe, cp_ring=cp_ring,
+                        cp_ranks_per_node=cp_ranks_per_node, seq_selective_ckpt_ratio=seq_selective_ckpt_ratio,
+                        cp_ulysses_size=cp_ulysses_size, cp_sparse=cp_sparse, cp_options=cp_options))
     if more_options.get("multi_latent_attention"):
         raise ValueError("multi_latent_attention=True is not supported by megatron-burst attention")
     if use_te is None:
@@ -104,7 +113,8 @@ def get_gpt_layer_spec(cp_algo: Optional[str] = None, cp_layout: Optional[str] =
                                cp_ranks_per_node=cp_ranks_per_node, seq_selective_ckpt_ratio=seq_selective_ckpt_ratio,
                                **({} if cp_ulysses_size is None else {"cp_ulysses_size": cp_ulysses_size}),
                                **({} if cp_layer_comm_types is None else {"cp_layer_comm_types": cp_layer_comm_types}),
-                               **({} if cp_sparse is None else {"cp_sparse": cp_sparse}))
+                               **({} if cp_sparse is None else {"cp_sparse": cp_sparse}),
+                               **({} if cp_options is None else {"cp_options": cp_options}))
 
 
 def _module_of(entry: Any) -> Any:
@@ -119,28 +129,40 @@ def _module_name(module: Any) -> str:
 
 def swap_core_attention(spec: Any, **options: Any) -> Any:
     """A copy of ``spec`` (a layer spec, a block spec, an MTP block spec, a list of them...) with
-    every softmax core attention replaced by :class:`BurstCoreAttention` with ``options``
-    (cp_algo, cp_layout, cp_stripe, cp_ring, cp_ranks_per_node, seq_selective_ckpt_ratio; None
-    = resolve at construction). Nothing else changes: no parameter is added, removed or renamed.
+    every softmax core attention replaced by :class:`CPCoreAttention` with ``options``
+    (cp_algo, cp_layout, cp_stripe, cp_ring, cp_ranks_per_node, seq_selective_ckpt_ratio,
+    cp_ulysses_size, cp_layer_comm_types, cp_sparse, and ``cp_options``, the flag boundary's
+    :class:`CPOptions`; None = resolve at construction). Nothing else changes: no parameter is
+    added, removed or renamed.
 
     Raises ValueError, naming the Megatron flag, for attention it cannot replace: multi-latent
     attention, experimental attention variants, or any other core attention class. A spec whose
-    core attention already is BurstCoreAttention keeps it, with unset options filled from
+    core attention already is CPCoreAttention keeps it, with unset options filled from
     ``options``. :func:`count_core_attention` tells how many slots the result holds.
     """
-    algo = options.get("cp_algo")
-    make_cp_options(algo if algo != "usp" or options.get("cp_ulysses_size") else None, options.get("cp_layout"),
-                    options.get("cp_stripe"), None, options.get("cp_ring"), options.get("cp_ranks_per_node"),
-                    options.get("seq_selective_ckpt_ratio"), ulysses_size=options.get("cp_ulysses_size"))
+    _check_options(options)
     spec = copy.deepcopy(spec)
     _swap_in_place(spec, options)
     return spec
 
 
+def _check_options(options: dict) -> None:
+    """Validate a spec's attention options now, not at model construction (None stays None)."""
+    cp_options = options.get("cp_options")
+    if cp_options is not None and not isinstance(cp_options, CPOptions):
+        raise TypeError(f"cp_options must be a megatron_burst.megatron.options.CPOptions, got "
+                        f"{type(cp_options).__name__} (build it with make_cp_options or cp_options_from_args)")
+    algo = options.get("cp_algo")
+    make_cp_options(algo if algo != "usp" or options.get("cp_ulysses_size") else None, options.get("cp_layout"),
+                    options.get("cp_stripe"), None, options.get("cp_ring"), options.get("cp_ranks_per_node"),
+                    options.get("seq_selective_ckpt_ratio"), ulysses_size=options.get("cp_ulysses_size"),
+                    sparse=options.get("cp_sparse"))
+
+
 def count_core_attention(spec: Any) -> int:
-    """How many BurstCoreAttention slots ``spec`` holds."""
+    """How many CPCoreAttention slots ``spec`` holds."""
     found = []
-    _visit(spec, lambda holder, name, entry, parent: found.append(_module_of(entry) is BurstCoreAttention))
+    _visit(spec, lambda holder, name, entry, parent: found.append(_module_of(entry) is CPCoreAttention))
     return sum(found)
 
 
@@ -152,19 +174,19 @@ def _swap_in_place(spec: Any, options: dict) -> None:
             raise ValueError("--multi-latent-attention: megatron-burst's CP attention does not implement "
                              "multi-latent attention; run without MLA, or keep Megatron's attention with "
                              "--cp-algo none")
-        if module is BurstCoreAttention:
+        if module is CPCoreAttention:
             params = dict(entry.params) if isinstance(entry, ModuleSpec) else {}
             for key, value in options.items():
                 if params.get(key) is None:
                     params[key] = value
-            setattr(holder, name, ModuleSpec(module=BurstCoreAttention, params=params))
+            setattr(holder, name, ModuleSpec(module=CPCoreAttention, params=params))
             return
         if _module_name(module) not in _STOCK_SOFTMAX_ATTENTION:
             raise ValueError(f"the layer spec's core attention {_module_name(module)} (from "
                              "--experimental-attention-variant, kitchen, or a custom --spec) is not softmax "
                              "attention that megatron-burst can replace: keep Megatron's attention with "
                              "--cp-algo none, or use a spec with DotProductAttention/TEDotProductAttention")
-        setattr(holder, name, ModuleSpec(module=BurstCoreAttention, params=dict(options)))
+        setattr(holder, name, ModuleSpec(module=CPCoreAttention, params=dict(options)))
 
     _visit(spec, replace)
 
@@ -249,7 +271,7 @@ def get_gpt_decoder_block_spec(config: Any, *, linear_attention: str = "lightnin
     by ``config.moe_layer_freq``, this pipeline stage's layers) with, per layer, either
     megatron-burst's softmax CP attention and RoPE (:func:`swap_core_attention` with ``cp_algo``,
     ``cp_layout``, ``cp_stripe`` and the ``cp_ring``/``cp_ranks_per_node``/
-    ``seq_selective_ckpt_ratio`` options) or linear attention of the variant ``linear_attention``
+    ``seq_selective_ckpt_ratio``/``cp_options`` ... options) or linear attention of the variant ``linear_attention``
     in the same layout (``linear_cp_algo``: lasp2 or lasp1). ``linear_attention="gated_delta_net"``:
     Megatron-Core's GatedDeltaNet layers with CP (:func:`gated_delta_net_spec`, sized by
     ``config.linear_*``), a Qwen3-Next-style hybrid.
@@ -304,14 +326,21 @@ def hybrid_block_spec(spec: Any, config: Any, pattern: Sequence[int], *, linear_
         pp_rank = 0  # Megatron's stage helpers would otherwise ask an initialized parallel_state
     block = _get_block_submodules(config, spec, vp_stage, pp_rank)
     layer_ids = _global_layer_ids(config, len(block.layer_specs), vp_stage, pp_rank)
-    make_linear_cp_options(linear_cp_algo, options.get("cp_layout"), options.get("cp_stripe"))
+    # the linear layers slice the sequence as the softmax layers do: the per-field options, else the
+    # flag boundary's cp_options
+    flags = options.get("cp_options")
+    layout, stripe, comm_types = options.get("cp_layout"), options.get("cp_stripe"), options.get("cp_layer_comm_types")
+    if flags is not None:
+        layout = flags.layout if layout is None else layout
+        stripe = flags.stripe if stripe is None else stripe
+        comm_types = flags.layer_comm_types if comm_types is None else comm_types
+    make_linear_cp_options(linear_cp_algo, layout, stripe)
     if linear_attention == GATED_DELTA_NET:
         linear = gated_delta_net_spec(use_te=use_te, rms_norm=config.normalization == "RMSNorm",
-                                      cp_layout=options.get("cp_layout"), cp_stripe=options.get("cp_stripe"),
-                                      cp_layer_comm_types=options.get("cp_layer_comm_types"))
+                                      cp_layout=layout, cp_stripe=stripe, cp_layer_comm_types=comm_types)
     else:
-        linear = linear_attention_spec(linear_attention, use_te=use_te, cp_layout=options.get("cp_layout"),
-                                       cp_stripe=options.get("cp_stripe"), linear_cp_algo=linear_cp_algo)
+        linear = linear_attention_spec(linear_attention, use_te=use_te, cp_layout=layout, cp_stripe=stripe,
+                                       linear_cp_algo=linear_cp_algo)
     layers = [_as_linear_layer(layer, linear, config, use_te, i) if pattern[i]
               else swap_core_attention(layer, **options) for layer, i in zip(block.layer_specs, layer_ids)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=block.layer_norm)
@@ -351,5 +380,6 @@ def _as_linear_layer(layer: Any, linear: ModuleSpec, config: Any, use_te: bool, 
 
 
 # For Megatron-LM's `--spec megatron_burst.specs gpt_layer_spec` (it must be a spec, not a
-# factory). Options unset: they follow --cp-algo/--cp-layout/--cp-stripe or --cp-comm-type.
+# factory). Options unset: the patch's builder fills them from --cp-algo/--cp-layout/--cp-stripe
+# (cp_options); without the patch --cp-comm-type (Megatron's config) chooses.
 gpt_layer_spec: ModuleSpec = get_gpt_layer_spec(cp_algo=None, cp_layout=None, cp_stripe=None)

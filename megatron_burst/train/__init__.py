@@ -8,7 +8,7 @@
 Flags: Megatron-LM's names (``--num-layers``, ``--tensor-model-parallel-size``, ``--data-path``
 ...) plus ours (:func:`megatron_burst.add_args`). ``python -m megatron_burst.train --help`` lists
 every flag with its default; they are defined in :mod:`megatron_burst.train.args` and
-:mod:`megatron_burst.megatron.args`.
+:mod:`megatron_burst.megatron.flags`.
 
 The model is megatron.core's GPTModel (:class:`~megatron_burst.megatron.model.BurstGPTModel`) with
 :mod:`megatron_burst.specs`, data is megatron.core's GPTDataset over an indexed dataset (default:

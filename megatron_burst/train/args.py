@@ -9,11 +9,14 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-from megatron_burst.megatron.args import (CPOptions, add_args, check_cp_dropout, cp_options_from_args,
-                                          linear_options_from_args)
+from megatron_burst.megatron.flags import add_args
+from megatron_burst.megatron.from_args import cp_options_from_args, linear_options_from_args
+from megatron_burst.megatron.options import CPOptions
+from megatron_burst.megatron.validate import check_cp_dropout
 
 USAGE_EXAMPLE = """\
 example (4 CPU ranks, CP = 4):
@@ -233,6 +236,9 @@ class ParallelSizes:
     cp: int
     dp: int
     num_microbatches: int  # per iteration, on every data-parallel rank
+    # --hierarchical-context-parallel-sizes (A2A, P2P): init_parallel makes Megatron's hierarchical
+    # CP groups for them (pg_collection.hcp)
+    hierarchical_cp: Optional[tuple] = None
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> tuple[CPOptions, ParallelSizes]:
@@ -307,5 +313,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> tuple[CPOptions,
         args.cp_comm_type = comm[0] if len(set(comm)) == 1 else list(comm)
     opts = cp_options_from_args(args)  # checks --seq-length against the layout and CP size
     linear_options_from_args(args, opts, args.num_query_groups)  # --linear-attention-* against the model
+    hierarchical = getattr(args, "hierarchical_context_parallel_sizes", None)
     return opts, ParallelSizes(world_size, tp, cp, dp,
-                               args.global_batch_size // (args.micro_batch_size * dp))
+                               args.global_batch_size // (args.micro_batch_size * dp),
+                               tuple(int(x) for x in hierarchical) if hierarchical and cp > 1 else None)

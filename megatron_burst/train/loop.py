@@ -11,7 +11,7 @@ import torch.distributed as dist
 import megatron_burst
 from megatron_burst.checkpoint import end_iteration
 from megatron_burst.kernels import report as kernel_report
-from megatron_burst.megatron.args import CPOptions
+from megatron_burst.megatron.options import CPOptions
 from megatron_burst.train.args import ParallelSizes, build_parser, validate_args
 from megatron_burst.train.checkpointing import load_checkpoint, save_checkpoint
 from megatron_burst.train.data import build_dataset, build_tokenizer, microbatches
@@ -46,9 +46,9 @@ def precision_summary(args) -> str:
 
 def _softmax_attention(model: torch.nn.Module):
     """The first softmax core attention of the model (None: every layer is linear attention)."""
-    from megatron_burst.megatron.attention import BurstCoreAttention
+    from megatron_burst.megatron.attention import CPCoreAttention
 
-    return next((m for m in model.modules() if isinstance(m, BurstCoreAttention)), None)
+    return next((m for m in model.modules() if isinstance(m, CPCoreAttention)), None)
 
 
 def attention_summary(model: torch.nn.Module, args, sizes: ParallelSizes) -> str:

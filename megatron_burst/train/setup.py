@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_burst.megatron.args import CPOptions
+from megatron_burst.megatron.options import CPOptions
 from megatron_burst.train.args import DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES, ParallelSizes
 
 
@@ -35,7 +35,9 @@ def print_rank_0(msg: str) -> None:
 def init_parallel(sizes: ParallelSizes, timeout_minutes: Optional[float] = None) -> Groups:
     """initialize_model_parallel(tp, pp=1, cp) on an initialized torch.distributed world, every
     group with ``timeout_minutes`` (None: the world's own timeout, which ``python -m
-    megatron_burst.train`` sets from --distributed-timeout-minutes)."""
+    megatron_burst.train`` sets from --distributed-timeout-minutes). With
+    --hierarchical-context-parallel-sizes (``sizes.hierarchical_cp``) the hierarchical CP groups
+    are made as Megatron-LM makes them and put in ``pg_collection.hcp``, where USP takes them."""
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -46,10 +48,17 @@ def init_parallel(sizes: ParallelSizes, timeout_minutes: Optional[float] = None)
         timeout_minutes = world.total_seconds() / 60 if world is not None else DEFAULT_DISTRIBUTED_TIMEOUT_MINUTES
     ps.initialize_model_parallel(sizes.tp, 1, context_parallel_size=sizes.cp,
                                  create_gloo_process_groups=False, distributed_timeout_minutes=timeout_minutes)
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    hierarchical = getattr(sizes, "hierarchical_cp", None)
+    if hierarchical and sizes.cp > 1 and getattr(pg_collection, "hcp", None) is None:
+        # megatron.core makes them with einops, not a dependency here: the same layout, made here
+        from megatron_burst.megatron.groups import make_hierarchical_cp_groups
+
+        pg_collection.hcp = make_hierarchical_cp_groups(ps.get_context_parallel_group(), hierarchical)
     return Groups(tp=ps.get_tensor_model_parallel_group(), cp=ps.get_context_parallel_group(),
                   dp=ps.get_data_parallel_group(),
                   dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
-                  pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+                  pg_collection=pg_collection)
 
 
 def seed_everything(seed: int, device: torch.device) -> None:
@@ -119,17 +128,14 @@ def gpt_model_kwargs(args: argparse.Namespace, opts: CPOptions, sizes: ParallelS
     """GPTModel's constructor arguments for these flags, with megatron-burst's layer spec, or with
     --linear-attention-type its hybrid decoder block (linear layers where --linear-attention-freq
     says, megatron-burst's softmax attention in the others)."""
-    from megatron_burst.megatron.args import linear_options_from_args, sparse_from_args
+    from megatron_burst.megatron.from_args import linear_options_from_args
     from megatron_burst.specs import get_gpt_decoder_block_spec, get_gpt_layer_spec
 
     config = model_config(args, sizes, device)
-    softmax = dict(cp_algo=args.cp_algo, cp_layout=opts.layout, cp_stripe=opts.stripe, cp_ring=opts.ring,
-                   cp_ranks_per_node=opts.ranks_per_node, seq_selective_ckpt_ratio=opts.selective_ckpt_ratio,
-                   cp_ulysses_size=opts.ulysses_size,
-                   **({"cp_sparse": sparse} if (sparse := sparse_from_args(args)) is not None else {}),
-                   **({"cp_layer_comm_types": tuple(args.cp_comm_type)} if isinstance(args.cp_comm_type, list)
-                      else {}),
-                   use_te=False, normalization=args.normalization)
+    # the flags' options (validate_args built them) reach every softmax layer as cp_options;
+    # --sparse-attention's pattern and a per-layer --cp-comm-type list travel inside them
+    softmax = dict(cp_options=opts, cp_algo=None, cp_layout=None, cp_stripe=None, use_te=False,
+                   normalization=args.normalization)
     linear = linear_options_from_args(args, opts, args.num_query_groups)
     if linear is None:
         spec = get_gpt_layer_spec(**softmax)
@@ -160,8 +166,9 @@ def build_model(args: argparse.Namespace, opts: CPOptions, sizes: ParallelSizes,
         allow_checkpointing_without_cuda()
     from megatron_burst.megatron.groups import setup_cp_topology
 
-    # the double ring's node groups: a collective, made here with the other process groups
-    setup_cp_topology(opts, groups.cp, sizes.cp, sizes.tp)
+    # the double ring's node groups (and USP's where pg_collection.hcp cannot serve): a collective,
+    # made here with the other process groups
+    setup_cp_topology(opts, groups.cp, sizes.cp, sizes.tp, pg_collection=groups.pg_collection)
     model = BurstGPTModel(**gpt_model_kwargs(args, opts, sizes, groups, device),
                           cp_layout=opts.layout, cp_stripe=opts.stripe, fused_lm_loss=args.fused_lm_loss)
     model = model.to(device)

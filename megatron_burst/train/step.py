@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_burst
-from megatron_burst.megatron.args import CPOptions
+from megatron_burst.megatron.options import CPOptions
 from megatron_burst.train.setup import Groups
 
 
