@@ -23,7 +23,7 @@ import torch
 
 from megatron_burst import comm
 from megatron_burst.layout import layout_indices_on
-from megatron_burst.sparse import VerticalSlash
+from megatron_burst.sparse_plan import VerticalSlash
 
 
 @dataclass(frozen=True)

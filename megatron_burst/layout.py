@@ -153,9 +153,9 @@ class BlockMask:
         one kernel call. Every row of such a rectangle sees at least one column.
       * ``sparse``: per-head block-sparse visibility (vertical-slash patterns): ``plan`` lists the
         64-row query tiles, their visible 64-column key tiles and per-head masks
-        (megatron_burst.sparse); rows may see nothing (output 0, lse -inf).
+        (megatron_burst.sparse_plan); rows may see nothing (output 0, lse -inf).
       * ``gather``: per-row gathered keys (the scattered part of a sparse plan): ``plan`` is a
-        megatron_burst.sparse.SparseRows for rows [q_start, q_stop); rows may see nothing.
+        megatron_burst.sparse_plan.SparseRows for rows [q_start, q_stop); rows may see nothing.
     Rows outside [q_start, q_stop) receive nothing from this block.
     """
 
@@ -170,7 +170,7 @@ class BlockMask:
     kv_pos: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
     q_doc: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
     kv_doc: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
-    # ``sparse``: the block-sparse plan (tuple of megatron_burst.sparse.SparseTile); ``gather``: a SparseRows
+    # ``sparse``: the block-sparse plan (tuple of megatron_burst.sparse_plan.SparseTile); ``gather``: a SparseRows
     plan: Optional[tuple] = field(default=None, compare=False, repr=False)
     band: tuple = (None, 0)  # ``positions`` only: (left, right) bounds of kv_pos - q_pos (see kind)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import megatron_burst as mb
-from megatron_burst import sparse
+from megatron_burst import sparse_plan as sparse  # the planner (megatron_burst.sparse re-exports it)
 from megatron_burst.dynamic_pattern import Dynamic
 from megatron_burst.kernels import block_sparse, row_gather, triton_block_sparse as tbs
 from megatron_burst.layout import layout_indices_on

@@ -11,6 +11,10 @@
 * ``auto``: per call shape, dtype and topology, the algorithm the cost model (megatron_burst.plan)
   predicts fastest. When the ring family wins, the backward is the one sending fewer bytes: for
   multi-head attention burst; with GQA at hq/hkv >= 2 ring (in bf16 already from hq/hkv > 1.5).
+
+Masks are data in the validated call (``Prepared.cfg``): causal/full, documents (``cu_seqlens``),
+a sliding window (``window``) and a vertical-slash sparse pattern (``pattern``, ring and burst),
+intersected; nothing is changed on a prepared call afterwards.
 """
 from __future__ import annotations
 
@@ -24,15 +28,18 @@ import torch.distributed as dist
 from megatron_burst.algorithms import allgather, burst, ring, ulysses
 from megatron_burst.algorithms.schedule import CPConfig
 from megatron_burst.documents import THD, CuSeqlens, Documents, check_cu_seqlens, check_thd, check_window
+from megatron_burst.dynamic_pattern import Dynamic, estimate
 from megatron_burst.kernels import block_backward, block_forward, reads_output, row_dot
 from megatron_burst.kernels.choice import KernelPolicy, agree, choose
 from megatron_burst.layout import BlockMask
 from megatron_burst.layout import check_layout, check_local_len
+from megatron_burst.sparse_plan import VerticalSlash
 from megatron_burst.topology import (RING_SHAPES, CPTopology, USPTopology, check_ulysses_size,
                                      registered_usp_topology, single_node_topology)
 
 CP_ALGOS = ("ring", "burst", "auto", "allgather", "ulysses", "usp")
 RING_BACKWARDS = ("ring", "burst", "auto")
+PATTERN_ALGOS = ("ring", "burst", "auto")  # the algorithms a sparse pattern runs on ("auto": ring or burst)
 QKV_FORMATS = ("sbhd", "bshd", "thd")  # "thd": [t, h, d], one packed sequence (sbhd with b = 1)
 
 _FORWARD = {"ring": ring.kv_ring_forward, "burst": ring.kv_ring_forward, "allgather": allgather.allgather_forward}
@@ -275,6 +282,31 @@ def choose_kernels(cfg: CPConfig, q: torch.Tensor, head_dim: int, kernel: Option
         agree(cfg.kernel, cp_group)
 
 
+def check_pattern_call(pattern: object, *, algo: str, layout: str, qkv_format: str, causal: bool, group=None
+                       ) -> "VerticalSlash | Dynamic":
+    """The local checks of a call with a sparse ``pattern`` that need no shapes (before any
+    collective); returns the pattern, "dynamic" as ``Dynamic()``. Names what cannot run: other
+    algorithms than ring/burst (auto picks one of them), non-causal attention, packed THD."""
+    if isinstance(pattern, str) and pattern == "dynamic":
+        pattern = Dynamic()
+    if not isinstance(pattern, (VerticalSlash, Dynamic)):
+        raise ValueError(f"pattern={pattern!r}: pass megatron_burst.VerticalSlash(vertical, slash), 'dynamic' or "
+                         "megatron_burst.dynamic_pattern.Dynamic(p_v, p_s, last_q)")
+    if algo not in PATTERN_ALGOS:
+        raise ValueError(f"algo={algo!r}: sparse attention runs on the ring schedules, choose 'ring' or 'burst' "
+                         "(or 'auto', which picks one of them)")
+    if isinstance(group, USPTopology) and group.ulysses_size > 1:
+        raise ValueError("a sparse pattern runs on ring and burst over the CP group (or a CPTopology), not over a "
+                         "USPTopology's Ulysses groups")
+    if not causal:
+        raise ValueError("causal=False with a sparse pattern: a vertical-slash pattern is causal (query i sees keys "
+                         "j <= i only); pass causal=True")
+    if layout == THD or qkv_format == "thd":
+        raise ValueError("a sparse pattern does not run on packed THD batches (layout/qkv_format 'thd'): pass the "
+                         "documents as cu_seqlens with layout 'contiguous', 'zigzag' or 'striped'")
+    return pattern
+
+
 def _usp_topology(group, world_size: int, U: int) -> USPTopology:
     """The 2-D topology of a usp call: given, or the one built for this CP group (no collective)."""
     if isinstance(group, USPTopology):
@@ -296,8 +328,15 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
             dropout_p: float = 0.0, attn_bias: Optional[torch.Tensor] = None,
             kernel: Optional[str] = None, ulysses_size: Optional[int] = None,
             ring_backward: str = "auto", cu_seqlens: Optional[CuSeqlens] = None,
-            cu_seqlens_padded: Optional[CuSeqlens] = None, window: Optional[tuple[int, int]] = None) -> Prepared:
-    """Validate a cp_attention call (before any collective) and resolve its configuration."""
+            cu_seqlens_padded: Optional[CuSeqlens] = None, window: Optional[tuple[int, int]] = None,
+            pattern: "VerticalSlash | Dynamic | str | None" = None) -> Prepared:
+    """Validate a cp_attention call (before any collective) and resolve its configuration.
+
+    The only collectives are the last steps, after every check: a dynamic pattern's estimate and
+    the kernel agreement on CUDA (``choose_kernels``)."""
+    if pattern is not None:
+        pattern = check_pattern_call(pattern, algo=algo, layout=layout, qkv_format=qkv_format, causal=causal,
+                                     group=group)
     window = check_window(window)
     if window is not None and window[0] is None and (window[1] is None or causal):
         window = None  # unbounded on every side the mask has: plain (causal) attention, the dense path
@@ -342,9 +381,13 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
         documents = check_thd(cu_seqlens, cu_seqlens_padded, n, world_size, b)
     elif cu_seqlens is not None:
         documents = check_cu_seqlens(cu_seqlens, n * world_size, b)
+    if isinstance(pattern, Dynamic):
+        pattern.check(n * world_size)
+    elif pattern is not None:
+        pattern.check(n * world_size, hq)  # one read-back of the lines' extremes
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     nodes = group.num_nodes if isinstance(group, USPTopology) else topo.num_nodes
-    if algo == "auto":
+    if algo == "auto" and pattern is None:  # with a pattern, resolve_algo below picks ring or burst
         if isinstance(group, USPTopology):  # its 2-D groups: Ulysses over the whole group, or usp at its U
             sizes, algos = (group.ulysses_size,), ("ulysses", "usp")
         else:
@@ -362,7 +405,12 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
             raise ValueError(f"algo={algo!r} runs over a CP group or CPTopology, not a USPTopology")
         backward_algo = resolve_algo(algo, b, hq, hkv, n, d, q.element_size(), world_size, nodes=topo.num_nodes,
                                      ring=ring, causal=causal)
-        cfg = CPConfig(topo, ring, layout, stripe, causal, scale, kernel, documents, window=window)
+        if isinstance(pattern, Dynamic):  # every local check passed: the estimate's collectives may run
+            pattern = estimate(to_bhsd(q, qkv_format), to_bhsd(k, qkv_format), pattern, group=topo.group,
+                               layout=layout, stripe=stripe, softmax_scale=scale)
+        if pattern is not None:
+            pattern = pattern.to(q.device)  # plans are built and kept on q's device
+        cfg = CPConfig(topo, ring, layout, stripe, causal, scale, kernel, documents, window=window, pattern=pattern)
         choose_kernels(cfg, q, d, kernel, cp_group)
         return Prepared(q, k, v, cfg, backward_algo, qkv_format, packed=packed)
     U = ulysses_size
@@ -392,8 +440,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  dropout_p: float = 0.0, attn_bias: Optional[torch.Tensor] = None,
                  kernel: Optional[str] = None, ulysses_size: Optional[int] = None,
                  ring_backward: str = "auto", cu_seqlens: Optional[CuSeqlens] = None,
-                 cu_seqlens_padded: Optional[CuSeqlens] = None, window: Optional[tuple[int, int]] = None
-                 ) -> torch.Tensor:
+                 cu_seqlens_padded: Optional[CuSeqlens] = None, window: Optional[tuple[int, int]] = None,
+                 pattern: "VerticalSlash | Dynamic | str | None" = None) -> torch.Tensor:
     """Context-parallel softmax attention over the ranks of ``group``.
 
     q [s, b, hq, d], k/v [s, b, hkv, d] (``qkv_format="sbhd"``, Megatron's; or [b, s, h, d] for
@@ -422,9 +470,16 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     sliding-window attention is (left, 0)), intersected with documents if given. Block pairs
     outside the window skip compute, and ring/burst stop circulating a block once no later rank
     needs it, so traffic shrinks with the window (schedule.ring_pass).
+    ``pattern``: a vertical-slash sparse pattern (MTraining): a :class:`~megatron_burst.VerticalSlash`
+    (query i of head h sees key j <= i iff j is one of h's vertical lines or i - j one of its slash
+    offsets), ``"dynamic"`` or a :class:`~megatron_burst.dynamic_pattern.Dynamic` (estimated from
+    this call's q and k first, the same on every rank). Intersected with causality, ``cu_seqlens``
+    and ``window`` (megatron_burst.sparse_plan). Ring and burst only (``auto`` picks one of them),
+    causal, not with THD. Block pairs, query tiles and key columns with nothing visible skip
+    compute; the ring carries every block unless a window prunes it.
     """
     return prepare(q, k, v, group=group, algo=algo, layout=layout, causal=causal, ring=ring,
                    softmax_scale=softmax_scale, qkv_format=qkv_format, stripe=stripe, dropout_p=dropout_p,
                    attn_bias=attn_bias, kernel=kernel, ulysses_size=ulysses_size,
                    ring_backward=ring_backward, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
-                   window=window).apply()
+                   window=window, pattern=pattern).apply()

@@ -46,7 +46,7 @@ def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: CPCo
         return out, lse
     kv_len = n if q_rows is None else needed_kv_rows(cfg, n, q_rows)
     cp_ring_pass(cfg, [torch.stack([k[:, :, :kv_len], v[:, :, :kv_len]])], lambda owner, t: visit(owner, t[0]),
-                 "forward", needs=lambda holder, owner: bool(cfg.blocks(holder, owner, n, q_rows)))
+                 "forward", needs=lambda holder, owner: cfg.has_work(holder, owner, n, q_rows))
     return out, lse
 
 
@@ -56,7 +56,7 @@ def needed_kv_rows(cfg: CPConfig, n: int, q_rows: int) -> int:
     Under causal masking early queries see only early keys, so a recompute of the earlier rows
     circulates only that prefix of every K,V block (the same length on every rank: q_rows is).
     """
-    if not cfg.causal:
+    if not cfg.causal or cfg.pattern is not None:  # a sparse plan's blocks span the whole K,V block
         return n
     W = cfg.world_size
     return max((mask.kv_stop for i in range(W) for j in range(W) for _, mask in cfg.blocks(i, j, n, q_rows)),
@@ -82,7 +82,7 @@ def ring_backward(dout, q, k, v, D, lse, cfg: CPConfig, out=None):
         return dkv
 
     dkv = cp_ring_pass(cfg, [torch.stack([k, v])], visit, "backward", grad_like=dkv_like,
-                       needs=lambda holder, owner: bool(cfg.blocks(holder, owner, n)))
+                       needs=lambda holder, owner: cfg.has_work(holder, owner, n))
     return dq, dkv[0], dkv[1]
 
 

@@ -32,7 +32,7 @@ import torch
 from megatron_burst.comm import PendingExchange
 from megatron_burst.documents import Documents, visible_blocks
 from megatron_burst.layout import BlockMask
-from megatron_burst.sparse import VerticalSlash, pattern_blocks
+from megatron_burst.sparse_plan import VerticalSlash, pattern_blocks
 from megatron_burst.topology import CPTopology, Ring
 
 # gloo tags of the two rings when they share no batch (separate communicators); NCCL ignores tags
@@ -58,7 +58,9 @@ class CPConfig:
     # ranks (after the all-to-all), so a block of the ring is a U x U grid of CP-rank blocks
     ulysses_size: int = 1
     window: Optional[tuple[Optional[int], Optional[int]]] = None  # sliding window (left, right); None bound = unbounded
-    pattern: Optional[VerticalSlash] = None  # static sparse pattern (sparse_cp_attention); ring members = CP ranks
+    # a vertical-slash pattern (cp_attention(pattern=...); estimated already if dynamic), intersected
+    # with ``documents`` and ``window``; ring and burst only, so ring members are CP ranks
+    pattern: Optional[VerticalSlash] = None
 
     @property
     def prune(self) -> bool:
@@ -102,8 +104,10 @@ class CPConfig:
         """
         U = self.ulysses_size
         if self.pattern is not None:
+            if U != 1:
+                raise ValueError("a sparse pattern runs on ring and burst only, not under Ulysses/USP")
             return pattern_blocks(self.pattern, self.layout, q_member, kv_member, self.world_size, member_len,
-                                  self.stripe, q_rows)
+                                  self.stripe, q_rows, documents=self.documents, window=self.window)
         if U == 1:
             return visible_blocks(self.documents, self.layout, q_member, kv_member, self.world_size, member_len,
                                   self.causal, self.stripe, q_rows, self.window)
@@ -117,6 +121,19 @@ class CPConfig:
                                             cp_world, n, self.causal, self.stripe, window=self.window):
                     out.append((bs, m.shifted(a * n, b * n)))
         return out
+
+
+    def has_work(self, q_member: int, kv_member: int, member_len: int, q_rows: Optional[int] = None) -> bool:
+        """Whether the pair (queries of ``q_member``) x (keys of ``kv_member``) may have a visible
+        pair: what a pruned ring (:attr:`prune`, :func:`ring_pass`'s ``needs``) asks of every pair
+        on every rank. Exactly ``bool(blocks(...))``, except under a sparse pattern: there the
+        dense mask the pattern is intersected with (causal, documents, window), a superset
+        computed on the host, so that no rank plans all W x W pairs to prune its ring (a pair
+        it says True for may still have nothing visible: it is then visited for nothing)."""
+        if self.pattern is None:
+            return bool(self.blocks(q_member, kv_member, member_len, q_rows))
+        return bool(visible_blocks(self.documents, self.layout, q_member, kv_member, self.world_size, member_len,
+                                   True, self.stripe, q_rows, self.window))
 
 
 Visit = Callable[[int, Sequence[torch.Tensor]], Optional[torch.Tensor]]

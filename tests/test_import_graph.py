@@ -1,0 +1,88 @@
+"""The package has no import circle (megatron_burst._import_graph: module-level and lazy imports
+from the AST), except the known ones listed below, which live in files this change could not
+edit; any other circle, or any new edge inside a known one, fails.
+
+    python -m megatron_burst._import_graph     # lists the circles; exit status 1 if there are any
+"""
+import textwrap
+
+from megatron_burst import _import_graph as ig
+
+# Known circles, to be removed (then delete their entries): each maps the circle's modules to the
+# imports inside it as (importer, imported). See the issue K engine report ("import circles"):
+#  * loss: config.py lazily imports choice.resolve_impl and fast.default_token_chunk; choice.self_check
+#    lazily imports autograd and fused (which import config). Fix: have fused.make_loss_config resolve
+#    the impl and pass it in, move fast.default_token_chunk's sizing into a module under both (or into
+#    config), and give choice.self_check the loss function as an argument.
+# (megatron/batch.py <-> megatron/packed.py, listed when this test was written, is gone: not allowed.)
+L = "megatron_burst.loss."
+KNOWN = {
+    frozenset(L + m for m in ("autograd", "choice", "chunks", "config", "fast", "fused", "parallel")): {
+        (L + "autograd", L + "chunks"), (L + "autograd", L + "config"), (L + "autograd", L + "parallel"),
+        (L + "choice", L + "autograd"), (L + "choice", L + "fused"),
+        (L + "chunks", L + "config"), (L + "chunks", L + "fast"), (L + "chunks", L + "parallel"),
+        (L + "config", L + "choice"), (L + "config", L + "fast"),
+        (L + "fast", L + "config"), (L + "fast", L + "parallel"),
+        (L + "fused", L + "autograd"), (L + "fused", L + "chunks"), (L + "fused", L + "config"),
+        (L + "parallel", L + "config"),
+    },
+}
+# the engine: never in a circle (algorithms, kernels, masks, sparse patterns and plans)
+ENGINE = ("megatron_burst.algorithms", "megatron_burst.kernels", "megatron_burst.sparse", "megatron_burst.sparse_plan",
+          "megatron_burst.dynamic_pattern", "megatron_burst.layout", "megatron_burst.documents",
+          "megatron_burst.topology", "megatron_burst.comm")
+
+
+def test_no_new_import_circles():
+    graph = ig.import_graph()
+    assert "megatron_burst.sparse_plan" in graph and len(graph) > 90
+    problems = []
+    for component in ig.cycles(graph):
+        allowed = KNOWN.get(frozenset(component))
+        edges = {(a, b) for a, b, _ in ig.cycle_edges(graph, component)}
+        if allowed is None or not edges <= allowed:
+            extra = "" if allowed is None else f" (new edges: {sorted(edges - allowed)})"
+            problems.append(ig.describe(graph, component) + extra)
+    assert not problems, "import circles:\n" + "\n".join(problems)
+
+
+def test_engine_is_acyclic_and_layered():
+    """No engine module is in any circle; the plans sit below kernels and algorithms."""
+    graph = ig.import_graph()
+    in_circles = {m for c in ig.cycles(graph) for m in c}
+    assert not [m for m in in_circles if m.startswith(ENGINE)]
+    for low in ("megatron_burst.sparse_plan", "megatron_burst.dynamic_pattern"):
+        assert not [t for t in graph[low] if t.startswith(("megatron_burst.algorithms", "megatron_burst.kernels",
+                                                            "megatron_burst.sparse"))
+                    and t != "megatron_burst.sparse_plan"], graph[low]
+    for kernel in ("block_sparse", "triton_block_sparse", "row_gather"):
+        assert "megatron_burst.sparse" not in graph[f"megatron_burst.kernels.{kernel}"]
+
+
+def test_checker_sees_lazy_and_relative_imports_and_the_package_rule(tmp_path):
+    """On a small package: a lazy (function-level) import closes a circle; a relative import is
+    resolved; TYPE_CHECKING imports are left out; a submodule importing a sibling through its
+    package is an edge to the sibling only, while an outside module importing pkg.sub also runs
+    pkg/__init__."""
+    root = tmp_path / "demo"
+    files = {
+        "__init__.py": "from demo import a\n",
+        "a.py": "from demo.sub import b\n",
+        "sub/__init__.py": "from demo.sub import b\nfrom demo.sub.b import thing\n",
+        "sub/b.py": "thing = 1\ndef f():\n    from . import c\n",
+        "sub/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from demo import a\n"
+                    "def g():\n    from ..sub import b\n",
+        "d.py": "import demo.e\n",
+        "e.py": "def h():\n    import demo.d as d\n",
+    }
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    graph = ig.import_graph(root, "demo")
+    assert set(graph["demo.a"]) == {"demo.sub", "demo.sub.b"}  # demo.sub's __init__ runs first: outside it
+    assert set(graph["demo.sub"]) == {"demo.sub.b"}  # inside: the sibling only
+    assert set(graph["demo.sub.b"]) == {"demo.sub.c"}
+    assert set(graph["demo.sub.c"]) == {"demo.sub.b"}  # the TYPE_CHECKING import of demo.a is left out
+    assert ig.cycles(graph) == [["demo.d", "demo.e"], ["demo.sub.b", "demo.sub.c"]]
+    assert ig.main([]) == 1 or not ig.cycles(ig.import_graph())
