@@ -215,6 +215,7 @@ def _worker(spec: dict) -> dict:
     from megatron.core.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
 
     from megatron_burst.loss import fused_linear_cross_entropy, recompute_linear_cross_entropy
+    from megatron_burst.loss.choice import resolve_impl
     from megatron_burst.loss.config import make_loss_config
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -255,7 +256,8 @@ def _worker(spec: dict) -> dict:
     impl = "torch" if base == "fused_torch" else "auto"
     info = {}
     if base in ("fused", "fused_torch", "recompute"):
-        lc = make_loss_config(hidden, weight, labels, mask, group, IGNORE, sp, chunk, None, impl)
+        lc = make_loss_config(hidden, weight, labels, mask, group, IGNORE, sp, chunk, None,
+                              resolve_impl(impl, hidden, fused_linear_cross_entropy))
         info = {"impl": lc.impl, "chunk": lc.token_chunk}
         if lc.impl == "triton" and dtype != torch.float32:
             from megatron_burst.loss.fast import weight_grad_mode

@@ -24,13 +24,14 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from megatron_burst.kernels.choice import (KernelPolicy, KernelSelfCheckError, SlowKernelError, SlowKernelWarning,
                                            remembered)
 from megatron_burst.loss import triton_kernels
+from megatron_burst.loss.autograd import FusedLossRecomputeWarning, backward_paths
 
 __all__ = ["resolve_impl", "self_check", "LossSelfCheckError", "FAST_DEVICE_TYPES", "describe", "decisions"]
 
@@ -80,8 +81,10 @@ def _fix_hint() -> str:
             "pass impl='torch' or set MEGATRON_BURST_ALLOW_SLOW_KERNELS=1 (falls back with a warning)")
 
 
-def resolve_impl(impl: str, hidden: torch.Tensor) -> str:
-    """``impl`` as given ("torch" / "triton"), or what "auto" runs for hidden's device and dtype."""
+def resolve_impl(impl: str, hidden: torch.Tensor, loss_fn: Callable) -> str:
+    """``impl`` as given ("torch" / "triton"), or what "auto" runs for hidden's device and dtype;
+    ``loss_fn`` is the fused loss the self-check runs (megatron_burst.loss.fused_linear_cross_entropy,
+    passed in so this module sits below it)."""
     if impl != "auto":
         return impl
     device, dtype = hidden.device, hidden.dtype
@@ -98,7 +101,7 @@ def resolve_impl(impl: str, hidden: torch.Tensor) -> str:
         _log_once(device, dtype, "torch", logging.WARNING)
         return "torch"
     try:
-        checked(device, dtype)
+        checked(device, dtype, loss_fn)
     except LossSelfCheckError as e:
         if not policy.allow_slow:
             raise
@@ -110,9 +113,9 @@ def resolve_impl(impl: str, hidden: torch.Tensor) -> str:
     return FAST_NAME
 
 
-def checked(device: torch.device, dtype: torch.dtype) -> None:
+def checked(device: torch.device, dtype: torch.dtype, loss_fn: Callable) -> None:
     """Self-check the fast path once per (device, dtype); re-raise a remembered failure."""
-    remembered(_VERDICTS, (str(device), dtype), lambda: self_check(device, dtype), LossSelfCheckError)
+    remembered(_VERDICTS, (str(device), dtype), lambda: self_check(device, dtype, loss_fn), LossSelfCheckError)
 
 
 # Bounds relative to max |reference| (and at least 1 for the loss): bf16 carries one rounding of G
@@ -157,11 +160,10 @@ def _compare(what: str, got: torch.Tensor, ref: torch.Tensor, tol: float, floor:
     return None
 
 
-def self_check(device: torch.device, dtype: torch.dtype) -> None:
-    """Run the fast path against the fp32 reference on ``device`` in ``dtype`` (scaled and
-    recompute backward); raise LossSelfCheckError naming what failed (the exception chained)."""
-    from megatron_burst.loss.autograd import FusedLossRecomputeWarning, backward_paths
-    from megatron_burst.loss.fused import fused_linear_cross_entropy
+def self_check(device: torch.device, dtype: torch.dtype, fused_linear_cross_entropy: Callable) -> None:
+    """Run the fast path of ``fused_linear_cross_entropy`` against the fp32 reference on ``device``
+    in ``dtype`` (scaled and recompute backward); raise LossSelfCheckError naming what failed (the
+    exception chained)."""
 
     s = _shape()
     label = f"the fused LM loss implementation {FAST_NAME!r} on {device} / {dtype}"

@@ -106,9 +106,8 @@ def make_loss_config(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
         raise ValueError(f"{name}: impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     if impl == "triton":
         triton_kernels.check_device(hidden)
-    from megatron_burst.loss.choice import resolve_impl  # imports the kernels' policy: not at module load
-
-    impl = resolve_impl(impl, hidden)
+    if impl == "auto":
+        raise ValueError(f"{name}: resolve impl='auto' first (megatron_burst.loss.choice.resolve_impl)")
     if token_chunk is None:
         token_chunk = default_token_chunk(n_tokens, v_local, hidden.shape[-1], hidden.dtype, hidden.device, impl)
         if tp_size > 1 and hidden.is_cuda:
@@ -125,12 +124,10 @@ def make_loss_config(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
 def default_token_chunk(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, device: torch.device,
                         impl: str) -> int:
     """Tokens per chunk when the caller gives none. torch path: a token_chunk x V_local fp32 logits
-    tile of at most DEFAULT_TILE_ELEMS values; fast path: :func:`megatron_burst.loss.fast.default_token_chunk`
+    tile of at most DEFAULT_TILE_ELEMS values; fast path: :func:`fast_token_chunk`
     (a bounded number of bytes per chunk, at least ~1024 tokens, within the free memory)."""
     if impl == "triton":
-        from megatron_burst.loss.fast import default_token_chunk as fast_chunk
-
-        return fast_chunk(n_tokens, v_local, d, dtype, device)
+        return fast_token_chunk(n_tokens, v_local, d, dtype, device)
     token_chunk = max(1, DEFAULT_TILE_ELEMS // v_local)
     if token_chunk >= 128:
         token_chunk -= token_chunk % 128  # whole GEMM tiles
@@ -178,3 +175,30 @@ def raise_label_error(labels: torch.Tensor, cfg: LossConfig, name: str = "fused_
            else f"; mark padding with ignore_index={cfg.ignore_index}")
     raise ValueError(f"{name}: labels{list(idx)} = {value} is outside the vocabulary [0, {cfg.vocab_size}) "
                      f"(tp={cfg.tp_size} x {cfg.v_local} rows){fix}")
+
+
+FAST_CHUNK_BYTES = 1 << 30  # logits-sized bytes of one chunk (fp32 logits + bf16 gradient)
+MIN_EFFICIENT_CHUNK = 1024  # tokens: GEMM 4 (fp32 accumulator) is compute-bound above ~T = 1200 on Hopper
+
+
+def bytes_per_logit(dtype: torch.dtype) -> int:
+    """Chunk bytes per logit: fp32 logits, plus a separate G in the GEMM dtype unless that is fp32."""
+    return 4 if dtype == torch.float32 else 6
+
+
+def fast_token_chunk(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Tokens per chunk for the fast path (megatron_burst.loss.fast), from N, V_local, d, the dtype and
+    the free memory (see that module's docstring)."""
+    per_token = v_local * bytes_per_logit(dtype)
+    t = max(FAST_CHUNK_BYTES // per_token, MIN_EFFICIENT_CHUNK)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        elt = torch.finfo(dtype).bits // 8
+        persistent = n_tokens * d * elt + v_local * d * 4  # D and A, allocated before the chunk buffer
+        t = min(t, max((free // 2 - persistent) // per_token, 128))
+    for step in (512, 256, 128):
+        if t >= step:
+            t -= t % step
+            break
+    return max(1, min(t, n_tokens))

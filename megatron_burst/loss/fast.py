@@ -86,39 +86,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_burst.loss import triton_kernels
-from megatron_burst.loss.config import LossConfig
+from megatron_burst.loss.config import (FAST_CHUNK_BYTES, MIN_EFFICIENT_CHUNK, LossConfig, bytes_per_logit,  # noqa: F401
+                                         fast_token_chunk as default_token_chunk)
 from megatron_burst.loss.parallel import all_reduce_stats
 
 __all__ = ["chunked_forward", "recompute_grads", "default_token_chunk", "bytes_per_logit", "weight_grad_mode",
            "FAST_CHUNK_BYTES", "MIN_EFFICIENT_CHUNK"]
 
 logger = logging.getLogger("megatron_burst.loss")
-
-FAST_CHUNK_BYTES = 1 << 30  # logits-sized bytes of one chunk (fp32 logits + bf16 gradient)
-MIN_EFFICIENT_CHUNK = 1024  # tokens: GEMM 4 (fp32 accumulator) is compute-bound above ~T = 1200 on Hopper
-
-
-def bytes_per_logit(dtype: torch.dtype) -> int:
-    """Chunk bytes per logit: fp32 logits, plus a separate G in the GEMM dtype unless that is fp32."""
-    return 4 if dtype == torch.float32 else 6
-
-
-def default_token_chunk(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Tokens per chunk for the fast path, from N, V_local, d, the dtype and the free memory (see module doc)."""
-    per_token = v_local * bytes_per_logit(dtype)
-    t = max(FAST_CHUNK_BYTES // per_token, MIN_EFFICIENT_CHUNK)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        elt = torch.finfo(dtype).bits // 8
-        persistent = n_tokens * d * elt + v_local * d * 4  # D and A, allocated before the chunk buffer
-        t = min(t, max((free // 2 - persistent) // per_token, 128))
-    for step in (512, 256, 128):
-        if t >= step:
-            t -= t % step
-            break
-    return max(1, min(t, n_tokens))
-
 
 # ------------------------------------------------------------------------------------- the GEMMs
 

@@ -86,6 +86,7 @@ import torch.distributed as dist
 
 from megatron_burst.loss.autograd import FusedLinearCrossEntropyFunction, FusedLossRecomputeWarning, backward_paths
 from megatron_burst.loss.chunks import loss_without_grad
+from megatron_burst.loss.choice import resolve_impl
 from megatron_burst.loss.config import DEFAULT_TILE_ELEMS, check_labels, make_loss_config, token_weights
 
 __all__ = ["fused_linear_cross_entropy", "backward_paths", "FusedLossRecomputeWarning", "DEFAULT_TILE_ELEMS"]
@@ -149,6 +150,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     fp32, and hidden as passed (the shard under sequence parallelism) for the recompute path. The
     scaled backward allocates nothing of those sizes but a bf16 weight's gradient [V/tp, d].
     """
+    impl = resolve_impl(impl, hidden, fused_linear_cross_entropy)
     cfg = make_loss_config(hidden, weight, labels, loss_mask, tp_group, ignore_index, sequence_parallel,
                            token_chunk, vocab_chunk, impl)
     h2 = hidden.reshape(-1, hidden.shape[-1])

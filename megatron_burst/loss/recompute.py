@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_burst.loss.chunks import chunked_forward, loss_without_grad, recompute_grads
+from megatron_burst.loss.choice import resolve_impl
 from megatron_burst.loss.config import LossConfig, check_labels, make_loss_config
+from megatron_burst.loss.fused import fused_linear_cross_entropy
 from megatron_burst.loss.parallel import gather_sequence, reduce_hidden_grad
 
 __all__ = ["recompute_linear_cross_entropy"]
@@ -54,6 +56,7 @@ def recompute_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, l
 
     hidden: [..., d], weight: [V/tp, d], labels: hidden's leading shape -> fp32 per-token loss.
     """
+    impl = resolve_impl(impl, hidden, fused_linear_cross_entropy)
     cfg = make_loss_config(hidden, weight, labels, None, tp_group, ignore_index, sequence_parallel, token_chunk,
                            vocab_chunk, impl, name=_NAME)
     check_labels(labels, cfg, _NAME)  # one host read, before any collective
