@@ -11,6 +11,7 @@ BENCHES = {
     "linear": "megatron_burst.bench.linear",
     "sparse": "megatron_burst.bench.sparse",
     "gpu": "megatron_burst.bench.gpu",
+    "documents": "megatron_burst.bench.documents",
 }
 
 

@@ -1,0 +1,186 @@
+"""Packed-document load balance: imbalance and K,V traffic of zigzag, contiguous, block-striped, THD
+and the balanced dispatch planner on realistic document mixes (issue L).
+
+    python -m megatron_burst.bench documents [--worlds 8 32] [--seq 131072] [--plot docs/documents.png]
+
+Work is visible query-key pairs, causal within each document, counted exactly from token
+ownership (megatron_burst.documents.imbalance); nothing runs on a device. Columns:
+
+* ``worker``: max / mean over ranks of a pass's work (the issue's worker-level imbalance);
+* ``step``: per ring step, sum over steps of the slowest rank's work / sum of the mean (what a
+  synchronous ring waits for; at step t rank r computes against rank (r - t) mod W's keys);
+* ``KV blocks``: K,V blocks the busiest rank sends, in local blocks: W - 1 for the ring layouts,
+  and for ``balanced`` one per rank whose queries see one of its keys (traffic follows documents);
+  ``KV tokens``: the K,V tokens other ranks' queries actually see (the finest traffic), in local
+  blocks;
+* ``pad``: tokens THD adds (each document padded to a multiple of 2W).
+
+Mixes (S = ``--seq``): ``lognormal`` (47 documents, mean S/47 = 2.8K at 128K, lognormal sigma 1.0,
+seed 46), ``64K+short`` (one 64K document first, then lognormal short documents, median 1K),
+``16x8K`` (S/16 each), ``corpus`` (lengths drawn from the default training corpus: the Python
+standard library's files as byte tokens + EOD, seed 0, the last one cut to fit).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sysconfig
+import time
+from typing import Optional
+
+import numpy as np
+
+from megatron_burst.bench import plotting
+from megatron_burst.dispatch import plan_dispatch
+from megatron_burst.documents import imbalance
+
+LAYOUTS = (  # name: (layout, stripe)
+    ("zigzag", "zigzag", 1),
+    ("contiguous", "contiguous", 1),
+    ("block-striped(64)", "striped", 64),
+    ("thd", "thd", 1),
+    ("balanced", "balanced", 1),
+)
+
+LOGNORMAL = dict(docs=47, sigma=1.0, seed=46)  # close to the issue's zigzag / contiguous numbers
+
+
+def cu(lengths) -> list:
+    return [0] + np.cumsum(np.asarray(lengths, dtype=np.int64)).tolist()
+
+
+def lognormal_mix(seq: int, docs: int = LOGNORMAL["docs"], sigma: float = LOGNORMAL["sigma"],
+                  seed: int = LOGNORMAL["seed"]) -> list:
+    """``docs`` lognormal lengths scaled to sum to ``seq`` (the largest absorbs the rounding), in draw order."""
+    x = np.random.default_rng(seed).lognormal(0.0, sigma, docs)
+    lengths = np.maximum(1, np.floor(x / x.sum() * seq)).astype(np.int64)
+    lengths[np.argmax(lengths)] += seq - lengths.sum()
+    return cu(lengths)
+
+
+def _fill(seq: int, first: list, draw) -> list:
+    lengths, total = list(first), sum(first)
+    while total < seq:
+        n = int(min(draw(), seq - total))
+        lengths.append(n)
+        total += n
+    return cu(lengths)
+
+
+def long_plus_short(seq: int, long: int = 65536, median: int = 1024, sigma: float = 0.8, seed: int = 0) -> list:
+    """One ``long`` document first, then lognormal short ones (at least 16 tokens), the last cut to fit."""
+    g = np.random.default_rng(seed)
+    return _fill(seq, [min(long, seq)], lambda: max(16, round(g.lognormal(np.log(median), sigma))))
+
+
+def uniform_mix(seq: int, docs: int = 16) -> list:
+    return cu([seq // docs] * (docs - 1) + [seq - (seq // docs) * (docs - 1)])
+
+
+def corpus_lengths(root: Optional[str] = None) -> list:
+    """Token counts of the default training corpus's documents (megatron_burst.data: the standard
+    library's ``*.py`` files, one byte a token, plus an end-of-document token), from file sizes."""
+    base = root or sysconfig.get_paths()["stdlib"]
+    sizes = []
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        for f in sorted(filenames):
+            if f.endswith(".py"):
+                try:
+                    size = os.path.getsize(os.path.join(dirpath, f))
+                except OSError:
+                    continue
+                if size:
+                    sizes.append(size + 1)
+    return sizes
+
+
+def corpus_mix(seq: int, seed: int = 0, lengths: Optional[list] = None) -> list:
+    """Documents drawn (seeded, with replacement) from the corpus's lengths until ``seq``; the last is cut."""
+    pool = np.asarray(lengths or corpus_lengths(), dtype=np.int64)
+    g = np.random.default_rng(seed)
+    return _fill(seq, [], lambda: int(pool[g.integers(len(pool))]))
+
+
+def mixes(seq: int) -> dict:
+    out = {"lognormal": lognormal_mix(seq), "64K+short": long_plus_short(seq, long=min(65536, seq // 2)),
+           "16x8K": uniform_mix(seq, 16)}
+    lengths = corpus_lengths()
+    if lengths:
+        out["corpus"] = corpus_mix(seq, lengths=lengths)
+    return out
+
+
+def measure(bounds: list, world_size: int) -> list:
+    """One row per layout: (name, imbalance dict, seconds to plan or lay out)."""
+    rows = []
+    for name, layout, stripe in LAYOUTS:
+        if layout == "balanced":
+            t0 = time.perf_counter()
+            plan = plan_dispatch(bounds, world_size)
+            planned = time.perf_counter() - t0
+            rows.append((name, imbalance(bounds, world_size, plan), planned, plan))
+        else:
+            rows.append((name, imbalance(bounds, world_size, layout, stripe=stripe), None, None))
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m megatron_burst.bench documents", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[8, 32], help="CP sizes W")
+    ap.add_argument("--seq", type=int, default=131072, help="packed tokens S (divisible by 2W for zigzag)")
+    ap.add_argument("--mixes", nargs="+", default=None, help="subset of: lognormal 64K+short 16x8K corpus")
+    ap.add_argument("--plot", default=None, help="write a bar chart of worker / step imbalance here")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    all_mixes = mixes(args.seq)
+    chosen = {k: v for k, v in all_mixes.items() if args.mixes is None or k in args.mixes}
+    print(f"# packed documents: S={args.seq} tokens, causal within each document; work = visible query-key "
+          "pairs (exact)")
+    print("# worker = max/mean over ranks; step = sum over ring steps of the slowest rank / sum of the mean; "
+          "KV = blocks / tokens (in local blocks) the busiest rank sends")
+    results = {}
+    for mix, bounds in chosen.items():
+        lengths = np.diff(bounds)
+        print(f"\n## {mix}: {len(lengths)} documents, mean {lengths.mean():.0f}, median {np.median(lengths):.0f}, "
+              f"max {lengths.max()} tokens")
+        print("| W | layout | worker | step | KV blocks | KV tokens | pad | plan |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for W in args.worlds:
+            rows = measure(bounds, W)
+            results[(mix, W)] = rows
+            for name, m, planned, plan in rows:
+                extra = (f"{planned * 1e3:.1f} ms, groups of {plan.group_size}" if plan is not None else "")
+                print(f"| {W} | {name} | {m['worker_total']:.2f} | {m['worker']:.2f} | {max(m['kv_sent'])} | "
+                      f"{max(m['kv_tokens_needed']):.2f} | {m['padding']} | {extra} |")
+    print(f"\n# {time.perf_counter() - t0:.1f} s")
+    if args.plot:
+        _plot(results, args.plot)
+
+
+def _plot(results: dict, path: str) -> None:
+    plt = plotting.pyplot()
+    if plt is None:
+        return
+    keys = list(results)
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(keys)), 4), sharey=True)
+    names = [name for name, _, _ in LAYOUTS]
+    x = np.arange(len(keys))
+    width = 0.8 / len(names)
+    for ax, metric, title in ((axes[0], "worker_total", "worker (max/mean over ranks)"),
+                              (axes[1], "worker", "per ring step")):
+        for i, name in enumerate(names):
+            vals = [next(m[metric] for n, m, _, _ in results[k] if n == name) for k in keys]
+            ax.bar(x + i * width, vals, width, label=name)
+        ax.axhline(1.0, color="black", linewidth=0.5)
+        ax.set_xticks(x + 0.4 - width / 2)
+        ax.set_xticklabels([f"{mix}\nW={W}" for mix, W in keys], fontsize=8)
+        ax.set_title(title)
+    axes[0].set_ylabel("imbalance")
+    axes[0].legend(fontsize=7)
+    plotting.save(fig, path)
+
+
+if __name__ == "__main__":
+    main()
