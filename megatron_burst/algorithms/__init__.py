@@ -28,7 +28,8 @@ import torch.distributed as dist
 from megatron_burst.algorithms import allgather, burst, ring, ulysses
 from megatron_burst.algorithms.schedule import CPConfig
 from megatron_burst.documents import THD, CuSeqlens, Documents, check_cu_seqlens, check_thd, check_window
-from megatron_burst.dynamic_pattern import Dynamic, estimate
+from megatron_burst import dynamic_pattern
+from megatron_burst.dynamic_pattern import Dynamic
 from megatron_burst.kernels import block_backward, block_forward, reads_output, row_dot
 from megatron_burst.kernels.choice import KernelPolicy, agree, choose
 from megatron_burst.layout import BlockMask
@@ -406,8 +407,9 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
         backward_algo = resolve_algo(algo, b, hq, hkv, n, d, q.element_size(), world_size, nodes=topo.num_nodes,
                                      ring=ring, causal=causal)
         if isinstance(pattern, Dynamic):  # every local check passed: the estimate's collectives may run
-            pattern = estimate(to_bhsd(q, qkv_format), to_bhsd(k, qkv_format), pattern, group=topo.group,
-                               layout=layout, stripe=stripe, softmax_scale=scale)
+            # through the module: benches and GPU tests wrap dynamic_pattern.estimate to see the pattern
+            pattern = dynamic_pattern.estimate(to_bhsd(q, qkv_format), to_bhsd(k, qkv_format), pattern,
+                                               group=topo.group, layout=layout, stripe=stripe, softmax_scale=scale)
         if pattern is not None:
             pattern = pattern.to(q.device)  # plans are built and kept on q's device
         cfg = CPConfig(topo, ring, layout, stripe, causal, scale, kernel, documents, window=window, pattern=pattern)
