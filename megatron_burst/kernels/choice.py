@@ -300,14 +300,16 @@ def _gpu_choice(kind: str, device: torch.device, dtype: torch.dtype, head_dim: i
     plain = PLAIN[kind]
     message = (f"megatron-burst: no fused kernel runs {kind!r} blocks on {device.type} / {dtype} / head dim {head_dim} "
                f"({'; '.join(reasons) or 'none exists'}); the plain-torch {plain} kernel runs them, many times slower. "
-               f"{_slow_fix(kind, dtype)}")
+               f"{_slow_fix(kind, dtype, failed=any('self-check' in r for r in reasons))}")
     if policy.allow_slow is False:
         raise SlowKernelError(message + " (MEGATRON_BURST_ALLOW_SLOW_KERNELS=0 makes this an error)")
     _warn_once(("slow", kind, device.type, dtype, head_dim), message)
     return plain
 
 
-def _slow_fix(kind: str, dtype: torch.dtype) -> str:
+def _slow_fix(kind: str, dtype: torch.dtype, failed: bool = False) -> str:
+    if failed:
+        return "Fix: the self-check failure warned above (report it with your torch and triton versions)."
     if dtype not in (torch.float16, torch.bfloat16):
         return "Fix: train in bf16 (Megatron: --bf16); fused kernels take 16-bit inputs."
     if kind in ("block_causal", "positions", "sparse"):
