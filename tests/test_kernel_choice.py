@@ -60,6 +60,7 @@ def fused_on_cpu(monkeypatch):
     monkeypatch.setattr(choice, "FUSED_DEVICE_TYPES", ("cpu",))
     monkeypatch.setattr(choice, "_VERIFIED", {})
     monkeypatch.setattr(choice, "_WARNED", set())
+    monkeypatch.setattr(choice, "_CHOSEN", {})
     for var in ("MEGATRON_BURST_KERNEL", "MEGATRON_BURST_SPARSE_KERNEL", "MEGATRON_BURST_ALLOW_SLOW_KERNELS"):
         monkeypatch.delenv(var, raising=False)
     modules = {}

@@ -159,6 +159,7 @@ def test_failed_self_check_is_an_error_unless_slow_kernels_are_allowed(monkeypat
     monkeypatch.setattr(choice, "FUSED_DEVICE_TYPES", ("cpu",))
     monkeypatch.setattr(choice, "_VERIFIED", {})
     monkeypatch.setattr(choice, "_WARNED", set())
+    monkeypatch.setattr(choice, "_CHOSEN", {})
     monkeypatch.delenv("MEGATRON_BURST_SPARSE_KERNEL", raising=False)
     monkeypatch.delenv("MEGATRON_BURST_ALLOW_SLOW_KERNELS", raising=False)
     monkeypatch.setattr(tbs, "unavailable", lambda: None)

@@ -80,9 +80,14 @@ class SlowKernelWarning(UserWarning):
 
 def module(name: str) -> ModuleType:
     """The kernel module registered as ``name``."""
-    if name not in MODULES:
-        raise ValueError(f"unknown attention kernel {name!r}: choose one of {', '.join(MODULES)}")
-    return importlib.import_module(f"megatron_burst.kernels.{MODULES[name]}")
+    if name not in _MODULE_CACHE:
+        if name not in MODULES:
+            raise ValueError(f"unknown attention kernel {name!r}: choose one of {', '.join(MODULES)}")
+        _MODULE_CACHE[name] = importlib.import_module(f"megatron_burst.kernels.{MODULES[name]}")
+    return _MODULE_CACHE[name]
+
+
+_MODULE_CACHE: dict[str, ModuleType] = {}
 
 
 @dataclass(frozen=True)
@@ -326,8 +331,12 @@ def _warn_once(key: tuple, message: str) -> None:
 
 def choose(device: torch.device, dtype: torch.dtype, head_dim: int, kinds: tuple[str, ...],
            policy: Optional[KernelPolicy] = None) -> KernelChoice:
-    """The kernels for blocks of ``kinds`` on (device, dtype, head dim), self-checked, logged once."""
+    """The kernels for blocks of ``kinds`` on (device, dtype, head dim), self-checked, logged once.
+    Every CP call (each layer, each step) asks: the decision is kept per arguments and policy."""
     policy = policy or KernelPolicy.from_env()
+    memo = (str(device), dtype, head_dim, tuple(kinds), policy, device.type in FUSED_DEVICE_TYPES)
+    if memo in _CHOSEN:
+        return _CHOSEN[memo]
     rows = []
     for kind in kinds:
         if kind not in GPU_CANDIDATES:
@@ -342,7 +351,11 @@ def choose(device: torch.device, dtype: torch.dtype, head_dim: int, kinds: tuple
     if _LOGGED.get(key) != choice:
         _LOGGED[key] = choice
         logger.info("megatron-burst: %s", choice.describe())
+    _CHOSEN[memo] = choice
     return choice
+
+
+_CHOSEN: dict[tuple, KernelChoice] = {}
 
 
 def report() -> list[str]:
@@ -394,3 +407,4 @@ def reset() -> None:
     _WARNED.clear()
     _LOGGED.clear()
     _AGREED.clear()
+    _CHOSEN.clear()
