@@ -21,6 +21,24 @@ The double ring nests this schedule: the outer ring (across nodes) carries a blo
 and visiting it there is a whole inner ring (inside the node). The outer transfer of the next block
 is posted before the inner ring starts, so it hides behind the inner ring's compute and intra-node
 transfers; the node's summed gradient for a block then travels the outer ring one step behind.
+
+The direct pass (:func:`direct_pass`, ``CPConfig.traffic`` "direct") sends a block only where the
+mask needs it, straight from its owner, with no relaying: at step t (1 <= t < size) the member at
+position p receives owner (p - t)'s tensors iff ``needs(p, p - t)`` and sends its own to p + t iff
+``needs(p + t, p)``; the gradient a member computed for owner o goes straight home to o in the next
+step's batch (one step behind, overlapping the next compute). Steps no member needs are skipped.
+On a double ring it runs over the flat CP group (bytes still classed intra/inter per link).
+
+NCCL safety of the direct pass. ``needs`` is the mask's (global data: the same function on every
+member), so every member derives the same table and the same list of steps, and posts at most one
+batch per step and communicator: the batch of step index k holds the activations for the next step
+and the gradients of the previous one. A send from p to q in batch k exists iff q's receive from p
+in its batch k does (both test the same ``needs`` entry), so the k-th batch of a rank only ever
+meets the k-th batch of its peers; within a batch, activations precede gradients on both ends. A
+member with nothing in some batch posts none (its peers expect nothing from it there). NCCL creates
+a communicator at its first batched call with every member: a member that sends nothing in a pass
+relies on the CP group having been used before (on CUDA, ``prepare``'s kernel agreement
+all-gathers over it first).
 """
 from __future__ import annotations
 
@@ -38,6 +56,8 @@ from megatron_burst.topology import CPTopology, Ring
 # gloo tags of the two rings when they share no batch (separate communicators); NCCL ignores tags
 ACTIVATION_STREAM = 0
 GRADIENT_STREAM = 1
+
+TRAFFIC_KINDS = ("ring", "direct")
 
 
 @dataclass
@@ -61,12 +81,27 @@ class CPConfig:
     # a vertical-slash pattern (cp_attention(pattern=...); estimated already if dynamic), intersected
     # with ``documents`` and ``window``; ring and burst only, so ring members are CP ranks
     pattern: Optional[VerticalSlash] = None
+    # how blocks travel (TRAFFIC_KINDS): "ring" (hop by hop, every block to every member unless a
+    # window prunes it) or "direct" (owner to the members whose mask needs it, nothing relayed);
+    # None: by layout (:attr:`resolved_traffic`)
+    traffic: Optional[str] = None
+
+    @property
+    def resolved_traffic(self) -> str:
+        """The traffic this call runs: :attr:`traffic` if set, else "direct" for the "balanced"
+        layout (a document plan, whose block pairs are mostly empty) and "ring" for the others."""
+        if self.traffic is None:
+            return "direct" if self.layout == "balanced" else "ring"
+        if self.traffic not in TRAFFIC_KINDS:
+            raise ValueError(f"traffic={self.traffic!r}: choose one of {TRAFFIC_KINDS} (or None: by layout)")
+        return self.traffic
 
     @property
     def prune(self) -> bool:
         """Whether rings stop circulating a block once no later member needs it. Only under a
         sliding window, where it shrinks traffic with the window; dense and document masks keep
-        the full ring (their bytes do not depend on the mask)."""
+        the full ring (their bytes do not depend on the mask). The direct pass always sends by
+        the mask (:func:`direct_pass`)."""
         return self.window is not None
 
     @property
@@ -142,12 +177,17 @@ Needs = Callable[[int, int], bool]  # needs(holder, owner): the holder has work 
 
 class _StepExchange:
     """One step's posted transfers: activations for the next step, and gradient blocks (one sent
-    at most; received: the previous member's partial sum and/or this member's finished block)."""
+    at most; received: the previous member's partial sum and/or this member's finished block).
+
+    Peers are ring positions: gradients name theirs; activations go to ``act_to`` and come from
+    ``act_from`` (default: the next and previous member, the ring's hop)."""
 
     def __init__(self, ring: Ring, activations: Sequence[torch.Tensor], act_like: Sequence[torch.Tensor],
                  grad_send: Optional[tuple[torch.Tensor, int]], grad_recv: Sequence[tuple[torch.Tensor, int]],
-                 phase: str, label: str) -> None:
+                 phase: str, label: str, act_to: Optional[int] = None, act_from: Optional[int] = None) -> None:
         comm = ring.act
+        act_to_rank = comm.next if act_to is None else comm.ring[act_to]
+        act_from_rank = comm.prev if act_from is None else comm.ring[act_from]
         act_recv = [torch.empty_like(t) for t in act_like]
         g_send = [] if grad_send is None else [grad_send[0]]
         g_peer = lambda p: ring.grad.ring[p]  # noqa: E731
@@ -155,7 +195,7 @@ class _StepExchange:
         g_recv = [torch.empty_like(t) for t, _ in grad_recv]
         g_from = [g_peer(p) for _, p in grad_recv]
         self._n_act = len(act_recv)
-        a_to, a_from = [comm.next] * len(activations), [comm.prev] * len(act_recv)
+        a_to, a_from = [act_to_rank] * len(activations), [act_from_rank] * len(act_recv)
         if ring.act is ring.grad:  # one communicator: one batch for both
             both = comm.exchange(list(activations) + g_send, act_recv + g_recv, phase, send_to=a_to + g_to,
                                  recv_from=a_from + g_from, label=label)
@@ -247,13 +287,97 @@ def ring_pass(ring: Optional[Ring], travel: Sequence[torch.Tensor], visit: Visit
     return home_grad
 
 
+def needs_table(size: int, needs: Needs) -> list[list[bool]]:
+    """``table[holder][owner]`` = ``needs(holder, owner)`` for every pair of distinct positions (the
+    diagonal is False: a member's own block never travels). The same table on every member."""
+    return [[h != o and bool(needs(h, o)) for o in range(size)] for h in range(size)]
+
+
+def direct_steps(table: Sequence[Sequence[bool]]) -> list[int]:
+    """The steps t in 1..size-1 at which some holder needs the block of the owner t positions
+    before it (``table`` from :func:`needs_table`); the others are skipped by every member."""
+    size = len(table)
+    return [t for t in range(1, size) if any(table[(o + t) % size][o] for o in range(size))]
+
+
+def direct_pass(ring: Optional[Ring], travel: Sequence[torch.Tensor], visit: Visit, phase: str,
+                grad_like: Optional[torch.Tensor] = None, needs: Optional[Needs] = None) -> Optional[torch.Tensor]:
+    """:func:`ring_pass`'s contract (``visit(owner_pos, tensors)``, an optional gradient summed back
+    to its owner, this member's own gradient returned) with traffic that follows the mask.
+
+    ``needs(holder_pos, owner_pos)`` is required: at step t the member at position p gets the
+    tensors of owner (p - t) straight from it iff ``needs(p, p - t)`` and visits them; nothing is
+    relayed. A gradient contribution goes straight home in the next step's batch. Steps nobody
+    needs are skipped (:func:`direct_steps`); NCCL safety: module docstring. Live travelling
+    buffers are the ring's: the block being visited and the one arriving; the gradient being
+    computed, the one going home and the one arriving home.
+    """
+    if needs is None:
+        raise ValueError("direct_pass needs needs(holder, owner): the table of which members visit whose block")
+    size, pos = (ring.size, ring.pos) if ring is not None else (1, 0)
+    table = needs_table(size, needs)
+    steps = [0] + direct_steps(table)  # step 0: the own block, no transfer
+    own = list(travel)
+    with_grad = grad_like is not None
+    home_grad: Optional[torch.Tensor] = None
+    held: Optional[list[torch.Tensor]] = own  # what this member visits at the current step (None: nothing)
+    finished: Optional[tuple[torch.Tensor, int]] = None  # (gradient computed at the previous step, its owner)
+    # one iteration per step, and with a gradient one more: the last step's gradients going home
+    rounds = len(steps) + (1 if with_grad and len(steps) > 1 else 0)
+    for k in range(rounds):
+        step = steps[k] if k < len(steps) else None
+        upcoming = steps[k + 1] if k + 1 < len(steps) else None
+        act_out: list[torch.Tensor] = []
+        act_in: list[torch.Tensor] = []
+        act_to = act_from = None
+        if upcoming is not None:
+            act_to, act_from = (pos + upcoming) % size, (pos - upcoming) % size
+            if table[act_to][pos]:
+                act_out = own
+            if table[pos][act_from]:
+                act_in = own  # shapes and dtypes of the owner's tensors: the same on every member
+        grad_recv = []
+        if with_grad and k >= 2:  # the previous step's holder of this member's block sends its gradient home
+            previous_holder = (pos + steps[k - 1]) % size
+            if table[previous_holder][pos]:
+                grad_recv.append((grad_like, previous_holder))
+        posted = None
+        if act_out or act_in or finished is not None or grad_recv:
+            label = f"{phase} direct gradient home" if step is None else f"{phase} direct step {step}"
+            posted = _StepExchange(ring, act_out, act_in, finished, grad_recv, phase, label, act_to, act_from)
+        finished = None
+        if step is not None and held is not None:
+            owner = (pos - step) % size
+            contribution = visit(owner, held)
+            if with_grad:
+                if step == 0:
+                    home_grad = contribution
+                else:
+                    finished = (contribution, owner)
+        held = None
+        if posted is not None:
+            if act_in:
+                held = posted.activations()
+            if grad_recv:
+                home_grad.add_(posted.gradients()[0])
+            posted.wait()
+    return home_grad
+
+
 def cp_ring_pass(cfg: CPConfig, travel: Sequence[torch.Tensor], visit: Visit, phase: str,
                  grad_like: Optional[torch.Tensor] = None, needs: Optional[Needs] = None) -> Optional[torch.Tensor]:
     """:func:`ring_pass` over the CP group in ``cfg.ring``'s shape; ``visit`` gets owner CP ranks
     (ring members under Ulysses/USP). ``needs(holder, owner)`` on the same ranks prunes the ring
     (used only when ``cfg.prune``); on the double ring a node's blocks travel the outer ring as
-    far as the last node with a rank that needs one, the inner rings prune per block."""
+    far as the last node with a rank that needs one, the inner rings prune per block.
+
+    With ``cfg.resolved_traffic`` "direct" it is :func:`direct_pass` over the flat CP group
+    (whatever ``cfg.ring``), sending by ``needs`` always; ``needs`` is then required."""
     topo = cfg.topology
+    if cfg.resolved_traffic == "direct":
+        if needs is None:
+            raise ValueError("traffic='direct' sends blocks by the mask: cp_ring_pass needs needs(holder, owner)")
+        return direct_pass(topo.flat, travel, visit, phase, grad_like, needs)
     needs = needs if cfg.prune else None
     if cfg.ring == "flat" or topo.num_nodes == 1:
         return ring_pass(topo.flat, travel, visit, phase, grad_like, needs)

@@ -1,0 +1,149 @@
+"""Direct traffic (schedule.direct_pass, ``CPConfig.traffic = "direct"``): a block goes from its
+owner straight to the ranks whose mask needs it, and a gradient straight home.
+
+Results equal the ring's and a dense masked reference (fp32, forward and gradients) for ring and
+burst backwards, MHA and GQA, documents with and without a sliding window, W = 2, 3, 4; the bytes
+sent are exactly the needed blocks (derived from the dense mask); the recorded schedules replay
+under NCCL's rules. The layouts here are the fixed ones (the "balanced" layout, which resolves to
+direct traffic by default, comes from a document plan)."""
+import pytest
+
+import direct_traffic_cases as dc
+from harness import run_ranks
+from megatron_burst.algorithms.schedule import CPConfig, direct_steps, needs_table
+
+TOL = 1e-5
+LOCAL = 8
+
+
+def mixed_bounds(W: int) -> list:
+    """Short documents inside rank 0, one spanning ranks 0-1, a 2-token one, one spanning the rest."""
+    return [0, 3, 4, LOCAL + 4, LOCAL + 6, LOCAL * W] if W > 2 else [0, 3, 4, LOCAL + 4, LOCAL * W]
+
+
+def _check_exact(res, what):
+    for traffic in ("ring", "direct"):
+        assert res[traffic]["finite"], what
+        for name in ("out", "dq", "dk", "dv"):
+            assert res[traffic][name] <= TOL, f"{what} {traffic}: {name} off by {res[traffic][name]:.2e}"
+    assert res["ring_vs_direct"] <= TOL, f"{what}: ring and direct differ by {res['ring_vs_direct']:.2e}"
+    assert res["direct"]["bytes"] == res["expected"], (what, res["direct"]["bytes"], res["expected"])
+
+
+def _check_replay(res, what):
+    for ok, text, total in res["replay"]:
+        assert ok, f"{what}: {text}"
+
+
+@pytest.mark.parametrize("algo", ["ring", "burst"])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_direct_equals_ring_and_reference_and_sends_only_needed_blocks(world_size, algo):
+    """Documents on contiguous (GQA 4:1) and zigzag (MHA), and documents with a sliding window."""
+    bounds = mixed_bounds(world_size)
+    cases = [("contiguous", (8, 2), None), ("zigzag", (4, 4), None), ("contiguous", (4, 2), (5, 0))]
+    for layout, heads, window in cases:
+        what = f"{algo} W={world_size} {layout} heads={heads} window={window}"
+        for rank, res in enumerate(run_ranks(world_size, dc.run_direct_case, algo, layout, heads, bounds, LOCAL,
+                                             window=window, replay=window is None)):
+            _check_exact(res, f"{what} rank {rank}")
+            if window is None:
+                _check_replay(res, f"{what} rank {rank}")
+            assert res["direct"]["bytes"]["forward"] <= res["ring"]["bytes"]["forward"], what
+
+
+@pytest.mark.parametrize("algo", ["ring", "burst"])
+def test_documents_inside_one_rank_send_nothing(algo):
+    """Contiguous, every document inside one rank's share: no block travels, forward or backward
+    (the ring sends every block W - 1 hops)."""
+    W = 4
+    for res in run_ranks(W, dc.run_direct_case, algo, "contiguous", (8, 2), [0, 5, 8, 16, 20, 24, 32], LOCAL):
+        _check_exact(res, f"{algo} all local")
+        assert res["direct"]["bytes"] == {"forward": 0, "backward": 0}
+        assert res["ring"]["bytes"]["forward"] == (W - 1) * 2 * 2 * 2 * LOCAL * 8 * 4
+
+
+def test_mixed_case_bytes_ring_vs_direct():
+    """The mixed documents at W = 4 (contiguous, GQA 4:1, ring backward): rank 0's keys reach rank 1
+    only, rank 1's ranks 2 and 3, rank 2's rank 3; the ring sends every block 3 hops."""
+    W, b, hkv, d = 4, 2, 2, 8
+    kv_blk = 2 * b * hkv * LOCAL * d * 4
+    results = run_ranks(W, dc.run_direct_case, "ring", "contiguous", (8, 2), mixed_bounds(W), LOCAL)
+    assert [res["direct"]["bytes"]["forward"] for res in results] == [kv_blk, 2 * kv_blk, kv_blk, 0]
+    assert [res["ring"]["bytes"]["forward"] for res in results] == [3 * kv_blk] * W
+    # backward: K,V out as in the forward, plus dK,dV (fp32) home for each block read
+    assert [res["direct"]["bytes"]["backward"] for res in results] == [kv_blk, 3 * kv_blk, 2 * kv_blk, 2 * kv_blk]
+    for res in results:
+        _check_exact(res, "mixed")
+
+
+@pytest.mark.parametrize("algo", ["ring", "burst"])
+def test_direct_on_two_emulated_nodes_is_flat_and_classed_by_link(algo):
+    """W = 4 as 2 nodes x 2 with ring="double": the direct pass runs over the flat CP group, and
+    bytes to the other node count as inter-node (a block needed by two ranks of a remote node
+    crosses twice, where the double ring sends it across once: direct saves the blocks nobody needs)."""
+    for rank, res in enumerate(run_ranks(4, dc.run_direct_case, algo, "zigzag", (4, 2), mixed_bounds(4), LOCAL,
+                                         ranks_per_node=2, ring="double", replay=True)):
+        _check_exact(res, f"{algo} double rank {rank}")
+        _check_replay(res, f"{algo} double rank {rank}")
+        links = res["direct"]["links"]
+        assert links["intra"] + links["inter"] == sum(res["direct"]["bytes"].values())
+        if algo == "ring":  # the forward's K,V sends to the other node, from the dense mask
+            assert res["direct_forward_inter"] == res["expected_inter_forward"], rank
+
+
+@pytest.mark.parametrize("algo", ["ring", "burst"])
+def test_direct_under_usp(algo):
+    """USP at W = 4, U = 2: the ring members are Ulysses groups and ``has_work`` on members decides;
+    documents inside each group's half need no ring traffic at all."""
+    for res in run_ranks(4, dc.run_direct_case, algo, "contiguous", (4, 4), [0, 5, 16, 20, 32], LOCAL,
+                         ulysses_size=2):
+        assert res["direct"]["finite"] and res["ring_vs_direct"] <= TOL
+        for name in ("out", "dq", "dk", "dv"):
+            assert res["direct"][name] <= TOL, name
+        assert res["direct"]["bytes"]["forward"] < res["ring"]["bytes"]["forward"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_synthetic_needs_table(seed):
+    """direct_pass alone, W = 5, a random needs table: each rank visits exactly the owners it needs
+    with their data, every home gradient is the sum of exactly the needing holders' contributions,
+    bytes are one block (16 B) per needed pair and one gradient (12 B) back, and it replays under
+    NCCL's rules. A rank the table leaves without any traffic posts nothing: on a communicator NCCL
+    has not created yet (the replay's lazy init) the others then wait for it, which the replay
+    reports; once created (``lazy_init=False``) the schedule completes."""
+    W = 5
+    results = run_ranks(W, dc.synthetic_schedule, seed)
+    table = results[0]["table"]
+    isolated = [r for r in range(W) if not any(table[r][o] or table[o][r] for o in range(W) if o != r)]
+    traffic = any(table[h][o] for h in range(W) for o in range(W) if h != o)
+    for r, res in enumerate(results):
+        needed = [o for o in range(W) if o != r and table[r][o]]
+        assert sorted(o for o, _ in res["visits"]) == sorted([r] + needed)
+        assert all(data == [float(o)] * 4 for o, data in res["visits"])
+        holders = [h for h in range(W) if h != r and table[h][r]]
+        assert res["home"] == [float(sum(100 * h + r for h in [r] + holders))] * 3
+        assert res["sent"] == 16 * len(holders) + 12 * len(needed)
+        for ok, text, _ in res["replay_established"]:
+            assert ok, f"seed {seed} rank {r}: {text}"
+        for ok, text, _ in res["replay"]:
+            assert ok == (not (isolated and traffic)), f"seed {seed} rank {r} isolated {isolated}: {text}"
+            assert ok or "collective count differs" in text, text
+
+
+def test_steps_nobody_needs_are_skipped():
+    table = needs_table(4, lambda h, o: (h - o) % 4 == 2)
+    assert direct_steps(table) == [2]
+    assert direct_steps(needs_table(4, lambda h, o: False)) == []
+    assert all(not table[i][i] for i in range(4))
+
+
+def test_traffic_resolves_by_layout_and_refuses_unknown_kinds():
+    cfg = CPConfig(None, "flat", "zigzag", 1, True, 1.0)
+    assert cfg.resolved_traffic == "ring"
+    cfg.layout = "balanced"
+    assert cfg.resolved_traffic == "direct"
+    cfg.traffic = "ring"
+    assert cfg.resolved_traffic == "ring"
+    cfg.traffic = "hops"
+    with pytest.raises(ValueError, match="traffic='hops'"):
+        cfg.resolved_traffic
