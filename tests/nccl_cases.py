@@ -112,6 +112,21 @@ def document_schedule(algo: str, ring: str, ranks_per_node: int, layout: str = "
     return result
 
 
+def direct_document_schedule(algo: str, ring: str, ranks_per_node: int, layout: str = "zigzag"):
+    """A document-masked call with direct traffic (schedule.direct_pass: blocks only where the mask
+    needs them, straight from their owner), forward + backward, recorded and replayed."""
+    from direct_traffic_cases import run_direct_case
+
+    W = dist.get_world_size()
+    bounds = [0, 3, 4, 8 + 4, 8 + 6, 8 * W]
+    res = run_direct_case(algo, layout, (8, 2), bounds, 8, ranks_per_node=ranks_per_node if ring == "double" else None,
+                          ring=ring, replay=True)
+    (per_comm, serialized) = res["replay"]
+    return {"per_comm": per_comm, "serialized": serialized,
+            "max_err": max(res["direct"][n] for n in ("out", "dq", "dk", "dv")),
+            "sent": sum(res["direct"]["bytes"].values()), "ring_sent": sum(res["ring"]["bytes"].values())}
+
+
 def gdn_schedule(layout: str):
     """gated_delta_rule forward + backward (errors checked too), recorded and replayed."""
     from gdn_cases import run_gdn_case
