@@ -2,10 +2,11 @@
 
 Forward: K,V circulate; each rank merges the visible part of every block into its (out, lse).
 The visible parts come from ``cfg.blocks`` (causal/full, or one rectangle per document with
-cu_seqlens, intersected with a sliding window); a block pair with none is skipped. The bytes sent
-do not depend on the mask, except under a sliding window: then a block travels only as far as the
-last rank that needs it and its gradient goes home from there (schedule.ring_pass), so the
-figures below become upper bounds that shrink with the window.
+cu_seqlens, intersected with a sliding window); a block pair with none is skipped. On the ring the
+bytes sent do not depend on the mask, except under a sliding window: then a block travels only as
+far as the last rank that needs it and its gradient goes home from there (schedule.ring_pass).
+With direct traffic (``cfg.traffic``, schedule.direct_pass) a block goes only to the ranks that
+need it. Either way the figures below become upper bounds.
 Backward: K,V circulate again and dK,dV travel with them (fp32), accumulated by every rank whose
 queries see the block; dQ stays home.
 
