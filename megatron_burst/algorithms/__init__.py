@@ -467,7 +467,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """Context-parallel softmax attention over the ranks of ``group``.
 
     q [s, b, hq, d], k/v [s, b, hkv, d] (``qkv_format="sbhd"``, Megatron's; or [b, s, h, d] for
-    "bshd") hold this rank's s local tokens in ``layout``'s order (see megatron_burst.layout).
+    "bshd") hold this rank's s local tokens in ``layout``'s order (see megatron_burst.layout; one of
+    ``ENGINE_LAYOUTS`` or "thd").
     Returns this rank's output, same shape and dtype as q, contiguous (so Megatron's reshape to
     [s, b, hq*d] is a view). Differentiable; gradients are exact.
     ``group`` None means the default process group (or a single process if none is initialized);
@@ -487,6 +488,15 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     ``layout="thd"`` with ``cu_seqlens`` (real sequence boundaries) and ``cu_seqlens_padded``
     (padded ones, each a multiple of 2 x CP size; None: unpadded): rank r holds chunks r and 2W-1-r
     of every sequence. ``qkv_format="thd"`` takes and returns [t, h, d] tensors.
+    ``layout="balanced"``: tokens placed by the documents (megatron_burst.dispatch.plan_dispatch: long
+    documents split over groups of ranks, short ones whole on one rank, S / W tokens per rank, S
+    divisible by W). Needs ``cu_seqlens``: raw boundaries (planned on their union when per sample,
+    cached per boundaries), or better the :class:`~megatron_burst.documents.Documents` of
+    :func:`~megatron_burst.documents.balanced_documents` built once per batch; this rank's q, k, v
+    are then the full sequence's rows ``documents.plan.indices(rank)`` (increasing global order;
+    ``megatron_burst.shard(..., "balanced", plan=...)``). Every algorithm, ring shape, window and
+    per-sample boundaries run it exactly; K,V travel the full ring (every block, as in the other
+    layouts). Not with ``pattern`` (refused).
     ``window=(left, right)``: sliding-window attention with Megatron's ``window_size`` meaning
     (-1 = unbounded): query i sees keys i-left ... i+right (i-left ... i when causal; causal
     sliding-window attention is (left, 0)), intersected with documents if given. Block pairs
