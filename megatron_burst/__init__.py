@@ -1,7 +1,10 @@
 """megatron-burst: context-parallel BurstAttention and memory optimizations for Megatron-Core.
 
 Public API (functional, usable without Megatron):
-  layout_indices, shard, unshard          -- sequence layouts (contiguous, zigzag, striped)
+  layout_indices, shard, unshard          -- sequence layouts (contiguous, zigzag, striped; balanced,
+                                             placed by the documents: cu_seqlens or a plan)
+  balanced_documents                      -- a batch's documents with its balanced placement, planned
+                                             once (pass to cp_attention(layout="balanced", cu_seqlens=))
   cp_attention                            -- context-parallel attention (ring, burst, auto, allgather,
                                              ulysses, usp)
   linear_attention                        -- context-parallel (decayed) linear attention (LASP-2, LASP-1)
@@ -15,7 +18,9 @@ Public API (functional, usable without Megatron):
   fused_linear_cross_entropy               -- LM head + vocab-parallel CE without N x V logits
 Megatron integration: megatron_burst.specs, megatron_burst.add_args, get_batch_on_this_cp_rank.
 """
-from megatron_burst.layout import LAYOUTS, layout_indices, shard, unshard
+from megatron_burst.layout import ENGINE_LAYOUTS, LAYOUTS, layout_indices, shard, unshard
+from megatron_burst.documents import balanced_documents
+from megatron_burst.dispatch import DispatchPlan, plan_dispatch
 from megatron_burst.comm import comm_counter
 from megatron_burst.algorithms import CP_ALGOS, cp_attention
 from megatron_burst.topology import build_cp_topology, build_usp_topology
@@ -39,7 +44,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'megatron_burst' has no attribute {name!r}")
 
 
-__all__ = ["LAYOUTS", "CP_ALGOS", "layout_indices", "shard", "unshard", "cp_attention", "linear_attention",
+__all__ = ["LAYOUTS", "ENGINE_LAYOUTS", "balanced_documents", "DispatchPlan", "plan_dispatch", "CP_ALGOS", "layout_indices", "shard", "unshard", "cp_attention", "linear_attention",
            "gated_delta_rule", "build_cp_topology", "build_usp_topology", "comm_counter", "VerticalSlash",
            "sparse_cp_attention",
            "add_args", "get_batch_on_this_cp_rank", "fused_linear_cross_entropy"]

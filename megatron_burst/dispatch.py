@@ -64,8 +64,8 @@ the cosets carry equal work, and balanced in total when the ranks' sums are.
 
 Everything is deterministic (ties broken by index) and uses only ``cu_seqlens``. The output
 is a permutation of [0, S): per rank an increasing index list of S / W tokens, the form
-:mod:`megatron_burst.layout` layouts take (``layout="balanced"`` is a later step; see
-:meth:`DispatchPlan.indices`).
+:mod:`megatron_burst.layout` layouts take: ``layout="balanced"`` (see :meth:`DispatchPlan.indices`
+and :func:`megatron_burst.documents.balanced_documents`).
 
 Cost: pure Python/numpy, O(documents log documents + W) per attempt plus a few largest-first
 simulations; 1M tokens, 1000 lognormal documents, W = 64: about 5-9 ms on one (shared) CPU core
@@ -75,12 +75,14 @@ when the first attempt succeeds (the issue asks for 5 ms), and the per-rank inde
 Measured with :func:`megatron_burst.documents.imbalance` and ``python -m megatron_burst.bench
 documents`` (tests/test_dispatch.py: the issue's mixes at W = 8 and 32 reach <= 1.02 / 1.08).
 
-Engine integration (later): the layout comes from the data, as THD's does (``Documents.partition``):
-every rank plans the batch, slices it (and RoPE's position ids: the global positions) with
-:meth:`DispatchPlan.indices`, and ``documents.rank_positions`` returns the plan's lists, which
-``document_blocks`` already turns into rectangles. Ring and burst should then send a block only where
-``work`` says a rank needs it (the same table on every rank, so NCCL batches still match), straight
-to the rank that needs it rather than hop by hop; a plan is hashable (``work`` is left out).
+Engine integration: ``cp_attention(layout="balanced", cu_seqlens=...)``. The layout comes from the
+data, as THD's does (``Documents.partition`` holds the plan): every rank plans the batch
+(:func:`megatron_burst.documents.balanced_documents`, once per batch), slices it (and RoPE's position
+ids: the global positions) with :meth:`DispatchPlan.indices`, and ``documents.rank_positions`` returns
+the plan's lists, which ``document_blocks`` turns into rectangles. Today K,V travel the full ring
+(exact, every block on every rank); sending a block only where ``work`` says a rank needs it
+(the same table on every rank, so NCCL batches still match) is the traffic schedule's part. A plan
+is hashable (``work`` is left out; the hash is computed once per plan).
 """
 from __future__ import annotations
 
@@ -119,6 +121,17 @@ class DispatchPlan:
     causal: bool = True
     attempt: int = 0
     work: np.ndarray = field(default=None, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        # Plans key per-layer caches (documents.rank_positions, layout_document_blocks): hashing the
+        # ``runs`` tuple (O(documents)) on every lookup would cost each layer a pass over it. The plan
+        # is frozen, so its hash is computed once, from the same fields equality compares.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.seq_len, self.world_size, self.bounds, self.runs, self.levels, self.group_size,
+                           self.causal, self.attempt))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
     @property
     def local_len(self) -> int:

@@ -30,6 +30,10 @@ is cut into 2W chunks and rank r holds chunks r and 2W-1-r of each (zigzag per s
 [cu_padded[i], cu_padded[i] + len_i) plus, where padded, the padding tail as a document of its own
 (nothing real sees padding). The engine is unchanged: positions come from ``Documents.partition``.
 
+The ``"balanced"`` layout is derived from the data too: ``Documents.partition`` holds a
+:class:`~megatron_burst.dispatch.DispatchPlan` (:func:`balanced_documents`, once per batch) and
+:func:`rank_positions` returns its per-rank index lists. The rest is the same document rectangles.
+
 This works on any two increasing position vectors, so an algorithm that gathers K,V
 (all-gather: keys in global order) or heads (Ulysses: each source rank's chunk in turn) calls
 :func:`document_blocks` with the positions it holds and hands the rectangles to the same kernels.
@@ -42,10 +46,14 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from megatron_burst.layout import BlockMask, block_mask, layout_indices, thd_indices
+from megatron_burst.dispatch import DispatchPlan
+from megatron_burst.layout import (BALANCED, BlockMask, balanced_plan, block_mask, layout_indices, plan_rows,
+                                   thd_indices)
 
 CuSeqlens = Union[torch.Tensor, Sequence[int], Sequence[torch.Tensor]]
 THD = "thd"  # the packed-sequence layout: zigzag per sequence (TransformerEngine's THD partitioning)
+# Where a data-derived layout's tokens live: THD's padded sequence boundaries, or a balanced plan.
+Partition = Union[tuple[int, ...], DispatchPlan]
 
 
 @dataclass(frozen=True)
@@ -55,12 +63,27 @@ class Documents:
     ``groups``: ((first sample, end sample, boundaries), ...) -- one group when every sample of
     the batch shares the boundaries, else one per run of samples with equal boundaries.
     ``boundaries`` are the cu_seqlens as a tuple of Python ints [0, ..., seq_len].
-    ``partition``: layout "thd" only, the padded sequence boundaries that place tokens on ranks.
+    ``partition``: the placement of a layout derived from data, None for the fixed layouts:
+    layout "thd": the padded sequence boundaries (a tuple of ints); layout "balanced": the
+    :class:`~megatron_burst.dispatch.DispatchPlan` (see :func:`balanced_documents`).
     """
 
     seq_len: int
     groups: tuple[tuple[int, int, tuple[int, ...]], ...]
-    partition: Optional[tuple[int, ...]] = None
+    partition: Optional[Partition] = None
+
+    @property
+    def layout(self) -> Optional[str]:
+        """The data-derived layout these documents place tokens for ("thd", "balanced"), or None."""
+        if self.partition is None:
+            return None
+        return BALANCED if isinstance(self.partition, DispatchPlan) else THD
+
+    @property
+    def plan(self) -> Optional[DispatchPlan]:
+        """The balanced layout's plan (``plan.indices(rank)``: the rank's global token positions, to
+        slice the batch and RoPE positions with), or None for other layouts."""
+        return self.partition if isinstance(self.partition, DispatchPlan) else None
 
 
 def _as_bounds(cu: object, seq_len: int, what: str) -> tuple[int, ...]:
@@ -115,6 +138,28 @@ def check_cu_seqlens(cu_seqlens: CuSeqlens, seq_len: int, batch: int) -> Documen
         else:
             groups.append((i, i + 1, bounds))
     return Documents(seq_len, tuple(groups))
+
+
+def balanced_documents(cu_seqlens: CuSeqlens, seq_len: int, batch: int, world_size: int, *,
+                       causal: bool = True) -> Documents:
+    """Validated documents of a ``layout="balanced"`` batch, with its placement planned once.
+
+    ``cu_seqlens``: as :func:`check_cu_seqlens` takes it ([0, ..., seq_len], or one per sample of
+    the ``batch``); ``seq_len`` the global length S (divisible by ``world_size``). The returned
+    :class:`Documents` carries the :class:`~megatron_burst.dispatch.DispatchPlan` in ``partition``
+    (also ``.plan``): slice the batch [S, ...] -> [S/W, ...] with ``plan.indices(rank)`` (or
+    :func:`megatron_burst.layout.shard` with ``plan=``) and pass the Documents to every layer's
+    ``cp_attention(..., layout="balanced", cu_seqlens=documents)``: nothing is re-planned or read
+    back per layer. Per-sample boundaries are planned on their union
+    (:func:`megatron_burst.layout.balanced_plan`): exact for every sample. ``causal`` only steers
+    the balance; cp_attention given raw cu_seqlens plans with the default (causal=True), so the
+    same default here gives the same placement. Local work only (no collective): every rank
+    computes the same plan.
+    """
+    documents = check_cu_seqlens(cu_seqlens, seq_len, batch)
+    bounds = [g[2] for g in documents.groups]
+    plan = balanced_plan(bounds if len(bounds) > 1 else bounds[0], seq_len, world_size, causal)
+    return Documents(seq_len, documents.groups, plan)
 
 
 def check_thd(cu_seqlens: CuSeqlens, cu_seqlens_padded: Optional[CuSeqlens], local_len: int, world_size: int,
@@ -233,17 +278,26 @@ def _per_document_blocks(q_pos: torch.Tensor, kv_pos: torch.Tensor, bounds: Sequ
 
 
 def rank_positions(layout: str, rank: int, world_size: int, local_len: int, stripe: int = 1,
-                   partition: Optional[tuple[int, ...]] = None) -> torch.Tensor:
-    """Global positions of ``rank``'s tokens: the layout's, or THD's from the padded boundaries."""
+                   partition: Optional[Partition] = None) -> torch.Tensor:
+    """Global positions of ``rank``'s tokens (LongTensor [local_len], increasing, CPU; read-only for
+    balanced): the layout's, THD's from the padded boundaries, or the balanced plan's (cached per plan)."""
     if layout == THD:
         return thd_indices(partition, rank, world_size)
+    if layout == BALANCED:
+        if not isinstance(partition, DispatchPlan):
+            raise ValueError("layout 'balanced' needs its plan: build the documents with "
+                             "megatron_burst.documents.balanced_documents (cp_attention does, given cu_seqlens)")
+        if (partition.seq_len, partition.world_size) != (local_len * world_size, world_size):
+            raise ValueError(f"the balanced plan places {partition.seq_len} tokens on {partition.world_size} ranks, "
+                             f"not {local_len * world_size} on {world_size}")
+        return plan_rows(partition)[rank]
     return layout_indices(local_len * world_size, rank, world_size, layout, stripe)
 
 
 @functools.lru_cache(maxsize=1024)
 def layout_document_blocks(bounds: tuple[int, ...], layout: str, q_rank: int, kv_rank: int, world_size: int,
                            local_len: int, causal: bool, stripe: int = 1,
-                           partition: Optional[tuple[int, ...]] = None,
+                           partition: Optional[Partition] = None,
                            merge_rows: int = MERGE_ROWS) -> tuple[BlockMask, ...]:
     """:func:`document_blocks` for the (q_rank, kv_rank) block pair of ``layout`` (cached)."""
     q_pos = rank_positions(layout, q_rank, world_size, local_len, stripe, partition)
@@ -327,7 +381,7 @@ def window_blocks(masks: Sequence[BlockMask], q_pos: torch.Tensor, kv_pos: torch
 
 @functools.lru_cache(maxsize=4096)
 def _windowed_blocks(bounds: Optional[tuple[int, ...]], layout: str, q_rank: int, kv_rank: int, world_size: int,
-                     local_len: int, causal: bool, stripe: int, partition: Optional[tuple[int, ...]],
+                     local_len: int, causal: bool, stripe: int, partition: Optional[Partition],
                      window: Window) -> tuple[BlockMask, ...]:
     """The rectangles of a block pair under documents ``bounds`` (None: the layout's one mask) and
     ``window`` (cached: the same pairs come back every step and layer)."""

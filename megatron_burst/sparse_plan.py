@@ -846,7 +846,8 @@ def pattern_blocks(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: in
     planning. Cached on the pattern with the plans, for the PLAN_MASKS most recent masks.
     """
     if documents is not None and documents.partition is not None:
-        raise ValueError("sparse patterns do not run on packed THD batches (layout 'thd')")
+        raise ValueError(f"sparse patterns do not run on layout {documents.layout!r} (placed by documents): use "
+                         "layout 'zigzag', 'contiguous' or 'striped'")
     cache = _mask_cache(pattern, documents, window)
     key = (layout, q_rank, kv_rank, world_size, local_len, stripe, q_rows)
     if key not in cache["blocks"]:

@@ -27,13 +27,14 @@ import torch.distributed as dist
 
 from megatron_burst.algorithms import allgather, burst, ring, ulysses
 from megatron_burst.algorithms.schedule import CPConfig
-from megatron_burst.documents import THD, CuSeqlens, Documents, check_cu_seqlens, check_thd, check_window
+from megatron_burst.documents import (THD, CuSeqlens, Documents, balanced_documents, check_cu_seqlens, check_thd,
+                                      check_window)
 from megatron_burst import dynamic_pattern
 from megatron_burst.dynamic_pattern import Dynamic
 from megatron_burst.kernels import block_backward, block_forward, reads_output, row_dot
 from megatron_burst.kernels.choice import KernelPolicy, agree, choose
 from megatron_burst.layout import BlockMask
-from megatron_burst.layout import check_layout, check_local_len
+from megatron_burst.layout import BALANCED, check_layout, check_local_len
 from megatron_burst.sparse_plan import VerticalSlash
 from megatron_burst.topology import (RING_SHAPES, CPTopology, USPTopology, check_ulysses_size,
                                      registered_usp_topology, single_node_topology)
@@ -305,6 +306,9 @@ def check_pattern_call(pattern: object, *, algo: str, layout: str, qkv_format: s
     if layout == THD or qkv_format == "thd":
         raise ValueError("a sparse pattern does not run on packed THD batches (layout/qkv_format 'thd'): pass the "
                          "documents as cu_seqlens with layout 'contiguous', 'zigzag' or 'striped'")
+    if layout == BALANCED:  # sparse plans are built from the fixed layouts' positions (sparse_plan)
+        raise ValueError("a sparse pattern does not run on layout 'balanced' (placed by documents): use layout "
+                         "'zigzag', 'contiguous' or 'striped' with the documents as cu_seqlens")
     return pattern
 
 
@@ -351,6 +355,11 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
     if layout == THD and cu_seqlens is None:
         raise ValueError("layout='thd' places tokens by their packed sequences: pass cu_seqlens (and "
                          "cu_seqlens_padded when sequences are padded)")
+    if layout == BALANCED and cu_seqlens is None:
+        raise ValueError("layout='balanced' places tokens by the batch's documents: pass cu_seqlens=[0, ..., S] "
+                         "(global boundaries, the same on every rank), or the Documents of "
+                         "megatron_burst.documents.balanced_documents(cu_seqlens, S, batch, CP size) built once per "
+                         "batch; each rank's tokens are plan.indices(rank) of the full sequence")
     if cu_seqlens_padded is not None and layout != THD:
         raise ValueError(f"cu_seqlens_padded describes THD partitioning: use layout='thd', not {layout!r}")
     if isinstance(group, USPTopology):
@@ -373,13 +382,24 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
     documents: Optional[Documents] = None
     if isinstance(cu_seqlens, Documents):  # validated once per batch by the caller (no host read per layer)
         documents = cu_seqlens
-        if documents.seq_len != n * world_size or (documents.partition is not None) != (layout == THD):
-            raise ValueError(f"documents for {documents.seq_len} tokens (THD: {documents.partition is not None}) "
-                             f"do not fit this call: {n} local tokens x {world_size} ranks, layout {layout!r}")
+        wanted = layout if layout in (THD, BALANCED) else None  # the data-derived layouts carry a partition
+        if documents.layout != wanted:
+            how = {THD: "megatron_burst.documents.check_thd", BALANCED: "megatron_burst.documents.balanced_documents",
+                   None: "megatron_burst.documents.check_cu_seqlens"}[wanted]
+            raise ValueError(f"documents placed for layout {documents.layout or 'any fixed layout'!r} do not fit "
+                             f"layout {layout!r}: build them with {how}")
+        if documents.seq_len != n * world_size:
+            raise ValueError(f"documents for {documents.seq_len} tokens do not fit this call: {n} local tokens x "
+                             f"{world_size} ranks")
+        if documents.plan is not None and documents.plan.world_size != world_size:
+            raise ValueError(f"the balanced plan of these documents is for {documents.plan.world_size} ranks, the CP "
+                             f"group has {world_size}: build them with balanced_documents(..., world_size={world_size})")
         if any(end > b for _, end, _ in documents.groups):
             raise ValueError(f"documents describe {documents.groups[-1][1]} samples, the batch has {b}")
     elif layout == THD:
         documents = check_thd(cu_seqlens, cu_seqlens_padded, n, world_size, b)
+    elif layout == BALANCED:  # planned with the default causal=True, as layout_indices(cu_seqlens=...) does
+        documents = balanced_documents(cu_seqlens, n * world_size, b, world_size)
     elif cu_seqlens is not None:
         documents = check_cu_seqlens(cu_seqlens, n * world_size, b)
     if isinstance(pattern, Dynamic):
@@ -447,7 +467,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """Context-parallel softmax attention over the ranks of ``group``.
 
     q [s, b, hq, d], k/v [s, b, hkv, d] (``qkv_format="sbhd"``, Megatron's; or [b, s, h, d] for
-    "bshd") hold this rank's s local tokens in ``layout``'s order (see megatron_burst.layout).
+    "bshd") hold this rank's s local tokens in ``layout``'s order (see megatron_burst.layout; one of
+    ``ENGINE_LAYOUTS`` or "thd").
     Returns this rank's output, same shape and dtype as q, contiguous (so Megatron's reshape to
     [s, b, hq*d] is a view). Differentiable; gradients are exact.
     ``group`` None means the default process group (or a single process if none is initialized);
@@ -467,6 +488,15 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     ``layout="thd"`` with ``cu_seqlens`` (real sequence boundaries) and ``cu_seqlens_padded``
     (padded ones, each a multiple of 2 x CP size; None: unpadded): rank r holds chunks r and 2W-1-r
     of every sequence. ``qkv_format="thd"`` takes and returns [t, h, d] tensors.
+    ``layout="balanced"``: tokens placed by the documents (megatron_burst.dispatch.plan_dispatch: long
+    documents split over groups of ranks, short ones whole on one rank, S / W tokens per rank, S
+    divisible by W). Needs ``cu_seqlens``: raw boundaries (planned on their union when per sample,
+    cached per boundaries), or better the :class:`~megatron_burst.documents.Documents` of
+    :func:`~megatron_burst.documents.balanced_documents` built once per batch; this rank's q, k, v
+    are then the full sequence's rows ``documents.plan.indices(rank)`` (increasing global order;
+    ``megatron_burst.shard(..., "balanced", plan=...)``). Every algorithm, ring shape, window and
+    per-sample boundaries run it exactly; K,V travel the full ring (every block, as in the other
+    layouts). Not with ``pattern`` (refused).
     ``window=(left, right)``: sliding-window attention with Megatron's ``window_size`` meaning
     (-1 = unbounded): query i sees keys i-left ... i+right (i-left ... i when causal; causal
     sliding-window attention is (left, 0)), intersected with documents if given. Block pairs

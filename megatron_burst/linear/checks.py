@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_burst.layout import check_layout, check_local_len
+from megatron_burst.layout import LAYOUTS, check_layout, check_local_len
 from megatron_burst.linear.chunked import CHUNK
 
 MIN_STRIPE = CHUNK  # block-striped segments shorter than a chunk would make the state exchange dominate
@@ -29,6 +29,10 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: 
     """Raise ValueError unless q, k [s, b, h, dk] and v [s, b, h, dv] (or bshd) fit ``layout`` on
     ``world_size`` ranks. Returns (s, b, h, dk). Local checks only."""
     check_layout(layout, stripe)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not supported by linear attention (a state is carried through the "
+                         f"sequence's segments in order; 'balanced' places documents anywhere): choose one of "
+                         f"{', '.join(LAYOUTS)}")
     if layout == "striped" and stripe < MIN_STRIPE:
         raise ValueError(f"layout='striped' with stripe={stripe}: linear attention needs stripes of at least "
                          f"{MIN_STRIPE} tokens (a state is exchanged per stripe); use layout='zigzag' (balanced "

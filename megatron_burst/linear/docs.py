@@ -68,6 +68,10 @@ def check_documents(cu_seqlens: "CuSeqlens | Documents", seq_len: int, batch: in
     if not isinstance(cu_seqlens, Documents):
         return check_cu_seqlens(cu_seqlens, seq_len, batch)
     docs = cu_seqlens
+    if docs.plan is not None:
+        raise ValueError("layout 'balanced' (tokens placed by megatron_burst.dispatch.plan_dispatch) is not supported by "
+                         "the linear-attention layers: they carry a state through the sequence's segments in order; "
+                         "use --cp-layout zigzag, contiguous or striped with the documents as cu_seqlens")
     if docs.partition is not None:
         raise ValueError("packed THD batches (layout 'thd', TransformerEngine's per-sequence zigzag) are not supported "
                          "by the linear-attention layers: train with [b, s] batches, whose documents "
