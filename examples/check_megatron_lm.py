@@ -213,7 +213,7 @@ def _rank(extra: list[str], patched: bool, step: bool) -> dict:
         grad = p.grad.detach().float().clone()
         dist.all_reduce(grad)  # CP ranks hold partial gradients of the same weights
         grads[name] = grad.numpy()
-    from megatron_burst.checkpoint import stores_of
+    from megatron_burst.activation_store import stores_of
 
     out.update(loss=(totals[0] / totals[1]).item(), grads=grads, hits=sum(c.hits for _, c in stores_of(model)))
     return out

@@ -34,7 +34,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-from megatron_burst.checkpoint import SelectiveAttentionCache, selective_cp_attention
+from megatron_burst.activation_store import SelectiveAttentionCache, selective_cp_attention
 from megatron_burst.algorithms import prepare
 from megatron_burst.documents import THD, check_window
 from megatron_burst.megatron.comm_types import PER_LAYER, STOCK_ATTENTION

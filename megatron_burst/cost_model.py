@@ -1,6 +1,6 @@
 """Communication/compute cost model for CP attention, and the planner CLI.
 
-    python -m megatron_burst.plan --nodes 4 --gpus-per-node 8 --intra-gbps 3200 --inter-gbps 200 \
+    python -m megatron_burst.cost_model --nodes 4 --gpus-per-node 8 --intra-gbps 3200 --inter-gbps 200 \
         --seq 1M --heads 40 --kv-heads 40 --head-dim 128 --layers 40
 
 Two levels:
@@ -27,6 +27,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from typing import Optional, Sequence
+
+__all__ = ["Cluster", "AttnShape", "table1", "hop_bytes", "pass_time", "attention_flops", "predict", "choose_backward",
+           "a2a_time", "ulysses_sizes", "predict_family", "family_key", "choose_algorithm", "rank_key", "recommend",
+           "main", "ALGO_VARIANTS", "FAMILY", "DEFAULT_INTRA_GBPS", "DEFAULT_INTER_GBPS", "DEFAULT_INTRA_LAT_US",
+           "DEFAULT_INTER_LAT_US"]
 
 ALGO_VARIANTS = {
     # name: (backward scheme, ring shape)
@@ -280,7 +285,7 @@ def _parse_count(text: str) -> int:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m megatron_burst.plan", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m megatron_burst.cost_model", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, required=True)

@@ -1,4 +1,7 @@
-"""Sequence-level selective checkpointing (BurstEngine §3.2).
+"""The activation store of sequence-level selective checkpointing (BurstEngine §3.2).
+
+Activations kept between a checkpointed forward and its recompute, not model checkpoints (those
+are :mod:`megatron_burst.train.checkpointing`).
 
 Under causal masking, a query's attention cost grows with its position: the later half of a
 sequence costs 3/4 of the attention FLOPs. With activation recompute on, core attention therefore
@@ -59,6 +62,9 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from megatron_burst.algorithms import Prepared, prepare, to_bhsd
+
+__all__ = ["SelectiveAttentionCache", "selective_cp_attention", "end_iteration", "release_before_optimizer_steps",
+           "stores_of", "fingerprint", "host_key", "recomputed_rows", "HostKey", "DEFAULT_MEMORY_FRACTION"]
 
 # By default all stores of a process together hold at most this fraction of the device's memory.
 DEFAULT_MEMORY_FRACTION = 0.25
@@ -145,7 +151,7 @@ class SelectiveAttentionCache:
             self._warn_once("full", f"{self.name} holds {self._nbytes} bytes; another {entry.nbytes} would pass "
                             f"its cap of {cap} bytes, so this micro-batch's recompute will compute every row. "
                             "Raise the cap (SelectiveAttentionCache(max_bytes=...)) or check that every first "
-                            "forward that stores is recomputed (megatron_burst.checkpoint.end_iteration(model) "
+                            "forward that stores is recomputed (megatron_burst.activation_store.end_iteration(model) "
                             "drops the ones that are not).")
             self._entries.append(_Entry(key, rows))
             return
@@ -167,7 +173,7 @@ class SelectiveAttentionCache:
                             "head whose inputs' shapes or call options differ from this recompute's: their "
                             "first forwards were never recomputed (a training forward without backward?). "
                             "Pass store=False to selective_cp_attention for forwards that will not be "
-                            "recomputed, and call megatron_burst.checkpoint.end_iteration(model) after each "
+                            "recomputed, and call megatron_burst.activation_store.end_iteration(model) after each "
                             "iteration's last backward.")
         if not self._entries:
             self.misses += 1
@@ -255,7 +261,7 @@ def _release(named_stores: list[tuple[str, SelectiveAttentionCache]]) -> int:
             "the last release), so this iteration's gradients are wrong; if this runs before the optimizer "
             "step they have not been applied. Every first forward that stores must be recomputed, in order, "
             "before the next release: pass store=False to selective_cp_attention for forwards that will not "
-            "be recomputed (eval, a forward without backward), call megatron_burst.checkpoint.end_iteration("
+            "be recomputed (eval, a forward without backward), call megatron_burst.activation_store.end_iteration("
             "model) after each iteration's last backward, and keep the recompute deterministic (bitwise the "
             "same q, k, v as the first forward).")
     return left
