@@ -86,7 +86,7 @@ def link_split(algo, ranks_per_node):
 
 def selective_fallback(algo="ulysses"):
     """selective_cp_attention with an algorithm that computes every row: a plain call, nothing stored."""
-    from megatron_burst.checkpoint import SelectiveAttentionCache, selective_cp_attention
+    from megatron_burst.activation_store import SelectiveAttentionCache, selective_cp_attention
     from attention_cases import full_inputs
 
     W, r = dist.get_world_size(), dist.get_rank()

@@ -203,7 +203,7 @@ def selective_checkpoint_with_documents(algo: str = "burst", layout: str = "stri
     """Sequence-level selective checkpointing with documents: the first (no-grad) forward stores the
     later rows, the recompute computes the earlier ones (only the K,V prefix they can see travels),
     and forward and gradients still equal the dense reference."""
-    from megatron_burst.checkpoint import SelectiveAttentionCache, selective_cp_attention
+    from megatron_burst.activation_store import SelectiveAttentionCache, selective_cp_attention
 
     W, r = dist.get_world_size(), dist.get_rank()
     local_len, b, d = 8, 2, 8

@@ -65,7 +65,7 @@ def collectives_schedule():
 def selective_recompute_schedule(ring: str, ranks_per_node: int, algo: str = "burst"):
     """Sequence-level selective checkpointing's passes: the first (no-grad) forward, the recompute
     (only the K,V prefix the early rows see travels) and the backward, recorded and replayed."""
-    from megatron_burst.checkpoint import SelectiveAttentionCache, selective_cp_attention
+    from megatron_burst.activation_store import SelectiveAttentionCache, selective_cp_attention
     from attention_cases import full_inputs
 
     W, r = dist.get_world_size(), dist.get_rank()

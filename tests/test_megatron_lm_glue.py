@@ -328,8 +328,8 @@ def _megatron_lm_flags(**attrs):
      ["--experimental-attention-variant gated_delta_net", "--linear-attention-type gated_delta_net"]),
     ({"hierarchical_context_parallel_sizes": [2, 2]},
      ["--hierarchical-context-parallel-sizes 2 2", "must multiply to --context-parallel-size 2"]),
-    ({"reset_attention_mask": True, "sparse_attention": "vertical_slash", "sparse_last_q": 8},
-     ["--sparse-attention", "--reset-attention-mask"]),
+    ({"reset_attention_mask": True, "sparse_attention": "vertical_slash", "sparse_last_q": 8, "cp_algo": "allgather"},
+     ["--sparse-attention", "--cp-algo allgather (use ring or burst)"]),
     ({"linear_attention_type": "gated_delta_net", "cp_comm_type": "a2a"}, ["layer 1 (gated_delta_net)", "a2a"]),
     ({"linear_attention_type": "gated_delta_net", "linear_attention_freq": 2,
       "cp_comm_type": ["p2p", "a2a", "a2a", "p2p"]},
@@ -345,15 +345,21 @@ def test_trial_combinations_are_refused_at_startup(attrs, needles):
         assert needle in str(err.value), str(err.value)
 
 
-def test_sparse_with_a_window_under_burst_names_the_window_only():
-    """Used to say "drop --window-size (use --cp-algo ring or burst)" with burst already chosen."""
+def test_sparse_with_a_window_and_documents_passes_check_args():
+    """--sparse-attention with --window-size and --reset-attention-mask documents used to be refused
+    ("drop --window-size 8,0"; "drop --reset-attention-mask"): the engine intersects the pattern
+    with both, so check_args accepts them and keeps the pattern. What sparse attention cannot run
+    on is still named, without "use ring or burst" when burst is already chosen."""
     from megatron_burst.megatron import megatron_lm
 
-    args = _megatron_lm_flags(sparse_attention="vertical_slash", sparse_last_q=8, window_size=(8, 0), cp_algo="burst")
+    args = _megatron_lm_flags(sparse_attention="vertical_slash", sparse_last_q=8, window_size=(8, 0), cp_algo="burst",
+                              reset_attention_mask=True)
+    assert megatron_lm.check_args(args).sparse == (0.9, 0.9, 8)
+    args.attention_dropout = 0.1
     with pytest.raises(ValueError) as err:
         megatron_lm.check_args(args)
-    assert "--window-size 8,0" in str(err.value) and "ring or burst)" not in str(err.value), str(err.value)
-    args.window_size, args.cp_algo = None, "allgather"
+    assert "--attention-dropout 0.1 (pass 0)" in str(err.value) and "ring or burst)" not in str(err.value)
+    args.attention_dropout, args.cp_algo = 0.0, "allgather"
     with pytest.raises(ValueError, match=r"--cp-algo allgather \(use ring or burst\)"):
         megatron_lm.check_args(args)
 

@@ -29,7 +29,7 @@ def gpt_step_with_detours(layout: str) -> dict:
 
     import megatron_burst
     from megatron_burst import train
-    from megatron_burst.checkpoint import end_iteration, stores_of
+    from megatron_burst.activation_store import end_iteration, stores_of
 
     args = small_args(["--context-parallel-size", "2", "--cp-layout", layout, "--recompute-granularity", "full",
                        "--seq-selective-ckpt-ratio", "0.5"])

@@ -274,10 +274,9 @@ def test_odd_sequence_length_trains_at_cp1(tmp_path):
 @pytest.mark.parametrize("extra,needles", [
     (["--hierarchical-context-parallel-sizes", "2", "2"],
      ["--hierarchical-context-parallel-sizes 2 2 multiply to 4", "must multiply to --context-parallel-size 2"]),
-    (["--reset-attention-mask", "--sparse-attention", "vertical_slash", "--sparse-last-q", "8"],
-     ["--sparse-attention", "--reset-attention-mask"]),
-    (["--sparse-attention", "vertical_slash", "--sparse-last-q", "8", "--window-size", "8,0", "--cp-algo", "burst"],
-     ["--window-size 8,0"]),
+    (["--reset-attention-mask", "--window-size", "8,0", "--sparse-attention", "vertical_slash", "--sparse-last-q",
+      "8", "--cp-algo", "burst", "--seq-selective-ckpt-ratio", "0.5", "--recompute-granularity", "full"],
+     ["--sparse-attention", "drop --seq-selective-ckpt-ratio 0.5"]),
     (["--linear-attention-type", "gated_delta_net", "--cp-comm-type", "a2a"], ["(gated_delta_net)", "a2a"]),
 ])
 def test_trial_combinations_are_refused_before_training(tmp_path, extra, needles):

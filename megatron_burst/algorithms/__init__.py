@@ -8,7 +8,7 @@
 * ``ulysses``: all-to-all to head sharding, local attention, all-to-all back (ulysses.py).
 * ``usp``: Ulysses inside groups of ``ulysses_size`` ranks, the ring (``ring_backward``: ring,
   burst or auto; flat or double) across the groups.
-* ``auto``: per call shape, dtype and topology, the algorithm the cost model (megatron_burst.plan)
+* ``auto``: per call shape, dtype and topology, the algorithm the cost model (megatron_burst.cost_model)
   predicts fastest. When the ring family wins, the backward is the one sending fewer bytes: for
   multi-head attention burst; with GQA at hq/hkv >= 2 ring (in bf16 already from hq/hkv > 1.5).
 
@@ -52,14 +52,14 @@ _BACKWARD_BYTES = {"ring": ring.backward_bytes, "burst": burst.backward_bytes,
 
 def resolve_algo(algo: str, b: int, hq: int, hkv: int, n: int, d: int, elem: int, world_size: int,
                  nodes: int = 1, ring: str = "flat", causal: bool = True) -> str:
-    """``auto`` -> the backward scheme the cost model (megatron_burst.plan) predicts faster on this
+    """``auto`` -> the backward scheme the cost model (megatron_burst.cost_model) predicts faster on this
     topology and ring; with equal hop counts for both schemes that is the one sending fewer bytes."""
     if algo != "auto":
         return algo
     if world_size == 1:
         return "burst"
-    # imported here so that `python -m megatron_burst.plan` does not find itself pre-imported
-    from megatron_burst.plan import AttnShape, Cluster, choose_backward
+    # imported here so that `python -m megatron_burst.cost_model` does not find itself pre-imported
+    from megatron_burst.cost_model import AttnShape, Cluster, choose_backward
 
     cluster = Cluster(nodes=nodes, gpus_per_node=world_size // nodes)
     shape = AttnShape(seq=n * world_size, heads=hq, kv_heads=hkv, head_dim=d, batch=b, elem=elem, causal=causal)
@@ -70,11 +70,11 @@ def choose_algo(b: int, hq: int, hkv: int, n: int, d: int, elem: int, world_size
                 ring: str = "flat", causal: bool = True, usp_sizes: tuple[int, ...] = (),
                 algos: tuple[str, ...] = ("ring", "burst", "allgather", "ulysses", "usp")) -> tuple[str, Optional[int]]:
     """``algo="auto"`` -> (algorithm, Ulysses size or None) the cost model predicts fastest for this
-    shape and topology (megatron_burst.plan.choose_algorithm). usp is considered only for the sizes
+    shape and topology (megatron_burst.cost_model.choose_algorithm). usp is considered only for the sizes
     in ``usp_sizes`` (those whose 2-D process groups were built); ties go to the ring family."""
     if world_size == 1:
         return "burst", None
-    from megatron_burst.plan import AttnShape, Cluster, choose_algorithm
+    from megatron_burst.cost_model import AttnShape, Cluster, choose_algorithm
 
     cluster = Cluster(nodes=nodes, gpus_per_node=world_size // nodes)
     shape = AttnShape(seq=n * world_size, heads=hq, kv_heads=hkv, head_dim=d, batch=b, elem=elem, causal=causal)

@@ -34,7 +34,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-from megatron_burst.checkpoint import SelectiveAttentionCache, selective_cp_attention
+from megatron_burst.activation_store import SelectiveAttentionCache, selective_cp_attention
 from megatron_burst.algorithms import prepare
 from megatron_burst.documents import THD, check_window
 from megatron_burst.megatron.comm_types import PER_LAYER, STOCK_ATTENTION
@@ -241,7 +241,9 @@ class CPCoreAttention(FollowsModelLayout, MegatronModule):
         if self.window is not None and self.dropout_p > 0:
             raise ValueError(f"window_size={config.window_size} with attention dropout {self.dropout_p}: the dropout "
                              "path (CP=1) has no sliding window; set --attention-dropout 0")
-        # MTraining's dynamic vertical-slash pattern (--sparse-attention vertical_slash): (p_v, p_s, last_q)
+        # MTraining's dynamic vertical-slash pattern (--sparse-attention vertical_slash): (p_v, p_s, last_q).
+        # The engine intersects it with this layer's window and the batch's documents (cu_seqlens);
+        # what it cannot run with a pattern is refused here, before any collective.
         self.sparse = None
         if cp_sparse is not None:
             from megatron_burst.dynamic_pattern import Dynamic
@@ -249,12 +251,12 @@ class CPCoreAttention(FollowsModelLayout, MegatronModule):
             self.sparse = Dynamic(*cp_sparse)
             self.sparse.check(self.sparse.last_q)
             clash = [name for name, bad in (
-                (f"--window-size {','.join(str(x) for x in self.window or ())} (layer {self.layer_number})",
-                 self.window is not None),
                 (f"--seq-selective-ckpt-ratio {self.options.selective_ckpt_ratio}",
                  self.options.selective_ckpt_ratio is not None),
                 (f"--cp-algo {self.options.algo} (use ring or burst)", self.options.algo not in ("ring", "burst")),
-                (f"--attention-dropout {self.dropout_p} (pass 0)", self.dropout_p > 0)) if bad]
+                (f"--attention-dropout {self.dropout_p} (pass 0)", self.dropout_p > 0),
+                (f"attn_mask_type={attn_mask_type.name} (the pattern is causal: use a causal layer spec)",
+                 not self.causal)) if bad]
             if clash:
                 raise ValueError(f"--sparse-attention vertical_slash runs on the ring/burst schedules alone: drop "
                                  f"{'; '.join(clash)}")
@@ -353,17 +355,12 @@ class CPCoreAttention(FollowsModelLayout, MegatronModule):
             if packed:
                 layout, fmt = THD, "thd"
         s, b = query.shape[0], (1 if fmt == "thd" else query.shape[1])
-        if self.sparse is not None:
-            if documents is not None or fmt != "sbhd":
-                raise ValueError("--sparse-attention with documents (packed_seq_params) is not supported: drop "
-                                 "--reset-attention-mask / packed sequences, or the sparse attention")
-            from megatron_burst.sparse import sparse_cp_attention
-
-            out = sparse_cp_attention(query, key, value, self.sparse, group=self.cp_target, layout=layout,
-                                      stripe=opts.stripe, algo=opts.algo, ring=opts.ring,
-                                      softmax_scale=self.softmax_scale)
-            self.resolved_algo = f"{opts.algo} sparse"
-        elif self.dropout_p > 0 and self.training:
+        if self.sparse is not None and fmt == "thd":
+            raise ValueError(f"layer {self.layer_number}: --sparse-attention vertical_slash with a packed THD batch "
+                             "(packed_seq_params.qkv_format='thd'): the sparse pattern runs on [b, s] batches only. "
+                             "Train on [b, s] samples whose documents end at EOD tokens (--reset-attention-mask), "
+                             "not packed sequences, or drop --sparse-attention")
+        if self.dropout_p > 0 and self.training:
             if documents is not None:
                 raise ValueError("attention dropout with documents (packed_seq_params) is not supported by "
                                  "megatron-burst: set --attention-dropout 0")
@@ -371,7 +368,8 @@ class CPCoreAttention(FollowsModelLayout, MegatronModule):
         else:
             kw = dict(group=self.cp_target, algo=opts.algo, layout=layout, causal=causal, ring=opts.ring,
                       softmax_scale=self.softmax_scale, qkv_format=fmt, stripe=opts.stripe, cu_seqlens=documents,
-                      ulysses_size=opts.ulysses_size if opts.algo == "usp" else None, window=self.window)
+                      ulysses_size=opts.ulysses_size if opts.algo == "usp" else None, window=self.window,
+                      pattern=self.sparse)
             if self.selective_cache is not None and self.training and _checkpointing():
                 # First forward: store only when Megatron will recompute it (not in a no-grad
                 # scoring pass); the recompute itself (grad enabled) always takes its entry.
@@ -382,6 +380,8 @@ class CPCoreAttention(FollowsModelLayout, MegatronModule):
                 call = prepare(query, key, value, **kw)
                 self.resolved_algo = call.backward_algo if call.backward_algo != "ulysses" else (
                     "ulysses" if call.cfg.world_size == 1 else f"usp{call.cfg.ulysses_size}/{call.ring_backward}")
+                if self.sparse is not None:
+                    self.resolved_algo += " sparse"
                 out = call.apply()
         return out.reshape(s, -1) if fmt == "thd" else out.reshape(s, b, -1)
 

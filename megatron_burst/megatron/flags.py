@@ -63,7 +63,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("megatron-burst", "context-parallel attention")
     group.add_argument("--cp-algo", type=str, default=None, choices=list(CP_ALGOS) + [STOCK_ATTENTION],
                        help="context-parallel attention algorithm: ring, burst (ring forward, "
-                            "BurstAttention backward), auto (the cost model's pick, megatron_burst.plan), "
+                            "BurstAttention backward), auto (the cost model's pick, megatron_burst.cost_model), "
                             "allgather, ulysses (all-to-all of heads), usp (Ulysses groups of "
                             "--hierarchical-context-parallel-sizes' first entry, a ring across). Default: the value of "
                             "--cp-comm-type when it names one of ours, else 'burst'. "

@@ -89,33 +89,24 @@ def cp_options_from_args(args: argparse.Namespace) -> CPOptions:
 
 def check_sparse_flags(args: argparse.Namespace, opts: CPOptions) -> None:
     """--sparse-attention vertical_slash runs on the ring/burst schedules of the softmax layers,
-    without windows, sequence-selective checkpointing, attention dropout or documents: refuse the
-    others at the flags, each naming what to drop."""
+    without sequence-selective checkpointing or attention dropout: refuse those at the flags, each
+    naming what to drop. Sliding windows (--window-size) and --reset-attention-mask documents
+    compose with the pattern (the engine intersects them); packed THD batches are data, not a flag,
+    and are refused by the layer when one arrives."""
     if getattr(args, "sparse_attention", "none") in (None, "none") or opts.algo == STOCK_ATTENTION:
         return
     clash = []
     if opts.algo not in ("ring", "burst"):
         clash.append(f"--cp-algo {opts.algo} (use ring or burst)" if opts.algo != PER_LAYER
                      else "a per-layer --cp-comm-type list (use --cp-algo ring or burst)")
-    window = getattr(args, "window_size", None)
-    if window:
-        from megatron_burst.megatron.attention import layer_window
-
-        config = argparse.Namespace(window_size=window,
-                                    window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None))
-        num_layers = getattr(args, "num_layers", None) or 1
-        if any(layer_window(config, number) is not None for number in range(1, num_layers + 1)):
-            clash.append(f"--window-size {','.join(str(x) for x in window)}")
     if opts.selective_ckpt_ratio is not None:
         clash.append(f"--seq-selective-ckpt-ratio {opts.selective_ckpt_ratio}")
     dropout = getattr(args, "attention_dropout", 0.0) or 0.0
     if dropout > 0:
         clash.append(f"--attention-dropout {dropout} (pass 0)")
-    if getattr(args, "reset_attention_mask", False):
-        clash.append("--reset-attention-mask (documents)")
     if clash:
-        raise ValueError(f"--sparse-attention vertical_slash runs on the ring/burst schedules alone, over whole "
-                         f"causal sequences: drop {'; '.join(clash)}")
+        raise ValueError(f"--sparse-attention vertical_slash runs on the ring/burst schedules alone: drop "
+                         f"{'; '.join(clash)}")
 
 
 def linear_options_from_args(args: argparse.Namespace, cp_opts: CPOptions,

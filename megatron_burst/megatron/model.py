@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
-from megatron_burst.checkpoint import release_before_optimizer_steps
+from megatron_burst.activation_store import release_before_optimizer_steps
 from megatron_burst.megatron.attention import CPCoreAttention, FollowsModelLayout
 from megatron_burst.megatron.rope import use_layout_rope
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_burst
-from megatron_burst.checkpoint import end_iteration
+from megatron_burst.activation_store import end_iteration
 from megatron_burst.kernels import report as kernel_report
 from megatron_burst.megatron.options import CPOptions
 from megatron_burst.train.args import ParallelSizes, build_parser, validate_args

@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-import checkpoint_cases as cases
+import activation_store_cases as cases
 from harness import run_ranks
-from megatron_burst import checkpoint
+from megatron_burst import activation_store
 
 # Attention area (q rows x kv rows of the rectangles handed to forward kernels) of the recompute
 # of the earlier half vs the full forward, per rank, at W=2 with 8 local rows (16 tokens). A
@@ -122,14 +122,14 @@ def test_byte_cap_stores_a_placeholder_and_keeps_order():
 
 
 def test_default_byte_cap_shares_a_quarter_of_device_memory():
-    stores = [checkpoint.SelectiveAttentionCache() for _ in range(3)]
-    live = len(checkpoint._LIVE_STORES)
+    stores = [activation_store.SelectiveAttentionCache() for _ in range(3)]
+    live = len(activation_store._LIVE_STORES)
     assert live >= 3
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert stores[0].byte_cap(torch.device("cpu")) == int(memory * 0.25) // live
-    assert checkpoint.SelectiveAttentionCache(max_bytes=5).byte_cap(torch.device("cpu")) == 5
+    assert activation_store.SelectiveAttentionCache(max_bytes=5).byte_cap(torch.device("cpu")) == 5
     with pytest.raises(ValueError, match="max_bytes=-1"):
-        checkpoint.SelectiveAttentionCache(max_bytes=-1)
+        activation_store.SelectiveAttentionCache(max_bytes=-1)
 
 
 def test_put_and_take_never_read_tensors_on_the_host():
@@ -156,32 +156,32 @@ def _swap(t: torch.Tensor, dim: int) -> torch.Tensor:
 def test_fingerprint_sees_order_that_sums_do_not(dtype):
     g = torch.Generator().manual_seed(0)
     t = (torch.randint(-8, 9, (6, 3, 4, 5), generator=g) / 4).to(dtype)  # sums exact in any order
-    base = checkpoint.fingerprint(t)
+    base = activation_store.fingerprint(t)
     assert base.dtype == torch.float64 and base.shape == (1,)
-    assert torch.equal(base, checkpoint.fingerprint(t.clone()))  # deterministic
+    assert torch.equal(base, activation_store.fingerprint(t.clone()))  # deterministic
     # other strides: the same value up to rounding (bitwise equality is needed only for equal
     # strides, which the host key guarantees)
-    assert torch.allclose(base, checkpoint.fingerprint(t.transpose(0, 1).contiguous().transpose(0, 1)), rtol=1e-6)
+    assert torch.allclose(base, activation_store.fingerprint(t.transpose(0, 1).contiguous().transpose(0, 1)), rtol=1e-6)
     for dim in range(4):
         swapped = _swap(t, dim)
         assert not torch.equal(swapped, t)
         assert swapped.sum(dtype=torch.float64) == t.sum(dtype=torch.float64)
-        assert not torch.equal(checkpoint.fingerprint(swapped), base), dim
+        assert not torch.equal(activation_store.fingerprint(swapped), base), dim
     # the same elements laid out as another shape also differ (dimensions are weighted apart)
-    assert not torch.equal(checkpoint.fingerprint(t.reshape(3, 6, 4, 5)), base)
+    assert not torch.equal(activation_store.fingerprint(t.reshape(3, 6, 4, 5)), base)
 
 
 def test_fingerprint_chunks_like_one_pass(monkeypatch):
     t = torch.randn(7, 2, 3, 4, generator=torch.Generator().manual_seed(1))
-    whole = checkpoint.fingerprint(t)
-    monkeypatch.setattr(checkpoint, "_FINGERPRINT_CHUNK", 24)  # one row of dim 0 per chunk
-    chunked = checkpoint.fingerprint(t)
+    whole = activation_store.fingerprint(t)
+    monkeypatch.setattr(activation_store, "_FINGERPRINT_CHUNK", 24)  # one row of dim 0 per chunk
+    chunked = activation_store.fingerprint(t)
     assert torch.allclose(whole, chunked, rtol=1e-6, atol=0)
 
 
 def test_recomputed_rows():
-    assert checkpoint.recomputed_rows(8, 0.5) == 4
-    assert checkpoint.recomputed_rows(6, 0.25) == 4  # round(1.5) = 2 stored
-    assert checkpoint.recomputed_rows(8, 1.0) == 0 and checkpoint.recomputed_rows(8, 0.0) == 8
+    assert activation_store.recomputed_rows(8, 0.5) == 4
+    assert activation_store.recomputed_rows(6, 0.25) == 4  # round(1.5) = 2 stored
+    assert activation_store.recomputed_rows(8, 1.0) == 0 and activation_store.recomputed_rows(8, 0.0) == 8
     with pytest.raises(ValueError, match="--seq-selective-ckpt-ratio"):
-        checkpoint.recomputed_rows(8, 1.5)
+        activation_store.recomputed_rows(8, 1.5)

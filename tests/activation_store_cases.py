@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import megatron_burst as mb
 from megatron_burst import kernels
-from megatron_burst.checkpoint import SelectiveAttentionCache, end_iteration, selective_cp_attention
+from megatron_burst.activation_store import SelectiveAttentionCache, end_iteration, selective_cp_attention
 from attention_cases import full_inputs
 
 
@@ -130,8 +130,8 @@ def reordered_batch(swap: str):
     except RuntimeError as exc:
         error = str(exc)
     return dict(plain_sums_equal=bool(torch.equal(plain_sums(q, k, v), plain_sums(q2, k2, v2))),
-                fingerprints_equal=bool(torch.equal(mb.checkpoint.fingerprint(q, k, v),
-                                                    mb.checkpoint.fingerprint(q2, k2, v2))),
+                fingerprints_equal=bool(torch.equal(mb.activation_store.fingerprint(q, k, v),
+                                                    mb.activation_store.fingerprint(q2, k2, v2))),
                 served_stale=served_stale, hits=hits, left_before=left_before, error=error,
                 left_after=len(cache), released_again=cache.release())
 
@@ -289,8 +289,8 @@ def end_iteration_releases_every_store():
             self.selective_cache = SelectiveAttentionCache()
 
     model = torch.nn.Sequential(Attn(), torch.nn.Sequential(torch.nn.Identity(), Attn()))
-    stores = [s for _, s in mb.checkpoint.stores_of(model)]
-    paths = [p for p, _ in mb.checkpoint.stores_of(model)]
+    stores = [s for _, s in mb.activation_store.stores_of(model)]
+    paths = [p for p, _ in mb.activation_store.stores_of(model)]
     _first_forward(stores[0], *x)  # never recomputed
     _first_forward(stores[1], *x)
     _recompute(stores[1], *y)  # served x's entry
