@@ -549,6 +549,16 @@ def _finisher(staging: _Staging) -> Optional[Callable[[], None]]:
 # ------------------------------------------------------------------------- ring exchange
 
 
+# groups whose communicator RingComm.ensure_communicator has created: id(group) -> group
+_READY_COMMUNICATORS: dict[int, object] = {}
+
+
+def forget_communicators() -> None:
+    """Forget which groups :meth:`RingComm.ensure_communicator` has set up (tests that replay a
+    schedule from a process's first use of a group call this before recording)."""
+    _READY_COMMUNICATORS.clear()
+
+
 class RingComm:
     """Point-to-point neighbour exchange over a process group, as used by ring algorithms.
 
@@ -574,6 +584,25 @@ class RingComm:
         if self.group is None:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
+
+    def ensure_communicator(self) -> None:
+        """Make sure the group's communicator exists, with every member present; once per group.
+
+        NCCL creates a communicator at the group's first operation and needs every member in that
+        operation. A schedule in which some member posts nothing (direct traffic: a rank whose
+        documents are all local) would leave the others waiting on a fresh group. Every member
+        calls this at the same point (before the pass), so one 4-byte all-reduce creates it with
+        everyone present. Done on every backend, so traces (and their NCCL replay) are the same on
+        CPU and GPU; not counted as traffic (``comm_counter``); traced as a collective.
+        """
+        g = self.group if self.group is not None else dist.group.WORLD
+        if id(g) in _READY_COMMUNICATORS:
+            return
+        device = torch.device("cuda", torch.cuda.current_device()) if _backend(g) == "nccl" else torch.device("cpu")
+        trace_id = _trace_post(g, [TracedOp("all_reduce", -1, 4)], "communicator init")
+        dist.all_reduce(torch.zeros(1, device=device), group=g)
+        _trace_wait(trace_id)
+        _READY_COMMUNICATORS[id(g)] = g  # the value keeps the group alive, so its id is not reused
 
     def exchange(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], phase: str,
                  send_to: Optional[int | Sequence[int]] = None, recv_from: Optional[int | Sequence[int]] = None,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import megatron_burst as mb
 from megatron_burst.algorithms import prepare
 from megatron_burst.algorithms.schedule import direct_pass
-from megatron_burst.comm import record_schedule
+from megatron_burst.comm import forget_communicators, record_schedule
 from megatron_burst.nccl_check import check_on_all_ranks
 from megatron_burst.topology import single_node_topology
 from window_cases import dense_masked_reference, window_mask
@@ -125,6 +125,7 @@ def synthetic_schedule(seed: int, with_grad: bool = True) -> dict:
         visits.append((owner, tensors[0].tolist()))
         return torch.full((3,), 100.0 * r + owner)
 
+    forget_communicators()  # record from the group's first use, as on a fresh NCCL communicator
     with mb.comm_counter() as counter, record_schedule() as trace:
         home = direct_pass(ring, [torch.full((4,), float(r))], visit, "backward",
                            torch.zeros(3) if with_grad else None, needs=lambda h, o: table[h][o])

@@ -108,9 +108,10 @@ def test_synthetic_needs_table(seed):
     """direct_pass alone, W = 5, a random needs table: each rank visits exactly the owners it needs
     with their data, every home gradient is the sum of exactly the needing holders' contributions,
     bytes are one block (16 B) per needed pair and one gradient (12 B) back, and it replays under
-    NCCL's rules. A rank the table leaves without any traffic posts nothing: on a communicator NCCL
-    has not created yet (the replay's lazy init) the others then wait for it, which the replay
-    reports; once created (``lazy_init=False``) the schedule completes."""
+    NCCL's rules, also from the group's first use: a rank the table leaves without any traffic
+    posts no transfer, so before the first transfer every member joins one all-reduce that creates
+    the communicator (RingComm.ensure_communicator; without it, NCCL's lazy creation would leave
+    the others waiting for the idle rank)."""
     W = 5
     results = run_ranks(W, dc.synthetic_schedule, seed)
     table = results[0]["table"]
@@ -126,8 +127,8 @@ def test_synthetic_needs_table(seed):
         for ok, text, _ in res["replay_established"]:
             assert ok, f"seed {seed} rank {r}: {text}"
         for ok, text, _ in res["replay"]:
-            assert ok == (not (isolated and traffic)), f"seed {seed} rank {r} isolated {isolated}: {text}"
-            assert ok or "collective count differs" in text, text
+            assert ok, f"seed {seed} rank {r} isolated {isolated}: {text}"
+        assert res["posted"] >= (1 if traffic else 0)  # the communicator init, when anything travels
 
 
 def test_steps_nobody_needs_are_skipped():

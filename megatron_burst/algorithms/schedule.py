@@ -36,9 +36,9 @@ and the gradients of the previous one. A send from p to q in batch k exists iff 
 in its batch k does (both test the same ``needs`` entry), so the k-th batch of a rank only ever
 meets the k-th batch of its peers; within a batch, activations precede gradients on both ends. A
 member with nothing in some batch posts none (its peers expect nothing from it there). NCCL creates
-a communicator at its first batched call with every member: a member that sends nothing in a pass
-relies on the CP group having been used before (on CUDA, ``prepare``'s kernel agreement
-all-gathers over it first).
+a communicator at its first operation and needs every member in it: before a pass with any transfer,
+every member runs ``RingComm.ensure_communicator`` (one all-reduce per group and process), so a
+member that sends nothing never leaves a fresh communicator half-created.
 """
 from __future__ import annotations
 
@@ -317,6 +317,11 @@ def direct_pass(ring: Optional[Ring], travel: Sequence[torch.Tensor], visit: Vis
     size, pos = (ring.size, ring.pos) if ring is not None else (1, 0)
     table = needs_table(size, needs)
     steps = [0] + direct_steps(table)  # step 0: the own block, no transfer
+    if len(steps) > 1:  # some member posts transfers while others may post none: NCCL needs the
+        # communicator created with everyone present first (the table, hence this branch, is global)
+        ring.act.ensure_communicator()
+        if ring.grad is not ring.act and grad_like is not None:
+            ring.grad.ensure_communicator()
     own = list(travel)
     with_grad = grad_like is not None
     home_grad: Optional[torch.Tensor] = None
