@@ -148,3 +148,69 @@ def test_traffic_resolves_by_layout_and_refuses_unknown_kinds():
     cfg.traffic = "hops"
     with pytest.raises(ValueError, match="traffic='hops'"):
         cfg.resolved_traffic
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("W,U", [(4, 1), (6, 1), (8, 2)])
+def test_balanced_pair_table_equals_the_block_masks(causal, W, U):
+    """has_work under the balanced layout reads balanced_pair_table (built from the plan's runs):
+    exactly the pairs whose block masks are non-empty without a window (per-sample boundaries
+    planned on their union included), a superset of them with one (never missing a visible pair)."""
+    import random
+
+    from megatron_burst.documents import balanced_documents, visible_blocks
+    from megatron_burst.topology import CPTopology
+
+    rng = random.Random(W * 10 + U + causal)
+    S = W * 24
+    for trial in range(6):
+        samples = [sorted({0, S, *rng.sample(range(1, S), rng.randint(0, 9))}) for _ in range(rng.choice((1, 2)))]
+        docs = balanced_documents(samples if len(samples) > 1 else samples[0], S, len(samples), W)
+        for window in (None, (rng.randint(0, 30), 0 if causal else rng.randint(0, 30))):
+            cfg = CPConfig(CPTopology(None, 0, W // U, W // U, None), "flat", "balanced", 1, causal, 1.0, None, docs,
+                           ulysses_size=U, window=window)
+            M, n = W // U, S // W * U
+            fast = [[cfg.has_work(q, kv, n) for kv in range(M)] for q in range(M)]
+            exact = [[q != kv and bool(cfg.blocks(q, kv, n)) for kv in range(M)] for q in range(M)]
+            off = [[fast[q][kv] and q != kv for kv in range(M)] for q in range(M)]
+            if window is None:
+                assert off == exact, (trial, samples)
+            else:
+                assert all(off[q][kv] or not exact[q][kv] for q in range(M) for kv in range(M)), (trial, window)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_balanced_pair_table_on_arbitrary_runs(causal):
+    """balanced_pair_table against brute force over tokens, on hand-made placements whose pieces of
+    a document sit on ranks in any order (a planner's hole-filling cuts see only one way)."""
+    import random
+
+    from megatron_burst.algorithms.schedule import balanced_pair_table
+    from megatron_burst.dispatch import DispatchPlan
+
+    rng = random.Random(7 + causal)
+    W, S = 5, 60
+    for trial in range(20):
+        bounds = tuple(sorted({0, S, *rng.sample(range(1, S), rng.randint(0, 4))}))
+        cuts = sorted({*bounds, *rng.sample(range(1, S), rng.randint(1, 12))})  # runs inside documents
+        runs, owner = [], []
+        for a, b in zip(cuts, cuts[1:]):
+            r = rng.randrange(W)
+            runs.append((a, b - a, r))
+            owner += [r] * (b - a)
+        plan = DispatchPlan(S, W, bounds, tuple(runs), (), 1)
+        window = rng.choice((None, (rng.randint(0, 9), 0 if causal else rng.randint(0, 9))))
+        got = balanced_pair_table(plan, ((0, 1, bounds),), causal, window)
+        doc = [max(i for i, x in enumerate(bounds) if x <= t) for t in range(S)]
+        exact = [[False] * W for _ in range(W)]
+        for i in range(S):
+            for j in range(S):
+                if doc[i] == doc[j] and (j <= i or not causal):
+                    if window is None or (i - window[0] <= j <= i + window[1]):
+                        exact[owner[i]][owner[j]] = True
+        for q in range(W):
+            for kv in range(W):
+                if window is None:
+                    assert bool(got[q][kv]) == exact[q][kv] or q == kv, (trial, q, kv, runs, bounds)
+                else:
+                    assert got[q][kv] or not exact[q][kv] or q == kv, (trial, q, kv, window)
