@@ -39,9 +39,12 @@ def cp_cases(cases: list, seq: int, b: int, hq: int, hkv: int, d: int, seed: int
         for case in cases:
             algo, layout, stripe, mask = case
             try:
-                q, k, v, dout = (mb.shard(t, 0, r, W, layout, stripe).to(dev) for t in full)
-                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
                 kw = mask_kwargs(mask, seq, dev)
+                if layout == "balanced":  # the placement comes from the documents (one document: [0, seq])
+                    kw.setdefault("cu_seqlens", torch.tensor([0, seq], dtype=torch.int32, device=dev))
+                place = {"cu_seqlens": kw["cu_seqlens"].tolist()} if layout == "balanced" else {}
+                q, k, v, dout = (mb.shard(t, 0, r, W, layout, stripe, **place).to(dev) for t in full)
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
                 if algo == "usp":
                     kw.update(group=usp, ulysses_size=ulysses_size)
                 call = prepare(*leaves, algo=algo, layout=layout, stripe=stripe, **kw)

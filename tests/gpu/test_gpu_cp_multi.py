@@ -10,8 +10,8 @@ import pytest
 import megatron_burst as mb
 
 from gpu import ranks
-from gpu.common import DEV, L, MASKS, ON_CPU, STRIPE_WIDE, check, errors, inputs, kernel_failures, reference, \
-    run_on_ranks, sdpa_errors, visibility
+from gpu.common import DEV, L, MASKS, ON_CPU, STRIPE_WIDE, check, doc_bounds, errors, inputs, kernel_failures, \
+    reference, run_on_ranks, sdpa_errors, visibility
 
 SEQ = L(1536)  # divisible by 2W and by W x 64 for W = 2, 3, 4; not a power of two
 B, D = 1, (128 if not ON_CPU else 32)
@@ -71,3 +71,36 @@ def test_cp_attention_ranks_on_one_gpu(world_size, mask):
             for rank, res in enumerate(per_rank):
                 fails += kernel_failures(res["kernels"][case], f"{what} rank {rank}")
     assert not fails, "\n".join(fails[:40]) + f"\n({len(fails)} failures)\nSDPA bf16: {sdpa}\n" + "\n".join(table)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_balanced_layout_ranks_on_one_gpu(world_size):
+    """layout "balanced" (documents placed by the dispatch planner, K,V sent only where the mask needs
+    them: schedule.direct_pass) at W = 3, 4 on one GPU, bf16, GQA 8/2: ring, burst, allgather (and
+    usp at W=4) x masks documents and documents + window; reassembled out, dq, dk, dv within 1.5x
+    torch's bf16 SDPA error of the fp32 reference; every kernel fused."""
+    W = world_size
+    algos = ("ring", "burst", "allgather") + (("usp",) if W == 4 else ())
+    masks = ("documents", "documents_window")
+    cases = [(algo, "balanced", 1, mask) for algo in algos for mask in masks]
+    per_rank = run_on_ranks(W, ranks.cp_cases, cases, SEQ, B, *HEADS, D, seed=SEED)
+    fails, table = [], []
+    for rank, res in enumerate(per_rank):
+        if res["slow"]:
+            fails.append(f"rank {rank} ran plain-torch kernels: {res['slow']}")
+        for case, tb in res["errors"].items():
+            fails.append(f"W={W} {case} raised on rank {rank}:\n{tb}")
+    for case in cases:
+        algo, layout, stripe, mask = case
+        if any(case not in res["results"] for res in per_rank):
+            continue  # reported above
+        ref, sdpa = _reference(*HEADS, mask)
+        got = [mb.unshard([res["results"][case][i] for res in per_rank], 0, layout, cu_seqlens=doc_bounds(SEQ))
+               for i in range(4)]
+        engine = errors(got, ref)
+        what = f"W={W} balanced {mask} {algo}"
+        table.append(f"{what}: " + " ".join(f"{n} {e:.2e}" for n, e in engine.items()))
+        fails += check(engine, sdpa, what)
+        for rank, res in enumerate(per_rank):
+            fails += kernel_failures(res["kernels"][case], f"{what} rank {rank}")
+    assert not fails, "\n".join(fails[:40]) + f"\n({len(fails)} failures)\n" + "\n".join(table)
