@@ -217,15 +217,17 @@ def slice_thd_batch(batch: Dict[str, Any], cu_seqlens: torch.Tensor, cu_seqlens_
                     max_seqlen: torch.Tensor, args: argparse.Namespace) -> tuple:
     """A packed THD batch's part on this CP rank and its PackedSeqParams: Megatron-Core's
     ``get_thd_batch_on_this_cp_rank`` (TransformerEngine's per-sequence zigzag) with ``--cp-algo
-    none``, else megatron_burst's same partitioning without TransformerEngine."""
+    none``, else megatron_burst's same partitioning without TransformerEngine (``--cp-layout
+    balanced``: the balanced plan of the sequences, params in "sbhd" carrying it)."""
     from megatron.core.utils import get_thd_batch_on_this_cp_rank as megatron_thd
 
     from megatron_burst.megatron.packed import get_thd_batch_on_this_cp_rank
 
     padded = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
-    if cp_options_from_args(args).algo == STOCK_ATTENTION:
+    opts = cp_options_from_args(args)
+    if opts.algo == STOCK_ATTENTION:
         return megatron_thd(batch, cu_seqlens, padded, max_seqlen)
     from megatron.core import parallel_state
 
     return get_thd_batch_on_this_cp_rank(batch, cu_seqlens, padded, max_seqlen,
-                                         parallel_state.get_context_parallel_group())
+                                         parallel_state.get_context_parallel_group(), layout=opts.layout)
