@@ -192,3 +192,51 @@ def test_thd_balanced_needs_a_total_divisible_by_cp():
     with pytest.raises(ValueError, match="not divisible by the CP size 4"):
         _balanced_thd_batch(batch, torch.tensor([0, 3, 11, 16], dtype=torch.int32),
                             torch.tensor([0, 4, 12, 18], dtype=torch.int32), 0, 4)
+
+
+def _glue_slice() -> tuple:
+    """Megatron-LM's get_batch through the patch's calls under --cp-layout balanced: slice_batch with
+    --reset-attention-mask (a dense mask in the batch, as Megatron-LM's dataset gives it) and
+    slice_thd_batch."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_burst.megatron import megatron_lm
+    from megatron_burst.megatron.flags import add_args
+    from megatron_burst.megatron.packed import balanced_documents_of
+
+    ps.initialize_model_parallel(1, 1, context_parallel_size=2, create_gloo_process_groups=False)
+    args = add_args(argparse.ArgumentParser()).parse_args(BALANCED)
+    args.seq_length, args.context_parallel_size, args.tensor_model_parallel_size = 24, 2, 1
+    args.reset_attention_mask = True
+    batch = long_document_batch()
+    batch["attention_mask"] = torch.ones(2, 1, 24, 24, dtype=torch.bool)  # superseded by the documents
+    out = megatron_lm.slice_batch(dict(batch), args, eod_token=EOD)
+    params = out.pop("packed_seq_params")
+    thd = thd_batch()
+    thd_local, thd_params = megatron_lm.slice_thd_batch(
+        {k: thd[k] for k in ("tokens", "position_ids")}, thd["cu_seqlens"], thd["cu_seqlens_padded"],
+        thd["max_seqlen"], args)
+    return (list(out), out["attention_mask"], out["tokens"], balanced_documents_of(params).plan,
+            thd_local["position_ids"], thd_params.qkv_format, balanced_documents_of(thd_params))
+
+
+def test_megatron_lm_glue_slices_by_the_plan():
+    from megatron_burst.documents import balanced_documents
+
+    batch, thd = long_document_batch(), thd_batch()
+    thd_documents = balanced_documents([0, 3, 4, 12, 17, 20], 20, 1, 2)  # padding tails are documents
+    for rank, (keys, mask, tokens, plan, thd_pos, thd_fmt, thd_docs) in enumerate(run_ranks(2, _glue_slice)):
+        assert keys == ["tokens", "labels", "loss_mask", "position_ids", "attention_mask"] and mask is None
+        assert torch.equal(tokens, batch["tokens"][:, plan.indices(rank)])
+        assert thd_fmt == "sbhd" and thd_docs.groups == thd_documents.groups
+        assert torch.equal(thd_pos[0], thd["position_ids"][0, thd_documents.plan.indices(rank)])
+
+
+def test_megatron_lm_refuses_balanced_with_middle_pipeline_stages():
+    from megatron_burst.megatron import megatron_lm
+    from megatron_burst.megatron.flags import add_args
+
+    args = add_args(argparse.ArgumentParser()).parse_args(BALANCED)
+    args.pipeline_model_parallel_size = 4
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 4"):
+        megatron_lm.burst_options(args)
