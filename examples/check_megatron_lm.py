@@ -7,7 +7,7 @@
 Every check launches fresh gloo ranks that import Megatron-LM (about 10 s each on 2 cores): the full
 list took 459 s on a quiet 2-core machine before the issue-M2 checks were added (which add 8
 launches), and over 600 s under load. ``--quick`` runs one check of each kind and the issue-M2 ones
-(10 launches, about 2 minutes by the same measure; not timed: no checkout here).
+(13 launches; under 5 minutes on the 2-core machine with other jobs beside it).
 
 It drives the patched ``pretrain_gpt.py``'s own pieces: Megatron-LM's ``parse_args`` and
 ``validate_args`` with our ``extra_args_provider``, its ``model_provider`` and ``gpt_builder``
@@ -258,7 +258,7 @@ def main(argv: Optional[list] = None) -> int:
 
     parser = argparse.ArgumentParser(description="Check megatron-burst inside a patched Megatron-LM checkout (CPU)")
     parser.add_argument("--quick", action="store_true",
-                        help="one check of each kind plus the issue-M2 cases (10 launches instead of 55)")
+                        help="one check of each kind plus the issue-M2 and balanced-layout cases (13 launches, not ~60)")
     quick = parser.parse_args(argv).quick
     try:
         import pretrain_gpt  # noqa: F401
