@@ -7,7 +7,7 @@
 Every check launches fresh gloo ranks that import Megatron-LM (about 10 s each on 2 cores): the full
 list took 459 s on a quiet 2-core machine before the issue-M2 checks were added (which add 8
 launches), and over 600 s under load. ``--quick`` runs one check of each kind and the issue-M2 ones
-(10 launches, about 2 minutes by the same measure; not timed: no checkout here).
+(13 launches; under 5 minutes on the 2-core machine with other jobs beside it).
 
 It drives the patched ``pretrain_gpt.py``'s own pieces: Megatron-LM's ``parse_args`` and
 ``validate_args`` with our ``extra_args_provider``, its ``model_provider`` and ``gpt_builder``
@@ -103,6 +103,10 @@ SAME_TRAINING = [  # (CP size, flags): patched vs unpatched CP = 1 with the mode
          "--reset-attention-mask", "--cp-layout", "striped", "--cp-stripe", "8", "--cp-algo", "ring"]),
     # Megatron's TransformerLayer passes --cp-comm-type (default p2p) to the GDN layers under CP
     (2, GDN_1_1 + ["--cp-layout", "zigzag"]),
+    # the balanced layout: EOD documents (one longer than a rank's share, so the plan splits it)
+    # placed per batch; the CP = 1 reference has the same documents
+    (4, ["--reset-attention-mask", "--cp-layout", "balanced", "--cp-algo", "burst"]),
+    (2, ["--reset-attention-mask", "--cp-layout", "balanced", "--cp-algo", "ring"]),
 ]
 TRAINS = [  # (CP size, flags): the patched model takes a step (finite loss); any length at CP = 1
     (1, ["--seq-length", "31"]),
@@ -126,11 +130,13 @@ REFUSED = [  # (CP size, flags, the flag the error must name)
     (2, GDN_1_1 + ["--cp-comm-type", "a2a"], "--cp-comm-type a2a"),
     (2, ["--sparse-attention", "vertical_slash", "--sparse-last-q", "16", "--cp-algo", "allgather"],
      "--cp-algo allgather (use ring or burst)"),
+    (2, LIGHTNING_3_1 + ["--cp-layout", "balanced"], "--cp-layout balanced"),
 ]
 # --quick: one check of each kind and the issue-M2 cases (the full list takes 8-10 minutes on 2 cores)
 QUICK = {"same_model": [[]], "same_training": [(2, ["--cp-layout", "zigzag", "--cp-comm-type", "p2p"]),
-                                               (2, GDN_1_1 + ["--cp-layout", "zigzag"])],
-         "trains": TRAINS[:1], "hybrid": [], "refused": [REFUSED[0], REFUSED[-3], REFUSED[-1]]}
+                                               (2, GDN_1_1 + ["--cp-layout", "zigzag"]),
+                                               SAME_TRAINING[-2]],
+         "trains": TRAINS[:1], "hybrid": [], "refused": [REFUSED[0], REFUSED[-4], REFUSED[-2], REFUSED[-1]]}
 # flags that change the computation's precision: compared with a looser tolerance
 LOSS_RTOL, GRAD_RTOL, BF16_LOSS_RTOL, BF16_GRAD_RTOL = 1e-5, 1e-4, 2e-2, 1e-1
 # GDN's dt_bias / A_log gradients are sums whose terms cancel to ~1e-3 of their size: fp32 rounding
@@ -138,9 +144,11 @@ LOSS_RTOL, GRAD_RTOL, BF16_LOSS_RTOL, BF16_GRAD_RTOL = 1e-5, 1e-4, 2e-2, 1e-1
 GDN_GRAD_RTOL = 1e-3
 MODEL_FLAGS = ("--qk-layernorm", "--swiglu", "--bf16", "--spec", *MOE, *USER_SPEC[1:], *HETEROGENEOUS,
                "--num-layers", "--linear-attention-type", "--linear-attention-freq", *GDN_SIZES[::2],
-               # masks: the CP = 1 reference attends under the same window / sparse pattern / documents
+               # masks: the CP = 1 reference attends under the same window / sparse pattern
                "--window-size", "--window-attn-skip-freq", "--sparse-attention", "--sparse-budget", "--sparse-last-q",
-               "--reset-attention-mask")
+               "--reset-attention-mask")  # documents: the reference attends within the same ones
+EOD = VOCAB - 1  # NullTokenizer-style end of document; drawn tokens stay below it when documents are on
+EOD_COLUMNS = ((5, 9), (20,))  # per sample: documents [0, 6), [6, 10), [10, 32) and [0, 21), [21, 32)
 
 
 def _megatron_argv(cp: int, world: int, extra: list[str]) -> list[str]:
@@ -196,14 +204,19 @@ def _rank(extra: list[str], patched: bool, step: bool) -> dict:
         return out
     g = torch.Generator().manual_seed(0)
     seq = args.seq_length
-    tokens = torch.randint(0, VOCAB, (BATCH, seq + 1), generator=g)
+    documents = bool(getattr(args, "reset_attention_mask", False))
+    tokens = torch.randint(0, EOD if documents else VOCAB, (BATCH, seq + 1), generator=g)
+    if documents:
+        for row, columns in enumerate(EOD_COLUMNS):
+            tokens[row, list(columns)] = EOD
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
              "loss_mask": (torch.rand(BATCH, seq, generator=g) > 0.2).float(),
              "position_ids": torch.arange(seq).expand(BATCH, seq).contiguous(), "attention_mask": None}
-    local = burst_lm.slice_batch(batch, args) if patched else batch
+    # eod_token given: Megatron-LM's get_tokenizer() is not set up here (pretrain() would do it)
+    local = burst_lm.slice_batch(batch, args, eod_token=EOD if documents else None) if patched else batch
     model.train()
     logits_or_loss = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
-                           loss_mask=local["loss_mask"])
+                           loss_mask=local["loss_mask"], packed_seq_params=local.get("packed_seq_params"))
     loss_sum, num_tokens, _ = pretrain_gpt.loss_func(local["loss_mask"], logits_or_loss, model=model)
     totals = torch.stack([loss_sum.detach().float(), num_tokens.float()])
     dist.all_reduce(totals)
@@ -248,7 +261,7 @@ def main(argv: Optional[list] = None) -> int:
 
     parser = argparse.ArgumentParser(description="Check megatron-burst inside a patched Megatron-LM checkout (CPU)")
     parser.add_argument("--quick", action="store_true",
-                        help="one check of each kind plus the issue-M2 cases (10 launches instead of 55)")
+                        help="one check of each kind plus the issue-M2 and balanced-layout cases (13 launches, not ~60)")
     quick = parser.parse_args(argv).quick
     try:
         import pretrain_gpt  # noqa: F401

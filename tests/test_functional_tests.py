@@ -52,7 +52,7 @@ def test_the_cases_cover_every_feature():
     seen = {c.name: c.model_args for c in fc.list_cases()}
     sizes = {(a.get("--cp-algo"), a["--context-parallel-size"]) for a in seen.values()}
     assert {(algo, cp) for algo in ("ring", "burst", "auto") for cp in (2, 4)} <= sizes
-    assert {"contiguous", "zigzag", "striped"} <= {a.get("--cp-layout") for a in seen.values()}
+    assert {"contiguous", "zigzag", "striped", "balanced"} <= {a.get("--cp-layout") for a in seen.values()}
     assert any(a["--tensor-model-parallel-size"] == 2 and a["--context-parallel-size"] == 2 for a in seen.values())
     assert any("--cp-ranks-per-node" in a for a in seen.values())
     assert any("--seq-selective-ckpt-ratio" in a and "--recompute-granularity" in a for a in seen.values())

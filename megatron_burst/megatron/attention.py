@@ -37,6 +37,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_burst.activation_store import SelectiveAttentionCache, selective_cp_attention
 from megatron_burst.algorithms import prepare
 from megatron_burst.documents import THD, check_window
+from megatron_burst.layout import BALANCED
 from megatron_burst.megatron.comm_types import PER_LAYER, STOCK_ATTENTION
 from megatron_burst.megatron.groups import (cp_group_from, needs_node_topology, needs_usp_topology,
                                             resolve_cp_ranks_per_node, usp_topology_from_pg_collection)
@@ -341,7 +342,8 @@ class CPCoreAttention(FollowsModelLayout, MegatronModule):
         :func:`megatron_burst.get_batch_on_this_cp_rank`, which checks the mask is causal).
         ``packed_seq_params`` carries documents (megatron_burst.megatron.packed): qkv_format "thd"
         (q [t, hq, d], k/v [t, hkv, d] -> [t, hq*d]; TransformerEngine's per-sequence zigzag) or
-        "sbhd" (documents of a [b, s] batch from --reset-attention-mask, in the model's layout).
+        "sbhd" (documents of a [b, s] batch from --reset-attention-mask, in the model's layout; under
+        --cp-layout balanced they carry the batch's plan, which every layer reuses).
         """
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by megatron-burst attention")
@@ -354,6 +356,18 @@ class CPCoreAttention(FollowsModelLayout, MegatronModule):
             documents, _ = documents_of(packed_seq_params, query.shape[0], 1 if packed else query.shape[1], cp_size)
             if packed:
                 layout, fmt = THD, "thd"
+        # the batch was sliced by a balanced plan iff its params carry one: the layers must agree
+        balanced_batch = documents is not None and documents.layout == BALANCED
+        if (opts.layout == BALANCED) != balanced_batch:
+            sliced = "a balanced plan" if balanced_batch else (
+                "TransformerEngine's THD partitioning" if layout == THD else "no balanced plan")
+            raise ValueError(f"layer {self.layer_number}: core attention runs --cp-layout {opts.layout} but the "
+                             f"batch's packed_seq_params carry {sliced}: slice batches with "
+                             f"get_batch_on_this_cp_rank(..., layout={opts.layout!r}) (packed THD batches: "
+                             f"get_thd_batch_on_this_cp_rank(..., layout={opts.layout!r})) and pass its "
+                             "packed_seq_params to the model")
+        if balanced_batch:
+            layout = BALANCED
         s, b = query.shape[0], (1 if fmt == "thd" else query.shape[1])
         if self.sparse is not None and fmt == "thd":
             raise ValueError(f"layer {self.layer_number}: --sparse-attention vertical_slash with a packed THD batch "

@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_burst.layout import check_layout, check_seq_len, layout_indices_on
+from megatron_burst.layout import BALANCED, check_layout, check_seq_len, layout_indices_on
 from megatron_burst.megatron.groups import cp_rank_and_size
 
 
@@ -64,6 +64,12 @@ def get_batch_on_this_cp_rank(batch: Dict[str, Any], layout: str = "zigzag",
     ``packed_seq_params`` (megatron_burst.megatron.packed.document_seq_params) to pass to the
     model. ``cp_group=None`` uses megatron.core.parallel_state's CP group. Every check runs before
     any slicing, and nothing here communicates.
+
+    ``layout="balanced"``: the placement is planned here, once per batch, from the documents
+    (EOD documents of every sample, planned on their union; without ``eod_token`` each sample is
+    one document [0, s], which the planner splits over all ranks); every entry is cut to this
+    rank's plan rows, and ``packed_seq_params`` is always returned, carrying the plan
+    (megatron_burst.megatron.packed.balanced_seq_params) for every layer and the model's RoPE.
     """
     check_layout(layout, stripe)
     rank, size = _cp_rank_size(cp_group)
@@ -91,6 +97,8 @@ def get_batch_on_this_cp_rank(batch: Dict[str, Any], layout: str = "zigzag",
     if seq_len is None:
         return dict(batch)
     check_seq_len(seq_len, size, layout, stripe)
+    if layout == BALANCED:
+        return _balanced_batch(batch, seq_len, rank, size, eod_token)
 
     out: Dict[str, Any] = {}
     for key, val in batch.items():
@@ -106,4 +114,27 @@ def get_batch_on_this_cp_rank(batch: Dict[str, Any], layout: str = "zigzag",
         from megatron_burst.megatron.packed import document_seq_params
 
         out["packed_seq_params"] = document_seq_params(batch["tokens"], eod_token)
+    return out
+
+
+def _balanced_batch(batch: Dict[str, Any], seq_len: int, rank: int, size: int,
+                    eod_token: Optional[int]) -> Dict[str, Any]:
+    """``get_batch_on_this_cp_rank`` for layout "balanced" (checks done): plan, then slice."""
+    from megatron_burst.megatron.packed import (balanced_documents_of, balanced_seq_params, document_boundaries,
+                                                slice_balanced)
+
+    tokens = batch.get("tokens")
+    if tokens is None:
+        raise ValueError("--cp-layout balanced plans each batch from batch['tokens'] (its samples and documents), "
+                         "which is missing")
+    if eod_token is not None:
+        per_sample = document_boundaries(tokens, eod_token)  # one host read of the tokens per batch
+    else:
+        per_sample = [[0, seq_len]] * tokens.shape[0]
+    params = balanced_seq_params(per_sample, seq_len, size, tokens.device)
+    entries = {key: val for key, val in batch.items() if key != "packed_seq_params"}
+    out = slice_balanced(entries, balanced_documents_of(params), rank, skip=("attention_mask",))
+    if "attention_mask" in out:  # checked causal (or superseded by the documents) above
+        out["attention_mask"] = None
+    out["packed_seq_params"] = params  # last, so the other entries keep their order (Megatron-LM unpacks values)
     return out

@@ -11,10 +11,9 @@ import argparse
 from typing import Union
 
 from megatron_burst.algorithms import CP_ALGOS
-from megatron_burst.layout import LAYOUTS
 from megatron_burst.megatron.comm_types import STOCK_ATTENTION
 from megatron_burst.megatron.linear_variants import LINEAR_ATTENTION_TYPES
-from megatron_burst.megatron.options import DEFAULT_CP_LAYOUT, DEFAULT_LINEAR_CP_ALGO, LINEAR_CP_ALGOS
+from megatron_burst.megatron.options import CP_LAYOUTS, DEFAULT_CP_LAYOUT, DEFAULT_LINEAR_CP_ALGO, LINEAR_CP_ALGOS
 from megatron_burst.topology import RING_SHAPES
 
 __all__ = ["add_args", "linear_attention_freq_type"]
@@ -53,7 +52,7 @@ def linear_attention_freq_type(value: Union[int, str, None]) -> Union[int, list,
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add megatron-burst's flags to ``parser`` (one argument group) and return it.
 
-    ``--cp-algo`` (ring/burst/auto), ``--cp-layout`` (contiguous/zigzag/striped), ``--cp-stripe``,
+    ``--cp-algo`` (ring/burst/auto), ``--cp-layout`` (contiguous/zigzag/striped/balanced), ``--cp-stripe``,
     ``--cp-ring`` (flat/double), ``--cp-ranks-per-node``, ``--seq-selective-ckpt-ratio`` and
     ``--fused-lm-loss``; and, in a second group, ``--linear-attention-type``,
     ``--linear-attention-freq`` (Megatron-LM's own flag: added only when the parser lacks it) and
@@ -71,9 +70,16 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "--cp-algo is not given. 'none' keeps Megatron's own attention and "
                             "zigzag slicing (megatron-burst changes nothing in the model then, "
                             "except --fused-lm-loss if given)")
-    group.add_argument("--cp-layout", type=str, default=DEFAULT_CP_LAYOUT, choices=list(LAYOUTS),
+    group.add_argument("--cp-layout", type=str, default=DEFAULT_CP_LAYOUT, choices=list(CP_LAYOUTS),
                        help="how the sequence is split over CP ranks; batches and RoPE follow it "
-                            f"(default {DEFAULT_CP_LAYOUT}, Megatron's own)")
+                            f"(default {DEFAULT_CP_LAYOUT}, Megatron's own). 'balanced' places each batch's "
+                            "packed documents (--reset-attention-mask EOD documents, or packed THD sequences): "
+                            "short documents whole on one rank, long ones split over several, every rank "
+                            "S / CP tokens of equal attention work, and K,V sent only to the ranks whose "
+                            "documents need them; planned once per batch (megatron_burst.plan_dispatch). "
+                            "It needs documents to matter: without them a batch is one document [0, S], "
+                            "which the planner splits zigzag-style over all ranks. Not with linear-attention "
+                            "or Gated DeltaNet layers")
     group.add_argument("--cp-stripe", type=int, default=1,
                        help="tokens per stripe for --cp-layout striped (default 1)")
     group.add_argument("--cp-ring", type=str, default=None, choices=list(RING_SHAPES),

@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 from typing import Optional
 
-from megatron_burst.layout import check_seq_len
+from megatron_burst.layout import BALANCED, check_seq_len
 from megatron_burst.megatron.comm_types import PER_LAYER, STOCK_ATTENTION, check_gated_delta_net_comm_type
 from megatron_burst.megatron.linear_variants import GATED_DELTA_NET, LINEAR_ATTENTION_TYPES, get_variant
 from megatron_burst.megatron.options import (DEFAULT_LINEAR_CP_ALGO, LINEAR_MIN_STRIPE, BurstOptions, CPOptions,
@@ -21,7 +21,7 @@ from megatron_burst.megatron.options import (DEFAULT_LINEAR_CP_ALGO, LINEAR_MIN_
 from megatron_burst.megatron.validate import check_cp_heads, check_hierarchical_cp_sizes, check_selective_recompute
 
 __all__ = ["options_from_args", "cp_options_from_args", "linear_options_from_args", "sparse_from_args",
-           "cp_ranks_per_node_from_args", "check_sparse_flags"]
+           "cp_ranks_per_node_from_args", "check_sparse_flags", "check_balanced_linear_layers"]
 
 
 def options_from_args(args: argparse.Namespace, num_query_groups: Optional[int] = None) -> BurstOptions:
@@ -83,6 +83,11 @@ def cp_options_from_args(args: argparse.Namespace) -> CPOptions:
         except ValueError as exc:
             raise ValueError(f"--seq-length {seq_length} with --context-parallel-size {cp} and "
                              f"--cp-layout {opts.layout}: {exc}") from None
+    if opts.layout == BALANCED and getattr(args, "sparse_attention", "none") not in (None, "none"):
+        # the vertical-slash plans are built from a fixed layout's positions (megatron_burst.sparse_plan)
+        raise ValueError(f"--cp-layout balanced with --sparse-attention {args.sparse_attention}: the sparse "
+                         "attention runs on the fixed layouts only; pass --cp-layout striped --cp-stripe 64 (its "
+                         "balanced sparse ring), or drop --sparse-attention")
     sparse = None if opts.algo == STOCK_ATTENTION else sparse_from_args(args)
     return opts if sparse is None else dataclasses.replace(opts, sparse=sparse)
 
@@ -141,6 +146,7 @@ def linear_options_from_args(args: argparse.Namespace, cp_opts: CPOptions,
         raise ValueError(f"--linear-attention-type {kind} builds megatron-burst's hybrid model, but --cp-algo none "
                          "keeps Megatron's model untouched: drop one of them")
     pattern = tuple(linear_attention_pattern(args.num_layers, freq))
+    check_balanced_linear_layers(kind, pattern, cp_opts)
     if kind == GATED_DELTA_NET:
         return _gated_delta_net_options(args, cp_opts, pattern)
     variant = get_variant(kind)
@@ -204,3 +210,20 @@ def _gated_delta_net_options(args: argparse.Namespace, cp_opts: CPOptions, patte
     return LinearAttentionOptions(type=GATED_DELTA_NET, pattern=pattern, cp_algo=DEFAULT_LINEAR_CP_ALGO)
 
 
+def check_balanced_linear_layers(kind: str, pattern: tuple, cp_opts: CPOptions) -> None:
+    """Refuse linear-attention (and Gated DeltaNet) layers under ``--cp-layout balanced``.
+
+    The linear engines pass a recurrent state from each rank's segment to the next, so they need
+    every sequence cut into segments in global order (contiguous, zigzag, striped); the balanced
+    placement puts short documents anywhere, which they refuse. Refused here, at the flags,
+    rather than at the first forward.
+    """
+    if cp_opts.layout != BALANCED or 1 not in pattern:
+        return
+    layers = [number for number, linear in enumerate(pattern, start=1) if linear]
+    shown = ", ".join(map(str, layers[:8])) + (", ..." if len(layers) > 8 else "")
+    noun = "Gated DeltaNet" if kind == GATED_DELTA_NET else f"linear-attention ({kind})"
+    raise ValueError(f"--cp-layout balanced with --linear-attention-type {kind}: {noun} layers (layers {shown}) "
+                     "carry a state from one rank's segment to the next and run only in the fixed layouts, not "
+                     "in the documents' balanced placement: pass --cp-layout zigzag (or contiguous / striped), "
+                     "or drop --linear-attention-type for a softmax-only model")

@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
+from megatron_burst.layout import BALANCED
 from megatron_burst.megatron.batch import get_batch_on_this_cp_rank
 from megatron_burst.megatron.comm_types import STOCK_ATTENTION
 from megatron_burst.megatron.flags import add_args
@@ -68,6 +69,16 @@ def burst_options(args: argparse.Namespace) -> BurstOptions:
     if fused and getattr(args, "fp16", False):
         raise ValueError("--fused-lm-loss supports fp32 and bf16 parameters, not --fp16: use --bf16, or drop "
                          "--fused-lm-loss")
+    pp = getattr(args, "pipeline_model_parallel_size", None) or 1
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if opts.layout == BALANCED and (pp > 2 or (pp > 1 and vpp is not None)):
+        # pretrain_gpt.get_batch gives middle stages no batch, hence no packed_seq_params: their
+        # layers and RoPE would have no plan for the tokens the first stage placed
+        raise ValueError(f"--cp-layout balanced with --pipeline-model-parallel-size {pp}"
+                         + (f" and --virtual-pipeline-model-parallel-size {vpp}" if vpp is not None else "")
+                         + ": Megatron-LM's get_batch hands middle pipeline stages no packed_seq_params, which carry "
+                         "each batch's balanced plan; use at most 2 pipeline stages without virtual stages, or "
+                         "--cp-layout zigzag")
     options = BurstOptions(cp=opts, linear=linear, fused_lm_loss=fused)
     if options.stock_attention:
         return options
@@ -217,15 +228,17 @@ def slice_thd_batch(batch: Dict[str, Any], cu_seqlens: torch.Tensor, cu_seqlens_
                     max_seqlen: torch.Tensor, args: argparse.Namespace) -> tuple:
     """A packed THD batch's part on this CP rank and its PackedSeqParams: Megatron-Core's
     ``get_thd_batch_on_this_cp_rank`` (TransformerEngine's per-sequence zigzag) with ``--cp-algo
-    none``, else megatron_burst's same partitioning without TransformerEngine."""
+    none``, else megatron_burst's same partitioning without TransformerEngine (``--cp-layout
+    balanced``: the balanced plan of the sequences, params in "sbhd" carrying it)."""
     from megatron.core.utils import get_thd_batch_on_this_cp_rank as megatron_thd
 
     from megatron_burst.megatron.packed import get_thd_batch_on_this_cp_rank
 
     padded = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
-    if cp_options_from_args(args).algo == STOCK_ATTENTION:
+    opts = cp_options_from_args(args)
+    if opts.algo == STOCK_ATTENTION:
         return megatron_thd(batch, cu_seqlens, padded, max_seqlen)
     from megatron.core import parallel_state
 
     return get_thd_batch_on_this_cp_rank(batch, cu_seqlens, padded, max_seqlen,
-                                         parallel_state.get_context_parallel_group())
+                                         parallel_state.get_context_parallel_group(), layout=opts.layout)

@@ -2,6 +2,7 @@
 optionally, the fused LM head + cross-entropy loss."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -9,7 +10,8 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 
 from megatron_burst.activation_store import release_before_optimizer_steps
 from megatron_burst.megatron.attention import CPCoreAttention, FollowsModelLayout
-from megatron_burst.megatron.rope import use_layout_rope
+from megatron_burst.layout import BALANCED
+from megatron_burst.megatron.rope import LayoutRotaryEmbedding, use_layout_rope
 
 
 class BurstGPTModel(GPTModel):
@@ -65,6 +67,26 @@ class BurstGPTModel(GPTModel):
         if attentions and not getattr(self, "_burst_pass_hook", None):
             self._burst_pass_hook = self.register_forward_pre_hook(_tell_attention_whether_recompute_follows)
         release_before_optimizer_steps(self)
+
+    def forward(self, *args: Any, **kwargs: Any):
+        """GPTModel's forward. Under ``cp_layout="balanced"`` the batch's placement travels with it:
+        the plan of ``packed_seq_params`` (from ``get_batch_on_this_cp_rank(..., layout="balanced")``)
+        is handed to the rotary embedding for this call only; every attention layer reads the same
+        Documents from the params. A balanced forward without them is a ValueError."""
+        if self.cp_layout != BALANCED:
+            return super().forward(*args, **kwargs)
+        from megatron_burst.megatron.packed import balanced_documents_of
+
+        documents = balanced_documents_of(kwargs.get("packed_seq_params"))
+        if documents is None:
+            raise ValueError("--cp-layout balanced: the model forward needs the batch's plan, carried by "
+                             "packed_seq_params=... (keyword) from get_batch_on_this_cp_rank(..., layout='balanced') "
+                             "or get_thd_batch_on_this_cp_rank(..., layout='balanced'); got "
+                             f"{type(kwargs.get('packed_seq_params')).__name__}")
+        rope = getattr(self, "rotary_pos_emb", None)
+        placed = rope.placed_by(documents.plan) if isinstance(rope, LayoutRotaryEmbedding) else contextlib.nullcontext()
+        with placed:
+            return super().forward(*args, **kwargs)
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args: Any, **kwargs: Any):
         use_fused = (self.fused_lm_loss and self.training and labels is not None

@@ -18,18 +18,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
-from megatron_burst.layout import LAYOUTS, check_layout
+from megatron_burst.layout import BALANCED, LAYOUTS, check_layout
 from megatron_burst.megatron.comm_types import DEFAULT_CP_ALGO, PER_LAYER, STOCK_ATTENTION, resolve_cp_algo
 from megatron_burst.topology import RING_SHAPES, check_ranks_per_node
 
 DEFAULT_CP_LAYOUT = "zigzag"  # what stock Megatron-LM slices batches and RoPE in
+# What --cp-layout takes: the fixed layouts, and "balanced", placed per batch by its packed documents
+# (the batch slicing plans it, and the plan travels to every layer and RoPE in packed_seq_params).
+CP_LAYOUTS = LAYOUTS + (BALANCED,)
 # Linear attention's CP algorithms (megatron_burst.linear_attention's ``algo``) and the narrowest
 # stripe its chunked op accepts for --cp-layout striped.
 LINEAR_CP_ALGOS = ("lasp2", "lasp1")
 DEFAULT_LINEAR_CP_ALGO = "lasp2"
 LINEAR_MIN_STRIPE = 64
 
-__all__ = ["DEFAULT_CP_ALGO", "STOCK_ATTENTION", "PER_LAYER", "DEFAULT_CP_LAYOUT", "LINEAR_CP_ALGOS",
+__all__ = ["DEFAULT_CP_ALGO", "STOCK_ATTENTION", "PER_LAYER", "DEFAULT_CP_LAYOUT", "CP_LAYOUTS", "LINEAR_CP_ALGOS",
            "DEFAULT_LINEAR_CP_ALGO", "LINEAR_MIN_STRIPE", "CPOptions", "make_cp_options", "LinearCPOptions",
            "make_linear_cp_options", "LinearAttentionOptions", "linear_attention_pattern", "BurstOptions"]
 
@@ -79,8 +82,8 @@ def make_cp_options(cp_algo: Optional[str] = None, cp_layout: Optional[str] = No
     algo = resolve_cp_algo(cp_algo, cp_comm_type)
     layout = cp_layout if cp_layout is not None else DEFAULT_CP_LAYOUT
     stripe = 1 if cp_stripe is None else cp_stripe
-    if layout not in LAYOUTS:
-        raise ValueError(f"cp_layout={layout!r} is not a layout: choose one of {', '.join(LAYOUTS)} "
+    if layout not in CP_LAYOUTS:
+        raise ValueError(f"cp_layout={layout!r} is not a layout: choose one of {', '.join(CP_LAYOUTS)} "
                          "(--cp-layout)")
     try:
         check_layout(layout, stripe)

@@ -45,8 +45,9 @@ def slice_for_cp(batch: Dict[str, torch.Tensor], opts: CPOptions, groups: Groups
     """This CP rank's part of a microbatch, with ``packed_seq_params`` when it has documents.
 
     A packed THD batch ([1, t] entries plus ``cu_seqlens``, ``cu_seqlens_padded``, ``max_seqlen``,
-    as Megatron-LM's SFT data gives them) is cut per sequence as TransformerEngine does; a [b, s]
-    batch is cut in ``--cp-layout``, with EOD documents when ``eod_token`` is given.
+    as Megatron-LM's SFT data gives them) is cut per sequence as TransformerEngine does (under
+    ``--cp-layout balanced``: by the balanced plan of its sequences); a [b, s] batch is cut in
+    ``--cp-layout``, with EOD documents when ``eod_token`` is given.
     """
     if "cu_seqlens" not in batch:
         return megatron_burst.get_batch_on_this_cp_rank(batch, layout=opts.layout, cp_group=groups.cp,
@@ -60,7 +61,7 @@ def slice_for_cp(batch: Dict[str, torch.Tensor], opts: CPOptions, groups: Groups
     max_seqlen = batch.get("max_seqlen")
     if max_seqlen is None:
         max_seqlen = (padded[1:] - padded[:-1]).max().reshape(1)
-    local, params = get_thd_batch_on_this_cp_rank(rest, cu, padded, max_seqlen, groups.cp)
+    local, params = get_thd_batch_on_this_cp_rank(rest, cu, padded, max_seqlen, groups.cp, layout=opts.layout)
     local["packed_seq_params"] = params
     return local
 
