@@ -23,7 +23,10 @@ of them alike. Per variant it reports:
 
 Layouts: ``zigzag`` (Megatron's; the engine's default ring, i.e. the double ring when the
 topology spans nodes), ``zigzag/flat`` (one flat ring), ``block-striped`` (stripes of 64 tokens),
-``balanced`` (megatron_burst.balanced_documents, which picks the direct traffic schedule).
+``balanced`` (megatron_burst.balanced_documents, which picks the direct traffic schedule),
+``balanced/node-local`` (an experiment of this benchmark, not an engine layout: the same plan with
+its ranks relabeled by :func:`node_local_plan`, so that the documents split over a coset of ranks
+stay inside one node).
 
 Emulation (``--emulate``; root and iproute2, see megatron_burst.bench.emulated): one network
 namespace per node, each rank with its own NIC limited to ``--inter-mbit`` (rail-optimized, one
@@ -54,6 +57,8 @@ VARIANTS = {  # name: (layout, stripe, ring: None = the engine's default for the
     "zigzag/flat": ("zigzag", 1, "flat"),
     "block-striped": ("striped", 64, None),
     "balanced": ("balanced", 1, None),
+    # bench-side experiment: the same plan with its ranks relabeled so split documents stay in a node
+    "balanced/node-local": ("balanced", 1, None),
 }
 BASELINE = "zigzag"
 # fp32 everywhere: a correct variant differs from the reference by summation order only
@@ -91,6 +96,43 @@ def reference(bounds: list, full: list[torch.Tensor]) -> dict[str, torch.Tensor]
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
+def node_local_plan(plan, nodes: int):
+    """``plan`` with plan rank r placed on CP rank (r mod nodes) x W/nodes + r // nodes.
+
+    plan_dispatch splits a document over a k-coset {r mod W/k + j W/k}: ranks W/k apart, which on
+    nodes of consecutive ranks means across nodes (at W = 8 on 2 x 4: {r, r + 4}). When ``nodes``
+    divides W/k, a coset's members are congruent mod ``nodes``, so this relabeling puts every such
+    coset on one node; only level-W documents still cross. Per-rank work is unchanged (the same
+    token sets, renamed); which ring step a pair falls on changes. Returns a DispatchPlan."""
+    import dataclasses
+
+    import numpy as np
+
+    W = plan.world_size
+    if W % nodes:
+        raise ValueError(f"cannot relabel a plan of {W} ranks onto {nodes} nodes: W must be a multiple of nodes")
+    per_node = W // nodes
+    cp_rank = [(r % nodes) * per_node + r // nodes for r in range(W)]
+    runs = tuple((start, length, cp_rank[r]) for start, length, r in plan.runs)
+    work = None
+    if plan.work is not None:  # [rank][step]: the pair (r, r - t) moves to (cp_rank[r], cp_rank[r - t])
+        work = np.zeros_like(plan.work)
+        for r in range(W):
+            for t in range(W):
+                work[cp_rank[r], (cp_rank[r] - cp_rank[(r - t) % W]) % W] += plan.work[r, t]
+    return dataclasses.replace(plan, runs=runs, work=work)
+
+
+def plans_of(bounds: list, seq: int, world_size: int, nodes: int) -> dict:
+    """Documents per balanced variant (the engine's plan, and its node-local relabeling)."""
+    import megatron_burst as mb
+    from megatron_burst.documents import Documents
+
+    engine = mb.balanced_documents(torch.tensor(bounds), seq, 1, world_size)
+    relabeled = Documents(seq, engine.groups, node_local_plan(engine.plan, nodes))
+    return {"balanced": engine, "balanced/node-local": relabeled}
+
+
 def variant_key(algo: str, name: str) -> str:
     return f"{algo}|{name}"
 
@@ -107,12 +149,12 @@ def measure(args) -> dict:
     topo = mb.build_cp_topology(None, args.ranks_per_node)
     bounds, full = batch(args)
     cu = torch.tensor(bounds, dtype=torch.int32)
-    documents = {"balanced": mb.balanced_documents(cu, args.seq, 1, W)}
+    documents = plans_of(bounds, args.seq, W, W // args.ranks_per_node)
     plain = check_cu_seqlens(cu, args.seq, 1)  # validated once, as Megatron's layers pass them
     locals_ = {}
     for name in args.variants:
         layout, stripe, _ = VARIANTS[name]
-        plan = documents["balanced"].plan if layout == "balanced" else None
+        plan = documents[name].plan if layout == "balanced" else None
         locals_[name] = [mb.shard(t, 0, r, W, layout, stripe, plan=plan).contiguous() for t in full]
 
     rate = _inter_node_rate(topo, locals_[args.variants[0]][1:3]) if topo.outer is not None else None
@@ -123,7 +165,7 @@ def measure(args) -> dict:
                 layout, stripe, ring = VARIANTS[name]
                 q, k, v, dout = locals_[name]
                 ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
-                docs = documents["balanced"] if layout == "balanced" else plain
+                docs = documents[name] if layout == "balanced" else plain
                 dist.barrier()
                 with mb.comm_counter() as c:
                     t0 = time.perf_counter()
@@ -175,7 +217,7 @@ def summarize(per_rank: list[dict], args, ref: dict[str, torch.Tensor], bounds: 
     import megatron_burst as mb
 
     W = len(per_rank)
-    plan = mb.balanced_documents(torch.tensor(bounds), args.seq, 1, W).plan
+    plans = {name: docs.plan for name, docs in plans_of(bounds, args.seq, W, W // args.ranks_per_node).items()}
     summary = {}
     for key in per_rank[0]["samples"]:
         algo, name = key.split("|")
@@ -194,7 +236,7 @@ def summarize(per_rank: list[dict], args, ref: dict[str, torch.Tensor], bounds: 
         err = {}
         for field in ("out", "dq", "dk", "dv"):
             got = mb.unshard([s[field] for s in shards], 0, layout, stripe,
-                             plan=plan if layout == "balanced" else None)
+                             plan=plans.get(name))
             err[field] = float((got - ref[field]).abs().max())
         summary[key] = dict(
             algo=algo, variant=name, step=statistics.median(steps), step_min=min(steps), step_max=max(steps),
@@ -259,7 +301,8 @@ def main(argv=None) -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--algos", nargs="+", default=["ring", "burst"], choices=["ring", "burst", "auto"])
-    p.add_argument("--variants", nargs="+", default=["zigzag", "balanced"], choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=["zigzag", "balanced", "balanced/node-local"],
+                   choices=list(VARIANTS))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
