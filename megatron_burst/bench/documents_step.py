@@ -14,8 +14,8 @@ of them alike. Per variant it reports:
   after a barrier: a synchronous step lasts as long as its slowest rank);
 * ``compute s``: the busiest / the mean rank's time not blocked on transfers (forward + backward
   minus comm_counter's wait time): the work imbalance as the ranks felt it;
-* ``MB sent``: bytes the busiest rank sent, forward + backward, from comm_counter, split into
-  inter- and intra-node;
+* ``MB sent``: bytes the busiest rank sent, forward + backward, from comm_counter, and the most
+  any rank sent over inter- and over intra-node links (the busiest rank of each can differ);
 * ``max err``: the largest absolute difference of the gathered output and of dq, dk, dv from a
   per-document torch SDPA reference over the full sequence (computed by the driver, off the
   clock), so a fast but wrong variant shows;
@@ -256,14 +256,14 @@ def summarize(per_rank: list[dict], args, ref: dict[str, torch.Tensor], bounds: 
 def _print_table(summary: dict, header: str) -> None:
     print(header)
     print("| algo | layout | step s (median, min-max) | speedup vs zigzag | compute s max / mean rank | "
-          "MB sent/rank max (inter + intra) | bytes vs zigzag | max err | exact |")
+          "MB sent/rank: max total / max inter / max intra | bytes vs zigzag | max err | exact |")
     print("|---|---|---|---|---|---|---|---|---|")
     for s in summary.values():
         speed = f"{s['speedup']:.2f}x" if s["speedup"] else "-"
         ratio = f"{s['bytes_vs_zigzag']:.2f}" if s["bytes_vs_zigzag"] is not None else "-"
         print(f"| {s['algo']} | {s['variant']} | {s['step']:.3f} ({s['step_min']:.3f}-{s['step_max']:.3f}) | {speed} | "
-              f"{s['compute_max']:.3f} / {s['compute_mean']:.3f} | {s['sent_max'] / 1e6:.2f} "
-              f"({s['inter_max'] / 1e6:.2f} + {s['intra_max'] / 1e6:.2f}) | {ratio} | {s['max_err']:.1e} | "
+              f"{s['compute_max']:.3f} / {s['compute_mean']:.3f} | {s['sent_max'] / 1e6:.2f} / "
+              f"{s['inter_max'] / 1e6:.2f} / {s['intra_max'] / 1e6:.2f} | {ratio} | {s['max_err']:.1e} | "
               f"{'yes' if s['exact'] else 'NO'} |")
 
 
