@@ -2,6 +2,7 @@
 and the balanced dispatch planner on realistic document mixes (issue L).
 
     python -m megatron_burst.bench documents [--worlds 8 32] [--seq 131072] [--plot docs/documents.png]
+    python -m megatron_burst.bench documents --emulate | --local | --quick [...]   # measured, see below
 
 Work is visible query-key pairs, causal within each document, counted exactly from token
 ownership (megatron_burst.documents.imbalance); nothing runs on a device. Columns:
@@ -19,11 +20,16 @@ Mixes (S = ``--seq``): ``lognormal`` (47 documents, mean S/47 = 2.8K at 128K, lo
 seed 46), ``64K+short`` (one 64K document first, then lognormal short documents, median 1K),
 ``16x8K`` (S/16 each), ``corpus`` (lengths drawn from the default training corpus: the Python
 standard library's files as byte tokens + EOD, seed 0, the last one cut to fit).
+
+With ``--emulate`` (2 emulated nodes), ``--local`` or ``--quick`` (tiny, for CI) the ranks run
+forward + backward of cp_attention instead and report measured step times and bytes
+(megatron_burst.bench.documents_step; ``--emulate --help`` lists its options).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import sysconfig
 import time
 from typing import Optional
@@ -125,7 +131,15 @@ def measure(bounds: list, world_size: int) -> list:
     return rows
 
 
+MEASURED_MODES = ("--emulate", "--local", "--quick", "--worker")
+
+
 def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(flag in argv for flag in MEASURED_MODES):  # ranks run the engine: a different benchmark
+        from megatron_burst.bench import documents_step
+
+        return documents_step.main(argv)
     ap = argparse.ArgumentParser(prog="python -m megatron_burst.bench documents", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", type=int, nargs="+", default=[8, 32], help="CP sizes W")
