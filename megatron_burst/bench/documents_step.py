@@ -6,7 +6,7 @@
     python -m megatron_burst.bench documents --quick                        # tiny, seconds (CI smoke)
 
 Every rank runs forward + backward of ``cp_attention`` on the same lognormal packed-document batch
-(megatron_burst.bench.documents.lognormal_mix scaled to ``--seq``: 47 documents, sigma 1.0), once
+(megatron_burst.bench.document_mixes.lognormal_mix scaled to ``--seq``: 47 documents, sigma 1.0), once
 per (algorithm, layout), the variants interleaved within each repeat so machine noise falls on all
 of them alike. Per variant it reports:
 
@@ -72,7 +72,7 @@ QUICK = dict(world_size=4, ranks_per_node=2, seq=1024, heads=2, kv_heads=1, head
 def batch(args) -> tuple[list, list[torch.Tensor]]:
     """The lognormal mix's boundaries at ``args.seq`` and the full q, k, v, dout [S, 1, h, d] (fp32,
     seeded: every rank and the driver build the same tensors)."""
-    from megatron_burst.bench.documents import lognormal_mix
+    from megatron_burst.bench.document_mixes import lognormal_mix
 
     bounds = lognormal_mix(args.seq)
     g = torch.Generator().manual_seed(args.seed)
