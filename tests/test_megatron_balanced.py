@@ -240,3 +240,20 @@ def test_megatron_lm_refuses_balanced_with_middle_pipeline_stages():
     args.pipeline_model_parallel_size = 4
     with pytest.raises(ValueError, match="--pipeline-model-parallel-size 4"):
         megatron_lm.burst_options(args)
+
+
+@pytest.mark.parametrize("pp,vpp", [(4, None), (2, 2)])
+def test_megatron_lm_refuses_documents_with_middle_pipeline_stages(pp, vpp):
+    """--reset-attention-mask under any layout: middle pipeline stages get no packed_seq_params from
+    Megatron-LM's get_batch, so they would attend across documents; refused naming the flags. Two
+    stages without virtual ones keep documents on every stage and pass."""
+    from megatron_burst.megatron import megatron_lm
+    from megatron_burst.megatron.flags import add_args
+
+    args = add_args(argparse.ArgumentParser()).parse_args(["--cp-layout", "zigzag"])
+    args.reset_attention_mask = True
+    args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size = pp, vpp
+    with pytest.raises(ValueError, match=f"--reset-attention-mask with --pipeline-model-parallel-size {pp}"):
+        megatron_lm.burst_options(args)
+    args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size = 2, None
+    megatron_lm.burst_options(args)

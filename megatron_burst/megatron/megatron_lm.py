@@ -82,6 +82,14 @@ def burst_options(args: argparse.Namespace) -> BurstOptions:
     options = BurstOptions(cp=opts, linear=linear, fused_lm_loss=fused)
     if options.stock_attention:
         return options
+    if getattr(args, "reset_attention_mask", False) and (pp > 2 or (pp > 1 and vpp is not None)):
+        # the documents reach the layers as packed_seq_params, which get_batch builds only on the
+        # first and last stage: middle stages would attend across documents
+        raise ValueError(f"--reset-attention-mask with --pipeline-model-parallel-size {pp}"
+                         + (f" and --virtual-pipeline-model-parallel-size {vpp}" if vpp is not None else "")
+                         + ": Megatron-LM's get_batch hands middle pipeline stages no packed_seq_params, so their "
+                         "layers could not keep attention inside documents; use at most 2 pipeline stages without "
+                         "virtual stages, or drop --reset-attention-mask")
     tp = getattr(args, "tensor_model_parallel_size", None) or 1
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
     if groups is not None and groups < tp and not torch.cuda.is_available():
