@@ -18,19 +18,27 @@ Public API (functional, usable without Megatron):
   fused_linear_cross_entropy               -- LM head + vocab-parallel CE without N x V logits
 Megatron integration: megatron_burst.specs, megatron_burst.add_args, get_batch_on_this_cp_rank.
 """
-from megatron_burst.layout import ENGINE_LAYOUTS, LAYOUTS, layout_indices, shard, unshard
-from megatron_burst.documents import balanced_documents
-from megatron_burst.dispatch import DispatchPlan, plan_dispatch
+from megatron_burst.masks.dispatch import DispatchPlan, plan_dispatch
+from megatron_burst.masks.documents import balanced_documents
+from megatron_burst.masks.layout import ENGINE_LAYOUTS, LAYOUTS, layout_indices, shard, unshard
+from megatron_burst.masks.vertical_slash import VerticalSlash
 from megatron_burst.comm import comm_counter
 from megatron_burst.algorithms import CP_ALGOS, cp_attention
 from megatron_burst.topology import build_cp_topology, build_usp_topology
 from megatron_burst.linear import gated_delta_rule, linear_attention
-from megatron_burst.sparse import VerticalSlash, sparse_cp_attention
+from megatron_burst.sparse import sparse_cp_attention
 
 __version__ = "0.1.0"
 
+# public alias modules of megatron_burst.masks: ``megatron_burst.layout`` etc. stay attributes of the package
+_MASK_ALIASES = ("layout", "documents", "dispatch", "sparse_plan", "dynamic_pattern")
+
 
 def __getattr__(name):
+    if name in _MASK_ALIASES:
+        import importlib
+
+        return importlib.import_module(f"megatron_burst.{name}")
     # Megatron-facing helpers import megatron.core lazily, so the engine works without it.
     if name == "add_args":
         from megatron_burst.megatron.flags import add_args

@@ -27,15 +27,15 @@ import torch.distributed as dist
 
 from megatron_burst.algorithms import allgather, burst, ring, ulysses
 from megatron_burst.algorithms.schedule import CPConfig
-from megatron_burst.documents import (THD, CuSeqlens, Documents, balanced_documents, check_cu_seqlens, check_thd,
-                                      check_window)
+from megatron_burst.masks.documents import CuSeqlens, THD, Documents, balanced_documents, check_cu_seqlens, check_thd
+from megatron_burst.masks.window import check_window
 from megatron_burst import dynamic_pattern
-from megatron_burst.dynamic_pattern import Dynamic
+from megatron_burst.masks.dynamic import Dynamic
 from megatron_burst.kernels import block_backward, block_forward, reads_output, row_dot
 from megatron_burst.kernels.choice import KernelPolicy, agree, choose
-from megatron_burst.layout import BlockMask
-from megatron_burst.layout import BALANCED, check_layout, check_local_len
-from megatron_burst.sparse_plan import VerticalSlash
+from megatron_burst.masks.block import BlockMask
+from megatron_burst.masks.layout import BALANCED, check_layout, check_local_len
+from megatron_burst.masks.vertical_slash import VerticalSlash
 from megatron_burst.topology import (RING_SHAPES, CPTopology, USPTopology, check_ulysses_size,
                                      registered_usp_topology, single_node_topology)
 

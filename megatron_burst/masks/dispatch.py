@@ -6,7 +6,7 @@ document does far more work than one that holds a run of short ones; block-strip
 totals but puts a piece of every document on every rank, so every K,V block has to travel.
 :func:`plan_dispatch` reads the batch's global ``cu_seqlens`` (the same on every rank: no
 communication) and returns a :class:`DispatchPlan`: per rank, an increasing list of global token
-indices, every rank the same number of them (a layout, see :mod:`megatron_burst.layout`).
+indices, every rank the same number of them (a layout, see :mod:`megatron_burst.masks.layout`).
 
 **Definitions.**
 
@@ -16,8 +16,8 @@ indices, every rank the same number of them (a layout, see :mod:`megatron_burst.
 * Ring steps: at step t rank r computes its queries against the keys of rank (r - t) mod W.
   ``worker_total`` = max over ranks of the pass's work / the mean; ``worker`` (per ring step) =
   sum over steps of the slowest rank's work / sum over steps of the mean work: what a synchronous
-  ring waits for. These are :func:`megatron_burst.sparse.imbalance`'s names and definitions;
-  :func:`megatron_burst.documents.imbalance` measures any layout this way.
+  ring waits for. These are :func:`megatron_burst.masks.imbalance.pattern_imbalance`'s names and definitions;
+  :func:`megatron_burst.masks.imbalance.document_imbalance` measures any layout this way.
 * Tokens: every rank holds exactly S / W tokens (the engine's tensors are equal-sized per rank, and
   linear layers' work is proportional to tokens). Nothing is padded: **S must be divisible by W**
   (not 2W: pieces need not be equal halves), else ValueError.
@@ -64,20 +64,20 @@ the cosets carry equal work, and balanced in total when the ranks' sums are.
 
 Everything is deterministic (ties broken by index) and uses only ``cu_seqlens``. The output
 is a permutation of [0, S): per rank an increasing index list of S / W tokens, the form
-:mod:`megatron_burst.layout` layouts take: ``layout="balanced"`` (see :meth:`DispatchPlan.indices`
-and :func:`megatron_burst.documents.balanced_documents`).
+:mod:`megatron_burst.masks.layout` layouts take: ``layout="balanced"`` (see :meth:`DispatchPlan.indices`
+and :func:`megatron_burst.masks.documents.balanced_documents`).
 
 Cost: pure Python/numpy, O(documents log documents + W) per attempt plus a few largest-first
 simulations; 1M tokens, 1000 lognormal documents, W = 64: about 5-9 ms on one (shared) CPU core
 when the first attempt succeeds (the issue asks for 5 ms), and the per-rank index lists another
 ~5 ms (one numpy pass over S; an engine would build them on the device).
 
-Measured with :func:`megatron_burst.documents.imbalance` and ``python -m megatron_burst.bench
+Measured with :func:`megatron_burst.masks.imbalance.document_imbalance` and ``python -m megatron_burst.bench
 documents`` (tests/test_dispatch.py: the issue's mixes at W = 8 and 32 reach <= 1.02 / 1.08).
 
 Engine integration: ``cp_attention(layout="balanced", cu_seqlens=...)``. The layout comes from the
 data, as THD's does (``Documents.partition`` holds the plan): every rank plans the batch
-(:func:`megatron_burst.documents.balanced_documents`, once per batch), slices it (and RoPE's position
+(:func:`megatron_burst.masks.documents.balanced_documents`, once per batch), slices it (and RoPE's position
 ids: the global positions) with :meth:`DispatchPlan.indices`, and ``documents.rank_positions`` returns
 the plan's lists, which ``document_blocks`` turns into rectangles. Today K,V travel the full ring
 (exact, every block on every rank); sending a block only where ``work`` says a rank needs it
@@ -94,6 +94,9 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
+
+__all__ = ["CuSeqlens", "MAX_IMBALANCE", "MAX_STEP_IMBALANCE", "ATTEMPTS", "DispatchPlan", "check_divisible",
+           "level_chain", "plan_dispatch"]
 
 CuSeqlens = Union[torch.Tensor, Sequence[int]]
 
@@ -153,7 +156,7 @@ class DispatchPlan:
 
     def indices(self, rank: int) -> torch.Tensor:
         """Rank ``rank``'s global token positions (LongTensor [S/W], increasing): what batch slicing and
-        RoPE positions take, like :func:`megatron_burst.layout.layout_indices`."""
+        RoPE positions take, like :func:`megatron_burst.masks.layout.layout_indices`."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is outside [0, {self.world_size})")
         runs = np.asarray([(s, n) for s, n, r in self.runs if r == rank], dtype=np.int64).reshape(-1, 2)

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from megatron_burst import comm
-from megatron_burst.layout import layout_indices_on
-from megatron_burst.sparse_plan import VerticalSlash
+from megatron_burst.masks.layout import layout_indices_on
+from megatron_burst.masks.vertical_slash import VerticalSlash
+
+__all__ = ["Dynamic", "estimate", "top_p_count"]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Sequence layouts: which global tokens each context-parallel rank holds, and what it may see.
+"""Sequence layouts (placements as data): which global tokens each context-parallel rank holds,
+and the causal/full mask of each block pair of a fixed layout.
 
 A layout maps a global sequence of ``seq_len`` tokens onto ``world_size`` ranks:
 
@@ -8,26 +9,33 @@ A layout maps a global sequence of ``seq_len`` tokens onto ``world_size`` ranks:
 * ``striped``: stripes of ``stripe`` consecutive tokens are dealt round-robin: stripe j goes to rank
   j mod W. ``stripe=1`` puts token t on rank t mod W; wider stripes are "block-striped".
 * ``balanced``: derived from the batch's packed documents (``cu_seqlens``): the placement of
-  :func:`megatron_burst.dispatch.plan_dispatch`, which balances attention work (and keeps short
+  :func:`megatron_burst.masks.dispatch.plan_dispatch`, which balances attention work (and keeps short
   documents whole on one rank). Every rank holds S / W tokens, in increasing global order; S must
   be divisible by W. Functions here take the documents as ``cu_seqlens`` or the plan as ``plan``.
 
 On one rank (``world_size=1``) every layout is the identity, so any sequence length works there.
 
+Packed THD batches are placed per sequence (:func:`thd_indices`, TransformerEngine's zigzag per
+sequence); their masks are documents (:mod:`megatron_burst.masks.documents`).
+
 In every layout a rank's local tokens are in increasing global order. That makes the diagonal block
 (q rank == kv rank) plain causal in local indices, and lets :func:`block_mask` describe every other
-(q rank, kv rank) block as a rectangle with a simple mask inside.
+(q rank, kv rank) block of a fixed layout as a :class:`~megatron_burst.masks.block.BlockMask`
+rectangle with a simple mask inside. Index tensors returned from caches are shared: read-only.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import torch
 
-from megatron_burst.dispatch import DispatchPlan, plan_dispatch
+from megatron_burst.masks.block import BlockMask
+from megatron_burst.masks.dispatch import DispatchPlan, plan_dispatch
+
+__all__ = ["LAYOUTS", "BALANCED", "ENGINE_LAYOUTS", "BalancedCuSeqlens", "check_layout", "seq_divisor",
+           "check_seq_len", "check_local_len", "balanced_plan", "layout_indices", "thd_indices", "plan_rows",
+           "layout_indices_on", "shard", "unshard", "block_mask", "global_causal_mask"]
 
 # The fixed layouts: a token's rank follows from its position alone (what Megatron's --cp-layout takes).
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -107,7 +115,7 @@ def _plan_of(bounds: tuple[int, ...], world_size: int, causal: bool) -> Dispatch
 
 
 def balanced_plan(cu_seqlens: BalancedCuSeqlens, seq_len: int, world_size: int, causal: bool = True) -> DispatchPlan:
-    """The ``balanced`` layout's placement of a batch: :func:`~megatron_burst.dispatch.plan_dispatch`
+    """The ``balanced`` layout's placement of a batch: :func:`~megatron_burst.masks.dispatch.plan_dispatch`
     of its document boundaries ``cu_seqlens`` ([0, ..., seq_len] int tensor or list, or a list of
     them, one per sample) on ``world_size`` ranks.
 
@@ -177,7 +185,7 @@ def thd_indices(cu_seqlens_padded: Sequence[int], rank: int, world_size: int) ->
 
     Each (padded) sequence [cu[i], cu[i+1]) is cut into 2W chunks and rank r holds chunks r and
     2W-1-r of every sequence: zigzag per sequence, in increasing global order. Returns LongTensor
-    [cu[-1] / W]. Every padded length must be divisible by 2W when W > 1 (see documents.check_thd).
+    [cu[-1] / W]. Every padded length must be divisible by 2W when W > 1 (see megatron_burst.masks.documents.check_thd).
     """
     if world_size == 1:  # one rank holds everything, in order: lengths need no divisibility
         return torch.arange(cu_seqlens_padded[-1])
@@ -238,159 +246,10 @@ def unshard(shards: Sequence[torch.Tensor], dim: int, layout: str, stripe: int =
     return cat.index_select(dim, inverse.to(cat.device))
 
 
-@dataclass(frozen=True)
-class BlockMask:
-    """What part of a (local q block, local kv block) pair is visible.
-
-    kind:
-      * ``empty``: nothing visible, skip the block.
-      * ``full``: q rows [q_start, q_stop) see kv rows [kv_start, kv_stop) entirely.
-      * ``causal``: inside that rectangle, row i sees column j iff i - q_start >= j - kv_start.
-      * ``block_causal``: inside the rectangle, row i sees column j iff
-        (i - q_start) // block >= (j - kv_start) // block.
-      * ``positions``: inside the rectangle, row i sees column j iff
-        q_pos[i'] - left <= kv_pos[j'] <= q_pos[i'] + right with ``band`` = (left, right) (global
-        token positions, both increasing; i' = i - q_start, j' = j - kv_start; a None bound is
-        unbounded; the default (None, 0) is causal, a sliding window narrows it) and, when
-        document ids are given, q_doc[i'] == kv_doc[j']. Either pair may be None (no position
-        condition / one document). Document masks produce it (see
-        :mod:`megatron_burst.documents`): for one document whose causal pattern is none of the
-        above (e.g. striped with an offset), or for a run of small adjacent documents merged into
-        one kernel call. Every row of such a rectangle sees at least one column.
-      * ``sparse``: per-head block-sparse visibility (vertical-slash patterns): ``plan`` lists the
-        64-row query tiles, their visible 64-column key tiles and per-head masks
-        (megatron_burst.sparse_plan); rows may see nothing (output 0, lse -inf).
-      * ``gather``: per-row gathered keys (the scattered part of a sparse plan): ``plan`` is a
-        megatron_burst.sparse_plan.SparseRows for rows [q_start, q_stop); rows may see nothing.
-    Rows outside [q_start, q_stop) receive nothing from this block.
-    """
-
-    kind: str
-    q_start: int = 0
-    q_stop: int = 0
-    kv_start: int = 0
-    kv_stop: int = 0
-    block: int = 1
-    # ``positions`` only: LongTensors [q_stop - q_start] and [kv_stop - kv_start] (CPU)
-    q_pos: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
-    kv_pos: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
-    q_doc: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
-    kv_doc: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
-    # ``sparse``: the block-sparse plan (tuple of megatron_burst.sparse_plan.SparseTile); ``gather``: a SparseRows
-    plan: Optional[tuple] = field(default=None, compare=False, repr=False)
-    band: tuple = (None, 0)  # ``positions`` only: (left, right) bounds of kv_pos - q_pos (see kind)
-
-    @property
-    def mask_data(self) -> tuple:
-        """(q_pos, kv_pos, q_doc, kv_doc, band) of a ``positions`` block (see :func:`positions_visibility`)."""
-        return self.q_pos, self.kv_pos, self.q_doc, self.kv_doc, self.band
-
-    @property
-    def q_slice(self) -> slice:
-        return slice(self.q_start, self.q_stop)
-
-    @property
-    def kv_slice(self) -> slice:
-        return slice(self.kv_start, self.kv_stop)
-
-    def clip_rows(self, rows: int) -> "BlockMask":
-        """The same block restricted to q rows [0, rows) (columns no row there sees are dropped too)."""
-        if self.kind == "empty" or rows >= self.q_stop:
-            return self
-        if rows <= self.q_start:
-            return BlockMask("empty")
-        height = rows - self.q_start
-        if self.kind == "causal":  # rows [0, h) of a causal rectangle see columns [0, h): stays square
-            kv_stop = min(self.kv_stop, self.kv_start + height)
-        elif self.kind == "block_causal":
-            kv_stop = min(self.kv_stop, self.kv_start + ((height - 1) // self.block + 1) * self.block)
-        elif self.kind == "positions":  # the last kept row's position and document bound the columns
-            seen = self.kv_stop - self.kv_start
-            if self.q_pos is not None and self.band[1] is not None:
-                last = self.q_pos[height - 1:height] + self.band[1]
-                seen = min(seen, int(torch.searchsorted(self.kv_pos, last, right=True)[0]))
-            if self.q_doc is not None:
-                seen = min(seen, int(torch.searchsorted(self.kv_doc, self.q_doc[height - 1:height], right=True)[0]))
-            cut = lambda t, m: None if t is None else t[:m]  # noqa: E731
-            return BlockMask("positions", self.q_start, rows, self.kv_start, self.kv_start + seen, 1,
-                             cut(self.q_pos, height), cut(self.kv_pos, seen), cut(self.q_doc, height),
-                             cut(self.kv_doc, seen), band=self.band)
-        else:
-            kv_stop = self.kv_stop
-        return BlockMask(self.kind, self.q_start, rows, self.kv_start, kv_stop, self.block)
-
-    def shifted(self, q_offset: int, kv_offset: int) -> "BlockMask":
-        """The same region placed at (q_offset, kv_offset) inside a larger block (a block of blocks);
-        a ``positions`` block keeps its per-row/column data (it is relative to the rectangle)."""
-        if self.kind == "empty":
-            return self
-        return dataclasses.replace(self, q_start=self.q_start + q_offset, q_stop=self.q_stop + q_offset,
-                                   kv_start=self.kv_start + kv_offset, kv_stop=self.kv_stop + kv_offset)
-
-    def restrict_kv(self, kv_start: int, kv_stop: int) -> "BlockMask":
-        """The same region restricted to kv rows [kv_start, kv_stop) (a piece of the kv block).
-
-        A causal rectangle keeps its diagonal: cutting off leading columns moves its first visible
-        row down by as many rows (for block_causal, ``kv_start`` must sit on a stripe boundary).
-        """
-        if self.kind == "empty":
-            return self
-        if self.kind == "positions":  # its rows may see nothing of a piece: document masks are not cut
-            raise ValueError("restrict_kv does not cut 'positions' blocks (document masks): gather them whole")
-        lo, hi = max(self.kv_start, kv_start), min(self.kv_stop, kv_stop)
-        if lo >= hi:
-            return BlockMask("empty")
-        q_start = self.q_start
-        if self.kind != "full":
-            if self.kind == "block_causal" and (lo - self.kv_start) % self.block:
-                raise ValueError(f"restrict_kv({kv_start}, {kv_stop}) cuts a stripe of {self.block}")
-            q_start += lo - self.kv_start
-        if q_start >= self.q_stop:
-            return BlockMask("empty")
-        return BlockMask(self.kind, q_start, self.q_stop, lo, hi, self.block)
-
-    def dense(self, q_len: int, kv_len: int) -> torch.Tensor:
-        """Boolean [q_len, kv_len] visibility matrix (tests and fallback kernels)."""
-        m = torch.zeros(q_len, kv_len, dtype=torch.bool)
-        if self.kind == "empty":
-            return m
-        rows = torch.arange(self.q_stop - self.q_start)[:, None]
-        cols = torch.arange(self.kv_stop - self.kv_start)[None, :]
-        if self.kind == "full":
-            sub = torch.ones(rows.shape[0], cols.shape[1], dtype=torch.bool)
-        elif self.kind == "causal":
-            sub = rows >= cols
-        elif self.kind == "positions":
-            sub = positions_visibility(*self.mask_data, rows.shape[0], cols.shape[1])
-        else:
-            sub = rows // self.block >= cols // self.block
-        m[self.q_slice, self.kv_slice] = sub
-        return m
-
-
-def positions_visibility(q_pos: Optional[torch.Tensor], kv_pos: Optional[torch.Tensor], q_doc: Optional[torch.Tensor],
-                         kv_doc: Optional[torch.Tensor], band: tuple, sq: int, sk: int,
-                         device: Optional[torch.device] = None) -> torch.Tensor:
-    """Boolean [sq, sk] visibility of a ``positions`` block: q_pos - left <= kv_pos <= q_pos + right
-    with band = (left, right) (if positions are given; a None bound is unbounded) and
-    q_doc == kv_doc (if given), from the (already sliced) per-row and per-column vectors."""
-    vis = torch.ones(sq, sk, dtype=torch.bool, device=device)
-    if q_pos is not None:
-        left, right = band
-        diff = q_pos.to(device)[:, None] - kv_pos.to(device)[None, :]  # q_pos - kv_pos
-        if right is not None:
-            vis &= diff >= -right
-        if left is not None:
-            vis &= diff <= left
-    if q_doc is not None:
-        vis &= kv_doc.to(device)[None, :] == q_doc.to(device)[:, None]
-    return vis
-
-
 def block_mask(layout: str, q_rank: int, kv_rank: int, world_size: int, local_len: int,
                causal: bool, stripe: int = 1) -> BlockMask:
     """Visible part of the block (queries of ``q_rank``) x (keys of ``kv_rank``), both ``local_len`` long."""
-    if layout not in LAYOUTS:  # balanced and THD blocks come from documents (megatron_burst.documents)
+    if layout not in LAYOUTS:  # balanced and THD blocks come from documents (masks.documents)
         raise ValueError(f"block_mask covers the fixed layouts {', '.join(LAYOUTS)}; layout {layout!r} is placed by "
                          "documents: use megatron_burst.documents.visible_blocks")
     n = local_len

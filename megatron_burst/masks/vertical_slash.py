@@ -29,12 +29,12 @@ many tiles the pair has) and builds the plan in the packed form the kernels read
 A query that sees no key at all (no vertical line before it and no slash through it) gets output
 0 and zero gradients (FlashAttention's convention for fully masked rows).
 
-:func:`imbalance` measures how evenly a pattern's work spreads over ranks and ring steps
-(MTraining's worker- and step-level imbalance degrees).
+:func:`megatron_burst.masks.imbalance.pattern_imbalance` measures how evenly a pattern's work
+spreads over ranks and ring steps (MTraining's worker- and step-level imbalance degrees).
 
-This module imports only :mod:`megatron_burst.layout` and :mod:`megatron_burst.documents`; the
-attention itself is ``megatron_burst.cp_attention(..., pattern=...)`` (and the
-:func:`megatron_burst.sparse.sparse_cp_attention` wrapper).
+This module imports only masks (:mod:`~megatron_burst.masks.block`, ``layout``, ``documents``,
+``window`` and ``visible``); the attention itself is ``megatron_burst.cp_attention(...,
+pattern=...)`` (and the :func:`megatron_burst.sparse.sparse_cp_attention` wrapper).
 """
 from __future__ import annotations
 
@@ -45,8 +45,15 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from megatron_burst.documents import Documents, Window, visible_blocks
-from megatron_burst.layout import BlockMask, check_seq_len, layout_indices, layout_indices_on
+from megatron_burst.masks.block import BlockMask
+from megatron_burst.masks.documents import Documents
+from megatron_burst.masks.layout import layout_indices_on
+from megatron_burst.masks.visible import visible_blocks
+from megatron_burst.masks.window import Window
+
+__all__ = ["TILE", "COLUMNS", "CPU_DENSE_COLUMN", "LONG_RUN", "PLAN_CHUNK", "PLAN_MASKS", "dense_column_for",
+           "VerticalSlash", "pack_bits", "unpack_bits", "SparseTile", "TilePlan", "PackedTiles", "as_packed",
+           "SparseRows", "key_floor", "plan_pair", "column_counts", "plan_tiles", "pattern_blocks"]
 
 # rows and columns of the block-sparse kernel's tiles ($MEGATRON_BURST_SPARSE_TILE overrides, for measuring)
 TILE = int(os.environ.get("MEGATRON_BURST_SPARSE_TILE", "64"))
@@ -870,73 +877,3 @@ def pattern_blocks(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: in
                 out.append((batch, BlockMask("gather", 0, local_len, 0, local_len, plan=rows)))
         cache["blocks"][key] = out
     return list(cache["blocks"][key])
-
-
-def _correlate(q_in: torch.Tensor, kv_in: torch.Tensor) -> torch.Tensor:
-    """c[o] = #{i : q_in[i] and kv_in[i - o]} for every offset o in [0, S) (exact, via an FFT)."""
-    S = q_in.numel()
-    n = 2 * S
-    fq = torch.fft.rfft(q_in.double(), n)
-    fk = torch.fft.rfft(kv_in.double(), n)
-    return torch.fft.irfft(fq * fk.conj(), n)[:S].round().long()
-
-
-def pair_work(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> int:
-    """Visible (head, query, key) pairs of queries at ``q_pos`` x keys at ``kv_pos``, counted per
-    line (no [sq, sk] matrix): vertical hits + slash hits - pairs on both. On the pattern's device."""
-    device = pattern.device
-    q_pos, kv_pos = q_pos.to(device), kv_pos.to(device)
-    q_in = torch.zeros(seq_len, dtype=torch.bool, device=device)
-    q_in[q_pos] = True
-    kv_in = torch.zeros(seq_len, dtype=torch.bool, device=device)
-    kv_in[kv_pos] = True
-    q_sorted = torch.sort(q_pos).values
-    per_offset = _correlate(q_in, kv_in)  # query i = o + j sees key j on diagonal o
-    total = 0
-    for h in range(pattern.vertical.shape[0]):
-        vert = torch.unique(pattern.vertical[h].long())
-        vert = vert[kv_in[vert]]
-        total += int((q_sorted.numel() - torch.searchsorted(q_sorted, vert)).sum())  # j seen by every i >= j
-        offsets = torch.unique(pattern.slash[h].long())
-        total += int(per_offset[offsets].sum())
-        if vert.numel():
-            on_vert = torch.zeros(seq_len, dtype=torch.bool, device=device)
-            on_vert[vert] = True
-            total -= int(_correlate(q_in, on_vert)[offsets].sum())
-    return total
-
-
-def imbalance(pattern: VerticalSlash, seq_len: int, world_size: int, layout: str, stripe: int = 1,
-              ring: str = "flat", ranks_per_node: Optional[int] = None) -> dict:
-    """MTraining's imbalance degrees of ``pattern``'s work on a ring (work = visible query-key pairs
-    over all heads of a block pair; the ring visits pair (r, owner) at the step the schedule does).
-
-    Returns {"worker": max/mean over ranks at each ring step, aggregated as the sum over steps of
-    the max over ranks / the sum over steps of the mean (a ring waits for its slowest rank every
-    step, so this is its time over the ideal); "worker_total": max/mean over ranks of the whole
-    pass's work; "step": the mean over ranks of each rank's max/mean over its ring steps;
-    "work": [rank][step] visible pairs}.
-    ``ring="double"`` orders steps as the hierarchical (outer x inner) ring does, ``ranks_per_node`` per node.
-    """
-    check_seq_len(seq_len, world_size, layout, stripe)
-    W = world_size
-    R = ranks_per_node if ring == "double" else W
-    if ring == "double" and (R is None or W % R):
-        raise ValueError(f"ring='double' needs ranks_per_node dividing world_size={W}, got {ranks_per_node}")
-    idx = [layout_indices(seq_len, r, W, layout, stripe) for r in range(W)]
-    work = [[0] * W for _ in range(W)]
-    for r in range(W):
-        for step in range(W):
-            if ring == "double":  # outer step T (node), inner step t (rank inside the node)
-                T, t = divmod(step, R)
-                node, local = divmod(r, R)
-                owner = ((node - T) % (W // R)) * R + (local - t) % R
-            else:
-                owner = (r - step) % W
-            work[r][step] = pair_work(pattern, seq_len, idx[r], idx[owner])
-    per_step_max = sum(max(work[r][s] for r in range(W)) for s in range(W))
-    total = sum(map(sum, work))
-    worker = per_step_max / (total / W) if total else 1.0
-    worker_total = max(map(sum, work)) / (total / W) if total else 1.0
-    step = sum(max(w) / (sum(w) / W) if sum(w) else 1.0 for w in work) / W
-    return {"worker": worker, "worker_total": worker_total, "step": step, "work": work}
