@@ -14,9 +14,21 @@ Public API (functional, usable without Megatron):
   comm_counter                            -- byte accounting of every CP transfer
   VerticalSlash, sparse_cp_attention      -- vertical-slash sparse patterns: cp_attention(pattern=...), composed
                                              with cu_seqlens and window; sparse_cp_attention wraps it
-                                             (megatron_burst.sparse; plans: megatron_burst.sparse_plan)
+                                             (megatron_burst.sparse)
   fused_linear_cross_entropy               -- LM head + vocab-parallel CE without N x V logits
 Megatron integration: megatron_burst.specs, megatron_burst.add_args, get_batch_on_this_cp_rank.
+
+Where things live:
+  megatron_burst.masks        every mask and placement as data: block (BlockMask), layout, dispatch
+                              (balanced planner), documents, window, visible, vertical_slash (sparse
+                              patterns and plans), dynamic (dynamic pattern), imbalance (analytics);
+                              imports nothing from kernels or algorithms
+  megatron_burst.kernels      local attention kernels on BlockMask rectangles
+  megatron_burst.algorithms   the CP engine: cp_attention, validate, prepare, function (autograd),
+                              auto (cost-model picks), schedule, ring, burst, allgather, ulysses
+  megatron_burst.layout, .documents, .dispatch, .sparse_plan, .dynamic_pattern, .sparse
+                              public aliases of megatron_burst.masks modules (sparse also holds the
+                              sparse_cp_attention wrapper)
 """
 from megatron_burst.masks.dispatch import DispatchPlan, plan_dispatch
 from megatron_burst.masks.documents import balanced_documents

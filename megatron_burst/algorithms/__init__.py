@@ -56,7 +56,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """Context-parallel softmax attention over the ranks of ``group``.
 
     q [s, b, hq, d], k/v [s, b, hkv, d] (``qkv_format="sbhd"``, Megatron's; or [b, s, h, d] for
-    "bshd") hold this rank's s local tokens in ``layout``'s order (see megatron_burst.layout; one of
+    "bshd") hold this rank's s local tokens in ``layout``'s order (see megatron_burst.masks.layout; one of
     ``ENGINE_LAYOUTS`` or "thd").
     Returns this rank's output, same shape and dtype as q, contiguous (so Megatron's reshape to
     [s, b, hq*d] is a view). Differentiable; gradients are exact.
@@ -69,19 +69,19 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     ``kernel`` forces a local attention backend (megatron_burst.kernels.BACKENDS).
     ``cu_seqlens``: packed documents, int tensor [0, ..., S] of global document boundaries over the
     full sequence (S = s x CP size; the same on every rank), or a list of b such tensors (one per
-    sample), or a :class:`~megatron_burst.documents.Documents` validated once per batch (Megatron
+    sample), or a :class:`~megatron_burst.masks.documents.Documents` validated once per batch (Megatron
     layers do this). Attention stays inside each document: causal within it (``causal=True``) or full within
     it (``causal=False``). Block pairs sharing no document skip compute; bytes sent are unchanged.
-    See megatron_burst.documents.
+    See megatron_burst.masks.documents.
     Packed THD batches (TransformerEngine's partitioning, Megatron's PackedSeqParams):
     ``layout="thd"`` with ``cu_seqlens`` (real sequence boundaries) and ``cu_seqlens_padded``
     (padded ones, each a multiple of 2 x CP size; None: unpadded): rank r holds chunks r and 2W-1-r
     of every sequence. ``qkv_format="thd"`` takes and returns [t, h, d] tensors.
-    ``layout="balanced"``: tokens placed by the documents (megatron_burst.dispatch.plan_dispatch: long
+    ``layout="balanced"``: tokens placed by the documents (megatron_burst.masks.dispatch.plan_dispatch: long
     documents split over groups of ranks, short ones whole on one rank, S / W tokens per rank, S
     divisible by W). Needs ``cu_seqlens``: raw boundaries (planned on their union when per sample,
-    cached per boundaries), or better the :class:`~megatron_burst.documents.Documents` of
-    :func:`~megatron_burst.documents.balanced_documents` built once per batch; this rank's q, k, v
+    cached per boundaries), or better the :class:`~megatron_burst.masks.documents.Documents` of
+    :func:`~megatron_burst.masks.documents.balanced_documents` built once per batch; this rank's q, k, v
     are then the full sequence's rows ``documents.plan.indices(rank)`` (increasing global order;
     ``megatron_burst.shard(..., "balanced", plan=...)``). Every algorithm, ring shape, window and
     per-sample boundaries run it exactly; K,V travel the full ring (every block, as in the other
@@ -93,9 +93,9 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     needs it, so traffic shrinks with the window (schedule.ring_pass).
     ``pattern``: a vertical-slash sparse pattern (MTraining): a :class:`~megatron_burst.VerticalSlash`
     (query i of head h sees key j <= i iff j is one of h's vertical lines or i - j one of its slash
-    offsets), ``"dynamic"`` or a :class:`~megatron_burst.dynamic_pattern.Dynamic` (estimated from
+    offsets), ``"dynamic"`` or a :class:`~megatron_burst.masks.dynamic.Dynamic` (estimated from
     this call's q and k first, the same on every rank). Intersected with causality, ``cu_seqlens``
-    and ``window`` (megatron_burst.sparse_plan). Ring and burst only (``auto`` picks one of them),
+    and ``window`` (megatron_burst.masks.vertical_slash). Ring and burst only (``auto`` picks one of them),
     causal, not with THD. Block pairs, query tiles and key columns with nothing visible skip
     compute; the ring carries every block unless a window prunes it.
     """
