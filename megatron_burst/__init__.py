@@ -14,23 +14,43 @@ Public API (functional, usable without Megatron):
   comm_counter                            -- byte accounting of every CP transfer
   VerticalSlash, sparse_cp_attention      -- vertical-slash sparse patterns: cp_attention(pattern=...), composed
                                              with cu_seqlens and window; sparse_cp_attention wraps it
-                                             (megatron_burst.sparse; plans: megatron_burst.sparse_plan)
+                                             (megatron_burst.sparse)
   fused_linear_cross_entropy               -- LM head + vocab-parallel CE without N x V logits
 Megatron integration: megatron_burst.specs, megatron_burst.add_args, get_batch_on_this_cp_rank.
+
+Where things live:
+  megatron_burst.masks        every mask and placement as data: block (BlockMask), layout, dispatch
+                              (balanced planner), documents, window, visible, vertical_slash (sparse
+                              patterns and plans), dynamic (dynamic pattern), imbalance (analytics);
+                              imports nothing from kernels or algorithms
+  megatron_burst.kernels      local attention kernels on BlockMask rectangles
+  megatron_burst.algorithms   the CP engine: cp_attention, validate, prepare, function (autograd),
+                              auto (cost-model picks), schedule, ring, burst, allgather, ulysses
+  megatron_burst.layout, .documents, .dispatch, .sparse_plan, .dynamic_pattern, .sparse
+                              public aliases of megatron_burst.masks modules (sparse also holds the
+                              sparse_cp_attention wrapper)
 """
-from megatron_burst.layout import ENGINE_LAYOUTS, LAYOUTS, layout_indices, shard, unshard
-from megatron_burst.documents import balanced_documents
-from megatron_burst.dispatch import DispatchPlan, plan_dispatch
+from megatron_burst.masks.dispatch import DispatchPlan, plan_dispatch
+from megatron_burst.masks.documents import balanced_documents
+from megatron_burst.masks.layout import ENGINE_LAYOUTS, LAYOUTS, layout_indices, shard, unshard
+from megatron_burst.masks.vertical_slash import VerticalSlash
 from megatron_burst.comm import comm_counter
 from megatron_burst.algorithms import CP_ALGOS, cp_attention
 from megatron_burst.topology import build_cp_topology, build_usp_topology
 from megatron_burst.linear import gated_delta_rule, linear_attention
-from megatron_burst.sparse import VerticalSlash, sparse_cp_attention
+from megatron_burst.sparse import sparse_cp_attention
 
 __version__ = "0.1.0"
 
+# public alias modules of megatron_burst.masks: ``megatron_burst.layout`` etc. stay attributes of the package
+_MASK_ALIASES = ("layout", "documents", "dispatch", "sparse_plan", "dynamic_pattern")
+
 
 def __getattr__(name):
+    if name in _MASK_ALIASES:
+        import importlib
+
+        return importlib.import_module(f"megatron_burst.{name}")
     # Megatron-facing helpers import megatron.core lazily, so the engine works without it.
     if name == "add_args":
         from megatron_burst.megatron.flags import add_args

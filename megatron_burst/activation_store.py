@@ -61,7 +61,8 @@ from typing import Iterable, Optional, Union
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from megatron_burst.algorithms import Prepared, prepare, to_bhsd
+from megatron_burst.algorithms.function import to_bhsd
+from megatron_burst.algorithms.prepare import Prepared, prepare
 
 __all__ = ["SelectiveAttentionCache", "selective_cp_attention", "end_iteration", "release_before_optimizer_steps",
            "stores_of", "fingerprint", "host_key", "recomputed_rows", "HostKey", "DEFAULT_MEMORY_FRACTION"]

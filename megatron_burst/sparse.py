@@ -1,20 +1,20 @@
-"""Vertical-slash sparse attention under context parallelism (MTraining): the public face.
+"""Public alias of megatron_burst.masks.vertical_slash (vertical-slash sparse patterns and their
+tile plans; with ``imbalance`` = megatron_burst.masks.imbalance.pattern_imbalance and ``pair_work``),
+plus :func:`sparse_cp_attention`, the one thing this module defines: a thin wrapper over
+``megatron_burst.cp_attention(..., pattern=...)``.
 
-The attention is :func:`megatron_burst.cp_attention` with ``pattern=``: a
-:class:`VerticalSlash` (static), ``"dynamic"`` or a
-:class:`megatron_burst.dynamic_pattern.Dynamic` (MTraining's Algorithm 1, estimated from this
-call's q and k). The pattern is part of the validated call, like documents (``cu_seqlens``) and
-a sliding window (``window``), and composes with both: the visible set is pattern AND causal AND
-same document AND window (see :mod:`megatron_burst.sparse_plan`). Ring and burst run it (``auto``
-picks one of them), flat or double ring, every layout except packed THD.
+The attention is :func:`megatron_burst.cp_attention` with ``pattern=``: a :class:`VerticalSlash`
+(static), ``"dynamic"`` or a :class:`megatron_burst.masks.dynamic.Dynamic` (MTraining's
+Algorithm 1, estimated from this call's q and k). The pattern is part of the validated call, like
+documents (``cu_seqlens``) and a sliding window (``window``), and composes with both: the visible
+set is pattern AND causal AND same document AND window (see
+:mod:`megatron_burst.masks.vertical_slash`). Ring and burst run it (``auto`` picks one of them),
+flat or double ring, every layout except packed THD and balanced.
 
-:func:`sparse_cp_attention` is the older entry point, kept as a thin wrapper with its own
-defaults (block-striped layout, stripe 64, burst): ``sparse_cp_attention(q, k, v, pattern, **kw)``
-is ``cp_attention(q, k, v, pattern=pattern, layout="striped", stripe=64, algo="burst", **kw)``.
-
-The patterns and plans (data) live in :mod:`megatron_burst.sparse_plan`, below the kernels and
-the algorithms that read them; this module re-exports them, so ``megatron_burst.sparse.plan_pair``
-and the rest keep working.
+:func:`sparse_cp_attention` keeps MTraining's defaults (block-striped layout, stripe 64, burst):
+``sparse_cp_attention(q, k, v, pattern, **kw)`` is ``cp_attention(q, k, v, pattern=pattern,
+layout="striped", stripe=64, algo="burst", **kw)``; it adds nothing else. Patch module attributes
+on megatron_burst.masks.vertical_slash, not on this alias.
 """
 from __future__ import annotations
 
@@ -23,15 +23,12 @@ from typing import Optional
 import torch
 
 from megatron_burst.algorithms import cp_attention
-from megatron_burst.sparse_plan import (COLUMNS, CPU_DENSE_COLUMN, LONG_RUN, PLAN_CHUNK, PLAN_MASKS, TILE,
-                                        PackedTiles, SparseRows, SparseTile, TilePlan, VerticalSlash, as_packed,
-                                        column_counts, dense_column_for, imbalance, key_floor, pack_bits,
-                                        pair_work, pattern_blocks, plan_pair, plan_tiles, unpack_bits)
+from megatron_burst.masks import vertical_slash as _vertical_slash
+from megatron_burst.masks.imbalance import pair_work  # noqa: F401
+from megatron_burst.masks.imbalance import pattern_imbalance as imbalance  # noqa: F401
+from megatron_burst.masks.vertical_slash import *  # noqa: F401,F403  re-exports exactly its __all__
 
-__all__ = ["sparse_cp_attention", "COLUMNS", "CPU_DENSE_COLUMN", "LONG_RUN", "PLAN_CHUNK", "PLAN_MASKS", "TILE",
-           "PackedTiles", "SparseRows", "SparseTile", "TilePlan", "VerticalSlash", "as_packed", "column_counts",
-           "dense_column_for", "imbalance", "key_floor", "pack_bits", "pair_work", "pattern_blocks", "plan_pair",
-           "plan_tiles", "unpack_bits"]
+__all__ = ["sparse_cp_attention"] + _vertical_slash.__all__ + ["imbalance", "pair_work"]
 
 
 def sparse_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern, *, group=None,
@@ -46,7 +43,7 @@ def sparse_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, patte
     MTraining's balanced sparse ring). ``pattern`` lines are global positions over S = s x CP size.
     ``algo``: "ring" or "burst" backward ("auto": the cost model picks one); ``ring``: "flat" or
     "double" (group a CPTopology). ``pattern`` "dynamic" or a
-    :class:`megatron_burst.dynamic_pattern.Dynamic` (budgets p_v, p_s, last_q) estimates MTraining's
+    :class:`megatron_burst.masks.dynamic.Dynamic` (budgets p_v, p_s, last_q) estimates MTraining's
     dynamic pattern from this call's q and k first (identical on every rank; not differentiated
     through). ``cu_seqlens`` and ``window`` intersect the pattern with documents and a sliding
     window, as in :func:`megatron_burst.cp_attention`.

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_burst as mb
-from megatron_burst.dispatch import plan_dispatch
+from megatron_burst.masks.dispatch import plan_dispatch
 from megatron_burst.topology import build_usp_topology
 
 DTYPE = torch.float32

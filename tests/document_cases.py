@@ -129,10 +129,10 @@ def expected_calls(bounds, layout: str, local_len: int, q_rank: int, W: int, str
     pos = torch.arange(seq)
     doc = torch.bucketize(pos, torch.tensor(bounds[1:-1]), right=True)
     vis = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
-    qp = mb.layout.layout_indices(seq, q_rank, W, layout, stripe)
+    qp = mb.masks.layout.layout_indices(seq, q_rank, W, layout, stripe)
     count = 0
     for j in range(W):
-        kp = mb.layout.layout_indices(seq, j, W, layout, stripe)
+        kp = mb.masks.layout.layout_indices(seq, j, W, layout, stripe)
         sub = vis[qp][:, kp]
         count += len(set(doc[qp][sub.any(1)].tolist()))
     return count
@@ -141,7 +141,7 @@ def expected_calls(bounds, layout: str, local_len: int, q_rank: int, W: int, str
 def count_kernel_calls(algo: str, layout: str, bounds, local_len: int, stripe: int = 1, merge_rows: int = 0):
     """Kernel calls made by this rank with documents, and the independent expectation per pass
     (one call per (kv rank, document) with something visible: exact when ``merge_rows`` = 0)."""
-    from megatron_burst import documents
+    from megatron_burst.masks import documents  # MERGE_ROWS is read there per call
 
     W, r = dist.get_world_size(), dist.get_rank()
     saved, documents.MERGE_ROWS = documents.MERGE_ROWS, merge_rows
@@ -165,8 +165,8 @@ def _pairs(bounds, layout, local_len, q_rank, kv_rank, W, stripe) -> int:
     pos = torch.arange(seq)
     doc = torch.bucketize(pos, torch.tensor(bounds[1:-1]), right=True)
     vis = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
-    qp = mb.layout.layout_indices(seq, q_rank, W, layout, stripe)
-    kp = mb.layout.layout_indices(seq, kv_rank, W, layout, stripe)
+    qp = mb.masks.layout.layout_indices(seq, q_rank, W, layout, stripe)
+    kp = mb.masks.layout.layout_indices(seq, kv_rank, W, layout, stripe)
     return len(set(doc[qp][vis[qp][:, kp].any(1)].tolist()))
 
 
@@ -259,7 +259,7 @@ def run_thd_case(algo: str, seqlens: list, padded: list, heads=(8, 2), d: int = 
     scores = (qh @ kh.repeat_interleave(g, 0).transpose(-1, -2) * scale).masked_fill(~vis, float("-inf"))
     out_ref = (torch.softmax(scores, -1) @ vh.repeat_interleave(g, 0)).permute(1, 0, 2)
     out_ref.backward(dout)
-    idx = mb.layout.thd_indices(cu_pad, r, W)
+    idx = mb.masks.layout.thd_indices(cu_pad, r, W)
     ql, kl, vl = (t[idx].clone().requires_grad_() for t in (q, k, v))
     with mb.comm_counter() as counter:
         out = mb.cp_attention(ql, kl, vl, algo=algo, layout="thd", qkv_format="thd", softmax_scale=scale,

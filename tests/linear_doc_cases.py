@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import megatron_burst as mb
 from linear_cases import B, DK, DV, H, LOCAL
-from megatron_burst.documents import check_cu_seqlens
+from megatron_burst.masks.documents import check_cu_seqlens
 from megatron_burst.linear import gated_delta_rule, linear_attention, naive_gated_delta_rule, naive_linear_attention
 
 GFORMS = (None, "head", "token", "channel")
@@ -211,7 +211,7 @@ def document_cases(lasp1: bool = True, gdn: bool = True) -> dict:
 
 def refusals() -> dict:
     """Documents linear_attention / gated_delta_rule cannot take raise ValueError before any collective."""
-    from megatron_burst.documents import check_thd
+    from megatron_burst.masks.documents import check_thd
 
     q, k, v = torch.randn(8, 1, 2, 4), torch.randn(8, 1, 2, 4), torch.randn(8, 1, 2, 3)
     g, beta = -torch.rand(8, 1, 2), torch.rand(8, 1, 2)

@@ -69,7 +69,7 @@ def run_dynamic_case(layout: str, stripe: int, local_len: int, heads=(4, 2), alg
                      b: int = 2, d: int = 8, seq: Optional[int] = None) -> dict:
     """The dynamic pattern on every rank (to compare), the single-process estimate over the whole
     sequence, and the attention's errors vs the dense reference under the estimated pattern."""
-    from megatron_burst.dynamic_pattern import Dynamic, estimate
+    from megatron_burst.masks.dynamic import Dynamic, estimate
 
     W, r = dist.get_world_size(), dist.get_rank()
     hq, hkv = heads

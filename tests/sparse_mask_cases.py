@@ -79,7 +79,7 @@ def run_mask_cases(layout: str, stripe: int, local_len: int, algos=("burst", "ri
         mk = lambda h: torch.randn(seq, b, h, d, generator=gen)  # noqa: E731
         q, k, v, dout = mk(hq), mk(hkv), mk(hkv), mk(hq)
         if dynamic:
-            from megatron_burst.dynamic_pattern import Dynamic, estimate
+            from megatron_burst.masks.dynamic import Dynamic, estimate
 
             q = q * 3  # peaky attention: top-p keeps few lines
             pattern = Dynamic(p_v=0.5, p_s=0.5, last_q=24, pool=4)

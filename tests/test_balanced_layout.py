@@ -12,7 +12,7 @@ import megatron_burst as mb
 from balanced_cases import balanced_matrix, mixed_bounds, refusals, selective_checkpoint, topology_matrix
 from harness import run_ranks
 from megatron_burst import documents, layout
-from megatron_burst.dispatch import plan_dispatch
+from megatron_burst.masks.dispatch import plan_dispatch
 
 TOL = 1e-5  # fp32 rounding (a wrong placement or mask gives O(1) errors)
 

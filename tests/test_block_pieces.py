@@ -7,7 +7,7 @@ import torch
 
 from megatron_burst.algorithms.allgather import kv_pieces
 from megatron_burst.algorithms.schedule import CPConfig
-from megatron_burst.layout import block_mask, global_causal_mask, layout_indices
+from megatron_burst.masks.layout import block_mask, global_causal_mask, layout_indices
 from megatron_burst.topology import CPTopology
 
 CASES = [("contiguous", 1, 6), ("zigzag", 1, 6), ("striped", 1, 6), ("striped", 2, 8), ("striped", 3, 9)]

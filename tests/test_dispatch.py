@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from megatron_burst.bench.documents import lognormal_mix, long_plus_short, uniform_mix
-from megatron_burst.dispatch import ATTEMPTS, level_chain, plan_dispatch
-from megatron_burst.documents import dense_document_mask, imbalance, thd_padded
+from megatron_burst.masks.dispatch import ATTEMPTS, level_chain, plan_dispatch
+from megatron_burst.masks.documents import dense_document_mask
+from megatron_burst.masks.imbalance import document_imbalance, thd_padded
 
 S = 131072
 MIXES = {"lognormal": lognormal_mix(S), "64K+short": long_plus_short(S), "16x8K": uniform_mix(S, 16)}
@@ -105,7 +106,7 @@ def test_short_documents_stay_on_one_rank(plans):
 @pytest.mark.parametrize("mix,W", CASES)
 def test_balanced_meets_the_bounds_on_the_issue_mixes(plans, mix, W):
     plan = plans[(mix, W)]
-    m = imbalance(MIXES[mix], W, plan)
+    m = document_imbalance(MIXES[mix], W, plan)
     assert m["worker_total"] <= 1.05, m["worker_total"]
     assert m["worker"] <= 1.15, m["worker"]
     # the planner's own exact count (from its pieces) is the generic count from token ownership
@@ -131,8 +132,8 @@ def test_balanced_meets_the_bounds_on_random_mixes(W):
 @pytest.mark.parametrize("W", WORLDS)
 def test_balanced_sends_at_most_half_of_zigzag_on_the_lognormal_mix(plans, W):
     bounds = MIXES["lognormal"]
-    zigzag = imbalance(bounds, W, "zigzag")
-    balanced = imbalance(bounds, W, plans[("lognormal", W)])
+    zigzag = document_imbalance(bounds, W, "zigzag")
+    balanced = document_imbalance(bounds, W, plans[("lognormal", W)])
     assert max(zigzag["kv_sent"]) == W - 1
     assert max(balanced["kv_sent"]) <= 0.5 * max(zigzag["kv_sent"])
     assert max(balanced["kv_sent"]) <= plans[("lognormal", W)].group_size - 1 + 2  # cosets (+ fill cuts)
@@ -148,7 +149,7 @@ ISSUE = {  # the issue's worker-level (max / mean) table: zigzag, contiguous, bl
 
 @pytest.mark.parametrize("mix,W", list(ISSUE))
 def test_imbalance_reproduces_the_issue_table(mix, W):
-    got = [imbalance(MIXES[mix], W, layout, stripe=stripe)["worker_total"]
+    got = [document_imbalance(MIXES[mix], W, layout, stripe=stripe)["worker_total"]
            for layout, stripe in (("zigzag", 1), ("contiguous", 1), ("striped", 64))]
     want = ISSUE[(mix, W)]
     tol = 0.2 if mix == "lognormal" else 0.05  # the issue's lognormal lengths are not given
@@ -172,7 +173,7 @@ def test_imbalance_equals_a_dense_count(layout, causal):
         padded, docs = thd_padded(bounds, W)
         assert padded == (0, 8, 40, 48, 104, 144)
         owner = np.zeros(padded[-1], dtype=np.int64)
-        from megatron_burst.layout import thd_indices
+        from megatron_burst.masks.layout import thd_indices
         for r in range(W):
             owner[thd_indices(padded, r, W).numpy()] = r
         arg, dense_bounds = "thd", docs
@@ -187,12 +188,12 @@ def test_imbalance_equals_a_dense_count(layout, causal):
             owner[idx.numpy()] = r
         arg, dense_bounds = lists, bounds
     else:
-        from megatron_burst.layout import layout_indices
+        from megatron_burst.masks.layout import layout_indices
         owner = np.zeros(S_, dtype=np.int64)
         for r in range(W):
             owner[layout_indices(S_, r, W, layout, stripe).numpy()] = r
         arg, dense_bounds = layout, bounds
-    m = imbalance(bounds, W, arg, stripe=stripe, causal=causal)
+    m = document_imbalance(bounds, W, arg, stripe=stripe, causal=causal)
     pairs = _dense_pairs(dense_bounds, owner, W, causal)
     work = np.array([[pairs[r, (r - t) % W] for t in range(W)] for r in range(W)])
     assert np.array_equal(np.asarray(m["work"]), work)

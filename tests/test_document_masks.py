@@ -7,8 +7,8 @@ import torch
 from document_cases import (bad_cu_seqlens_messages, count_kernel_calls, run_doc_case, run_doc_matrix,
                             run_thd_case, selective_checkpoint_with_documents, thd_error)
 from harness import run_ranks
-from megatron_burst.documents import check_cu_seqlens, dense_document_mask, document_blocks
-from megatron_burst.layout import layout_indices
+from megatron_burst.masks.documents import check_cu_seqlens, dense_document_mask, document_blocks
+from megatron_burst.masks.layout import layout_indices
 
 ALGOS = ["ring", "burst", "auto"]
 LAYOUTS = [("contiguous", 1), ("zigzag", 1), ("striped", 1), ("striped", 2)]

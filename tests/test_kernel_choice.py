@@ -20,7 +20,7 @@ import torch
 import megatron_burst as mb
 from megatron_burst import kernels
 from megatron_burst.kernels import choice, cpu_flash, cuda_flash, cudnn_sdpa, reference, tiled, torch_ops
-from megatron_burst.layout import BlockMask
+from megatron_burst.masks.block import BlockMask
 from harness import run_ranks
 
 CPU = torch.device("cpu")
@@ -212,7 +212,7 @@ def test_ranks_of_a_group_agree_on_the_kernels_or_fail():
 
 def _configs():
     from megatron_burst.algorithms.schedule import CPConfig
-    from megatron_burst.documents import check_cu_seqlens
+    from megatron_burst.masks.documents import check_cu_seqlens
     from megatron_burst.topology import CPTopology
 
     for W in (1, 2, 3):

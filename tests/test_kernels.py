@@ -4,7 +4,7 @@ import torch
 
 from megatron_burst import kernels
 from megatron_burst.kernels import cpu_flash, cuda_flash, reference, tiled
-from megatron_burst.layout import BlockMask
+from megatron_burst.masks.block import BlockMask
 
 CASES = [("full", 1), ("causal", 1), ("block_causal", 3)]
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import megatron_burst as mb
-from megatron_burst.layout import block_mask, global_causal_mask, seq_divisor
+from megatron_burst.masks.layout import block_mask, global_causal_mask, seq_divisor
 
 
 def test_indices_by_hand():
@@ -67,7 +67,7 @@ def test_errors_name_the_fix():
 def test_one_rank_holds_any_length_in_order(layout, stripe):
     """Issue M2: at CP = 1 an odd --seq-length failed at the first step ("not divisible by 2, which
     layout='zigzag' needs with world_size=1"). On one rank every layout is the identity."""
-    from megatron_burst.layout import check_seq_len
+    from megatron_burst.masks.layout import check_seq_len
 
     for seq in (1, 7, 31, 127):
         check_seq_len(seq, 1, layout, stripe)

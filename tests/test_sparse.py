@@ -7,7 +7,8 @@ import torch
 from harness import run_ranks
 import megatron_burst as mb
 from megatron_burst.kernels import block_sparse, row_gather
-from megatron_burst.sparse import VerticalSlash, column_counts, imbalance, plan_pair, plan_tiles
+from megatron_burst.masks.imbalance import pattern_imbalance
+from megatron_burst.masks.vertical_slash import VerticalSlash, column_counts, plan_pair, plan_tiles
 import sparse_cases as sc
 from window_cases import dense_masked_reference
 
@@ -205,8 +206,8 @@ def test_imbalance_block_striped_balances_zigzag_does_not():
     zigzag's step-level >= 2 on the same 90 %+ sparse pattern."""
     S, W = 32768, 8
     pattern = _balance_pattern(S)
-    block = imbalance(pattern, S, W, "striped", stripe=64)
-    zigzag = imbalance(pattern, S, W, "zigzag")
+    block = pattern_imbalance(pattern, S, W, "striped", stripe=64)
+    zigzag = pattern_imbalance(pattern, S, W, "zigzag")
     total = sum(map(sum, block["work"]))
     assert total == sum(map(sum, zigzag["work"]))  # the same pairs, dealt differently
     assert 1 - total / (2 * S * (S + 1) / 2) > 0.9
@@ -233,12 +234,12 @@ def test_imbalance_zigzag_worker_level_with_prefix_heavy_keys():
     worker <= 1.05, step <= 1.2 (paper 1.03 / 1.16)."""
     S, W = 32768, 8
     pattern = _prefix_heavy_pattern(S)
-    zigzag = imbalance(pattern, S, W, "zigzag")
+    zigzag = pattern_imbalance(pattern, S, W, "zigzag")
     total = sum(map(sum, zigzag["work"]))
     assert 1 - total / (2 * S * (S + 1) / 2) > 0.9
     assert zigzag["worker"] >= 2 and zigzag["step"] >= 2, zigzag
     for ring in ("flat", "double"):
-        block = imbalance(pattern, S, W, "striped", stripe=64, ring=ring, ranks_per_node=4)
+        block = pattern_imbalance(pattern, S, W, "striped", stripe=64, ring=ring, ranks_per_node=4)
         assert sum(map(sum, block["work"])) == total
         assert block["worker"] <= 1.05 and block["step"] <= 1.2, (ring, block["worker"], block["step"])
 
@@ -251,7 +252,7 @@ def test_imbalance_counts_pairs_exactly():
     pattern = VerticalSlash(torch.randint(0, S, (2, 9), generator=g), torch.randint(0, S, (2, 7), generator=g))
     vis = sc.definition_mask(pattern, S)
     for ring in ("flat", "double"):
-        res = imbalance(pattern, S, W, "striped", stripe=4, ring=ring, ranks_per_node=2)
+        res = pattern_imbalance(pattern, S, W, "striped", stripe=4, ring=ring, ranks_per_node=2)
         for r in range(W):
             for step in range(W):
                 if ring == "flat":
@@ -279,7 +280,7 @@ def test_dynamic_pattern_identical_on_all_ranks_and_exact(W, layout, stripe):
 
 
 def test_dynamic_budgets_validated():
-    from megatron_burst.dynamic_pattern import Dynamic
+    from megatron_burst.masks.dynamic import Dynamic
 
     q = torch.zeros(16, 1, 2, 4)
     for bad, needle in ((Dynamic(p_v=0.0), "p_v=0.0"), (Dynamic(p_s=1.5), "p_s=1.5"), (Dynamic(last_q=17), "last_q=17")):

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import megatron_burst as mb
-from megatron_burst import sparse_plan as sparse  # the planner (megatron_burst.sparse re-exports it)
-from megatron_burst.dynamic_pattern import Dynamic
+from megatron_burst.masks import vertical_slash as sparse  # the planner's home: patch attributes here
+from megatron_burst.masks.dynamic import Dynamic
 from megatron_burst.kernels import block_sparse, row_gather, triton_block_sparse as tbs
-from megatron_burst.layout import layout_indices_on
-from megatron_burst.sparse import VerticalSlash, pattern_blocks, plan_pair
+from megatron_burst.masks.layout import layout_indices_on
+from megatron_burst.masks.vertical_slash import VerticalSlash, pattern_blocks, plan_pair
 from sync_counter import SyncCounter
 
 CPU = torch.device("cpu")

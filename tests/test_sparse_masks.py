@@ -18,9 +18,10 @@ import torch
 from harness import run_ranks
 import megatron_burst as mb
 from megatron_burst import sparse_plan
-from megatron_burst.documents import check_cu_seqlens
-from megatron_burst.layout import layout_indices_on
-from megatron_burst.sparse_plan import LONG_RUN, VerticalSlash, column_counts, key_floor, pattern_blocks, plan_pair
+from megatron_burst.masks.documents import check_cu_seqlens
+from megatron_burst.masks.layout import layout_indices_on
+from megatron_burst.masks.vertical_slash import (LONG_RUN, VerticalSlash, column_counts, key_floor, pattern_blocks,
+                                                 plan_pair)
 import sparse_mask_cases as smc
 from sparse_cases import definition_mask
 from sync_counter import SyncCounter

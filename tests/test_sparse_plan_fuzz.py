@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import megatron_burst as mb
-from megatron_burst.sparse import LONG_RUN, VerticalSlash, column_counts, plan_pair
+from megatron_burst.masks.vertical_slash import LONG_RUN, VerticalSlash, column_counts, plan_pair
 
 
 def _random_pattern(S: int, h: int, g: torch.Generator, case: int) -> VerticalSlash:

@@ -17,7 +17,7 @@ import torch
 
 from megatron_burst import kernels
 from megatron_burst.kernels import block_sparse, triton_block_sparse as tbs
-from megatron_burst.sparse import SparseTile
+from megatron_burst.masks.vertical_slash import SparseTile
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 TOL = 1e-5  # relative to the reference's largest magnitude; every case runs fp32 math
@@ -112,7 +112,7 @@ def test_packed_plan_layout_and_cache(monkeypatch):
 def test_tile_plans_carry_their_packed_form():
     """A TilePlan (what the CP code passes) keeps its packed form as an attribute: it dies with the
     plan (a dynamic pattern's plans) instead of sitting in the LRU."""
-    from megatron_burst.sparse import TilePlan
+    from megatron_burst.masks.vertical_slash import TilePlan
 
     plan = TilePlan(_plan())
     before = len(tbs._packed)

@@ -239,7 +239,7 @@ def engine_blocks() -> dict:
     the Triton kernel and with the reference; the largest relative error over all blocks."""
     from megatron_burst import kernels
     from megatron_burst.algorithms.schedule import CPConfig
-    from megatron_burst.documents import check_cu_seqlens, check_thd
+    from megatron_burst.masks.documents import check_cu_seqlens, check_thd
     from megatron_burst.topology import CPTopology
 
     W, n = 3, 24

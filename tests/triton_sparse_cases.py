@@ -16,7 +16,7 @@ import sys
 import torch
 
 from megatron_burst.kernels import block_sparse, triton_block_sparse
-from megatron_burst.sparse import SparseTile, plan_tiles
+from megatron_burst.masks.vertical_slash import SparseTile, plan_tiles
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 

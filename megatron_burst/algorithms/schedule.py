@@ -50,9 +50,10 @@ import numpy as np
 import torch
 
 from megatron_burst.comm import PendingExchange
-from megatron_burst.documents import Documents, visible_blocks
-from megatron_burst.layout import BlockMask
-from megatron_burst.sparse_plan import VerticalSlash, pattern_blocks
+from megatron_burst.masks.block import BlockMask
+from megatron_burst.masks.documents import Documents
+from megatron_burst.masks.vertical_slash import VerticalSlash, pattern_blocks
+from megatron_burst.masks.visible import visible_blocks
 from megatron_burst.topology import CPTopology, Ring
 
 # gloo tags of the two rings when they share no batch (separate communicators); NCCL ignores tags

@@ -91,7 +91,7 @@ def main(argv=None) -> None:
         p.error(f"--heads {args.heads} is not divisible by --kv-heads {args.kv_heads}")
     for layout in args.layouts:  # run exactly --seq, or say why not (never a silently shorter one)
         try:
-            mb.layout.check_seq_len(args.seq, args.world_size, layout)
+            mb.masks.layout.check_seq_len(args.seq, args.world_size, layout)
         except ValueError as exc:
             p.error(f"--seq {args.seq} at --world-size {args.world_size}, layout {layout}: {exc}")
     from megatron_burst.algorithms.ulysses import check_heads

@@ -432,7 +432,7 @@ def mask_pairs(m) -> int:
             total += min(blk, R - rb * blk) * min((rb + 1) * blk, C)
         return total
     if m.kind == "positions":
-        from megatron_burst.layout import positions_visibility
+        from megatron_burst.masks.block import positions_visibility
         return int(positions_visibility(*m.mask_data, R, C).sum())
     raise ValueError(f"mask_pairs: {m.kind!r}")
 
@@ -460,7 +460,7 @@ def section_rank_block(B: Bench) -> None:
         label = f"{layout}{'' if layout == 'zigzag' else f'_stripe{stripe}'}"
         name = f"W{W}_s{s}_{label}"
         try:
-            from megatron_burst.layout import check_seq_len
+            from megatron_burst.masks.layout import check_seq_len
             check_seq_len(s, W, layout, stripe)
             work, cfg = rank_block_work(layout, stripe, W, n, scale)
         except Exception as e:  # noqa: BLE001
@@ -614,7 +614,7 @@ def varlen_fn(varlen_attn, params: set, cu: torch.Tensor, max_len: int, window: 
 
 def section_documents(B: Bench) -> None:
     import megatron_burst as mb
-    from megatron_burst.documents import dense_document_mask
+    from megatron_burst.masks.documents import dense_document_mask
 
     a, dev, dt, S = B.args, B.device, B.dtype, "documents"
     b, hq, hkv, d = 1, a.heads, a.kv_heads, a.head_dim
@@ -793,7 +793,7 @@ def structured_qkv(s: int, b: int, hq: int, hkv: int, d: int, dtype: torch.dtype
 
 def pattern_pairs(pattern, s: int) -> tuple[int, float]:
     """(visible pairs over all heads, sparsity of causal pairs) of a VerticalSlash, counted per line."""
-    from megatron_burst.sparse import pair_work
+    from megatron_burst.masks.imbalance import pair_work
     pos = torch.arange(s, device=pattern.device)
     pairs = pair_work(pattern, s, pos, pos)
     heads = pattern.vertical.shape[0]
@@ -803,8 +803,8 @@ def pattern_pairs(pattern, s: int) -> tuple[int, float]:
 def section_sparse(B: Bench) -> None:
     import megatron_burst as mb
     from megatron_burst.bench.sparse import make_pattern
-    from megatron_burst.dynamic_pattern import Dynamic, estimate
-    from megatron_burst.sparse import VerticalSlash
+    from megatron_burst.masks.dynamic import Dynamic, estimate
+    from megatron_burst.masks.vertical_slash import VerticalSlash
 
     a, dev, dt, S = B.args, B.device, B.dtype, "sparse"
     s, b, hq, hkv, d = a.sparse_seq, 1, a.heads, a.kv_heads, a.head_dim
@@ -992,7 +992,7 @@ def section_multi_rank(B: Bench) -> None:
         name = f"W{W}_s{s}"
         shape = {"W": W, "s": s, "b": b, "hq": hq, "hkv": hkv, "d": d, "layout": "zigzag"}
         try:
-            from megatron_burst.layout import check_seq_len
+            from megatron_burst.masks.layout import check_seq_len
             check_seq_len(s, W, "zigzag")
             if cuda:
                 from megatron_burst.launch import run_on_one_gpu

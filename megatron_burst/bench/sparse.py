@@ -26,7 +26,8 @@ import torch.distributed as dist
 import megatron_burst as mb
 from megatron_burst.bench import plotting
 from megatron_burst.bench.launch import STEADY_MALLOC, run_local
-from megatron_burst.sparse import VerticalSlash, imbalance
+from megatron_burst.masks.imbalance import pattern_imbalance
+from megatron_burst.masks.vertical_slash import VerticalSlash
 
 SCHEDULES = {  # name: (layout, stripe, ring)
     "zigzag": ("zigzag", 1, "flat"),
@@ -136,7 +137,7 @@ def main(argv=None) -> None:
     for name in args.schedules:
         layout, stripe, _ = SCHEDULES[name]
         try:
-            mb.layout.check_seq_len(args.seq, args.world_size, layout, stripe)
+            mb.masks.layout.check_seq_len(args.seq, args.world_size, layout, stripe)
         except ValueError as exc:
             p.error(f"--seq {args.seq}, schedule {name}: {exc}")
     if args.worker:
@@ -172,12 +173,12 @@ def main(argv=None) -> None:
             cols = "- | -"
         else:
             layout, stripe, ring = SCHEDULES[name]
-            imb = imbalance(pattern, args.seq, args.world_size, layout, stripe=stripe, ring=ring,
-                            ranks_per_node=args.ranks_per_node)
+            imb = pattern_imbalance(pattern, args.seq, args.world_size, layout, stripe=stripe, ring=ring,
+                                    ranks_per_node=args.ranks_per_node)
             cols = f"{imb['worker']:.2f} | {imb['step']:.2f}"
         print(f"| {name} | {fwd:.3f} | {bwd:.3f} | {fwd + bwd:.3f} | {dense_total / (fwd + bwd):.2f} | "
               f"{sent / 1e6:.2f} | {cols} |")
-    work = sum(map(sum, imbalance(pattern, args.seq, args.world_size, "zigzag")["work"]))
+    work = sum(map(sum, pattern_imbalance(pattern, args.seq, args.world_size, "zigzag")["work"]))
     sparsity = 1 - work / (args.heads * args.seq * (args.seq + 1) / 2)
     print(f"# sparsity {sparsity:.3f} (of causal pairs)")
     if args.plot:

@@ -19,7 +19,7 @@ from megatron_burst.kernels import cpu_flash, cuda_flash, cudnn_sdpa, reference,
 from megatron_burst.kernels import choice as selection
 from megatron_burst.kernels.choice import (KernelChoice, KernelPolicy, KernelSelfCheckError, SlowKernelError,
                                            SlowKernelWarning, choose, report)
-from megatron_burst.layout import BlockMask
+from megatron_burst.masks.block import BlockMask
 
 BACKENDS: dict[str, ModuleType] = {
     "reference": reference, "tiled": tiled, "cpu_flash": cpu_flash, "cuda_flash": cuda_flash, "cudnn": cudnn_sdpa,

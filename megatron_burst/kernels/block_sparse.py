@@ -1,10 +1,10 @@
 """Block-sparse attention in plain torch (any device): computes only the visible tiles of a plan.
 
 Same (out, lse) interface as :mod:`megatron_burst.kernels.reference`, for ``kind="sparse"``
-blocks: the keyword ``plan`` is a :class:`megatron_burst.sparse_plan.PackedTiles` (what the planner
+blocks: the keyword ``plan`` is a :class:`megatron_burst.masks.vertical_slash.PackedTiles` (what the planner
 builds: query tiles of up to 64 rows, the key columns each gathers, a per-head bitmask) or
-hand-written tiles (a tuple of :class:`megatron_burst.sparse_plan.SparseTile`, converted by
-:func:`megatron_burst.sparse_plan.as_packed`). Tiles absent from the plan are skipped. Rows that see
+hand-written tiles (a tuple of :class:`megatron_burst.masks.vertical_slash.SparseTile`, converted by
+:func:`megatron_burst.masks.vertical_slash.as_packed`). Tiles absent from the plan are skipped. Rows that see
 nothing get out 0 and lse -inf (their gradients are 0). fp32 math; the backward recomputes
 probabilities from the given lse and D.
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_burst.sparse_plan import PackedTiles, as_packed, unpack_bits
+from megatron_burst.masks.vertical_slash import PackedTiles, as_packed, unpack_bits
 
 # elements (b * hq * tiles * rows * cols) of one group's fp32 scores: 4M = 16 MiB
 GROUP_ELEMS = 1 << 22

@@ -51,7 +51,7 @@ GPU_CANDIDATES: dict[str, tuple[str, ...]] = {
     "block_causal": ("triton_masked",),
     "positions": ("triton_masked",),
     "sparse": ("triton_block_sparse",),
-    "gather": (),  # CUDA plans put every visible column in the Triton tiles (megatron_burst.sparse_plan)
+    "gather": (),  # CUDA plans put every visible column in the Triton tiles (megatron_burst.masks.vertical_slash)
 }
 # the plain-torch kernel of each kind: any device, the reference for the fused ones
 PLAIN: dict[str, str] = {"full": "tiled", "causal": "tiled", "block_causal": "tiled", "positions": "tiled",

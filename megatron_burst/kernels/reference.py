@@ -11,14 +11,14 @@ hq % hkv == 0):
 i // block >= j // block) or "positions" (iff kv_pos[j] <= q_pos[i] and q_doc[i] == kv_doc[j]; the
 keyword argument ``positions=(q_pos, kv_pos, q_doc, kv_doc, band)`` gives global positions and document
 ids (and the band (left, right) of a sliding window: q_pos - left <= kv_pos <= q_pos + right), LongTensors [sq] / [sk], either pair possibly None, and every row sees at least one column:
-document masks, see megatron_burst.layout.BlockMask and megatron_burst.documents). D = rowsum(dout * out) is passed in, not recomputed: a rank that received
+document masks, see megatron_burst.masks.block.BlockMask and megatron_burst.masks.documents). D = rowsum(dout * out) is passed in, not recomputed: a rank that received
 a remote Q block never has the remote output.
 """
 from __future__ import annotations
 
 import torch
 
-from megatron_burst.layout import positions_visibility
+from megatron_burst.masks.block import positions_visibility
 
 
 def visibility(kind: str, block: int, sq: int, sk: int, device: torch.device,

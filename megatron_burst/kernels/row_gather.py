@@ -6,12 +6,12 @@ vertical-slash plan. An isolated slash line puts one visible pair in each row of
 here every row gathers just its own keys (``index_select`` of K/V rows, then row-wise dot
 products), so the cost follows the visible pairs. Dense columns (vertical lines, a local band of
 slashes) stay with the tile kernel, whose matmuls are cheaper per score (the split:
-:func:`megatron_burst.sparse_plan.plan_pair`). Plans have this part on CPU only
-(:func:`megatron_burst.sparse_plan.dense_column_for`): on CUDA every visible column goes to the Triton
+:func:`megatron_burst.masks.vertical_slash.plan_pair`). Plans have this part on CPU only
+(:func:`megatron_burst.masks.vertical_slash.dense_column_for`): on CUDA every visible column goes to the Triton
 tile kernel.
 
 Same (out, lse) interface as the other kernels, for ``kind="gather"`` blocks: the keyword
-``plan`` is a tuple of :class:`megatron_burst.sparse_plan.SparseRows` groups (rows [R]; idx, valid
+``plan`` is a tuple of :class:`megatron_burst.masks.vertical_slash.SparseRows` groups (rows [R]; idx, valid
 [hq, R, n]; on the plan's device, copied once to q's when elsewhere), rows grouped by how many
 keys they gather. Rows with no valid key get out 0 and lse -inf (zero gradients). fp32 math, rows
 processed in chunks so the gathered K/V copies stay small.

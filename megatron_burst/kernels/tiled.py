@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from megatron_burst.kernels.reference import expand_kv, reduce_kv
-from megatron_burst.layout import positions_visibility
+from megatron_burst.masks.block import positions_visibility
 
 TILE_Q = 512
 TILE_K = 512

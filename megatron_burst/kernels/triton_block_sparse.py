@@ -1,8 +1,8 @@
 """Block-sparse attention in Triton (GPU; CPU through Triton's interpreter), the fast twin of
 :mod:`megatron_burst.kernels.block_sparse` with the same (out, lse) / gradients interface.
 
-Plan: a :class:`megatron_burst.sparse_plan.PackedTiles` (what the planner builds on the device, read
-as it is) or hand-written tiles (a tuple of :class:`megatron_burst.sparse_plan.SparseTile`, packed once
+Plan: a :class:`megatron_burst.masks.vertical_slash.PackedTiles` (what the planner builds on the device, read
+as it is) or hand-written tiles (a tuple of :class:`megatron_burst.masks.vertical_slash.SparseTile`, packed once
 per (plan object, device), see :func:`pack`). The kernels read its flat device tensors
 
 * ``q0``, ``q1`` [T] int32 -- each tile's query rows [q0, q1) (at most 64 rows);
@@ -14,7 +14,7 @@ per (plan object, device), see :func:`pack`). The kernels read its flat device t
   smaller than bool).
 
 Hand-written tiles are packed tile after tile (``vis_head`` = rows x words of the tile). A
-:class:`megatron_burst.sparse_plan.TilePlan` carries its packed form as an attribute, so it dies with
+:class:`megatron_burst.masks.vertical_slash.TilePlan` carries its packed form as an attribute, so it dies with
 the plan. A plain tuple's packed form is cached by ``id(plan)`` together with a reference to the
 plan (the id cannot be reused while it is held) in a bounded LRU (PACK_CACHE entries and
 PACK_CACHE_BYTES of packed tensors).
@@ -45,7 +45,7 @@ import torch
 
 from megatron_burst.kernels import block_sparse
 from megatron_burst.kernels.triton_env import AVAILABLE, interpreting, unavailable  # noqa: F401  (module face)
-from megatron_burst.sparse_plan import PackedTiles, SparseTile, as_packed
+from megatron_burst.masks.vertical_slash import PackedTiles, SparseTile, as_packed
 
 
 # GPU (column chunk BLOCK_N, warps) per (direction, input bits). No GPU was available to time them:
@@ -80,7 +80,7 @@ def _next_pow2(n: int, floor: int = 16) -> int:
 def pack(plan, heads: int, device: torch.device) -> PackedTiles:
     """``plan`` for ``heads`` query heads on ``device`` as the kernels read it: a PackedTiles as it
     is (copied once if on another device); hand-written tiles (a tuple of SparseTile) packed and
-    cached: on the plan itself when it carries attributes (megatron_burst.sparse_plan.TilePlan: the
+    cached: on the plan itself when it carries attributes (megatron_burst.masks.vertical_slash.TilePlan: the
     packed form dies with the plan), else in a bounded LRU keyed by id(plan) that holds the plan.
 
     Raises ValueError if the plan's heads differ, a tile's visibility is not

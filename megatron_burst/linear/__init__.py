@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_burst.documents import CuSeqlens, Documents
+from megatron_burst.masks.documents import CuSeqlens, Documents
 from megatron_burst.linear.checks import MIN_STRIPE, check_qkv, segment_order, segments_per_rank
 from megatron_burst.linear.chunked import segment_output, segment_state
 from megatron_burst.linear.docs import check_documents, segment_documents
@@ -80,7 +80,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     ``cu_seqlens``: packed documents, as :func:`megatron_burst.cp_attention` takes them -- an int
     tensor [0, ..., S] of global boundaries over the full sequence (S = s x CP size, the same on
     every rank), a list of b such tensors (one per sample), or a validated
-    :class:`~megatron_burst.documents.Documents`. The state starts again from zero at every
+    :class:`~megatron_burst.masks.documents.Documents`. The state starts again from zero at every
     document's first token, across rank boundaries, in every layout (``causal=True`` only). The
     bytes sent are unchanged: every rank derives the segments' reset flags from the boundaries.
     """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_burst.layout import LAYOUTS, check_layout, check_local_len
+from megatron_burst.masks.layout import LAYOUTS, check_layout, check_local_len
 from megatron_burst.linear.chunked import CHUNK
 
 MIN_STRIPE = CHUNK  # block-striped segments shorter than a chunk would make the state exchange dominate

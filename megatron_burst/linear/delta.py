@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_burst.documents import CuSeqlens, Documents
+from megatron_burst.masks.documents import CuSeqlens, Documents
 from megatron_burst.linear.checks import check_qkv, segment_order, segments_per_rank
 from megatron_burst.linear.chunked import CHUNK
 from megatron_burst.linear.docs import check_documents, segment_documents
@@ -203,7 +203,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
     ``cu_seqlens``: packed documents, as :func:`megatron_burst.cp_attention` takes them (global
     boundaries [0, ..., S], S = s x CP size, the same on every rank; one per sample in a list; or
-    a validated :class:`~megatron_burst.documents.Documents`): the state starts again from zero at
+    a validated :class:`~megatron_burst.masks.documents.Documents`): the state starts again from zero at
     every document's first token, across rank boundaries, in every layout; the bytes sent are
     unchanged. With documents the outputs are formed in torch ("auto" does not take fla's kernel;
     "fla" is refused).

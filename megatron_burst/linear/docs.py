@@ -1,7 +1,7 @@
 """Documents for the linear-attention family: where the recurrent state starts again from zero.
 
 Packed documents ``cu_seqlens`` [0, ..., S] (global positions over the full sequence, the same on
-every CP rank; :func:`megatron_burst.documents.check_cu_seqlens`) make every document its own
+every CP rank; :func:`megatron_burst.masks.documents.check_cu_seqlens`) make every document its own
 sequence: the first token of a document sees a zero state, as if the document stood alone. In the
 recurrences that is one more factor on the transition,
 
@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from megatron_burst.documents import CuSeqlens, Documents, check_cu_seqlens
+from megatron_burst.masks.documents import CuSeqlens, Documents, check_cu_seqlens
 
 __all__ = ["SegmentDocuments", "check_documents", "segment_documents", "document_index"]
 
@@ -62,7 +62,7 @@ def check_documents(cu_seqlens: "CuSeqlens | Documents", seq_len: int, batch: in
 
     ``cu_seqlens``: as cp_attention takes it -- one int tensor (or list of ints) [0, ..., S] shared
     by the batch, a list of ``batch`` of them (one per sample), or a
-    :class:`~megatron_burst.documents.Documents` validated once per batch. ``seq_len`` is the
+    :class:`~megatron_burst.masks.documents.Documents` validated once per batch. ``seq_len`` is the
     global length S = local length x CP size.
     """
     if not isinstance(cu_seqlens, Documents):

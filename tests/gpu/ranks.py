@@ -59,11 +59,11 @@ def cp_cases(cases: list, seq: int, b: int, hq: int, hkv: int, d: int, seed: int
 
 
 class _Capture:
-    """Records the patterns megatron_burst.dynamic_pattern.estimate returns while active (the test
-    compares against the very pattern the engine ran with)."""
+    """Records the patterns megatron_burst.masks.dynamic.estimate returns while active (the test
+    compares against the very pattern the engine ran with; the engine calls through that module)."""
 
     def __init__(self):
-        import megatron_burst.dynamic_pattern as dp
+        import megatron_burst.masks.dynamic as dp
         self.module, self.original, self.patterns = dp, dp.estimate, []
 
     def __enter__(self):

@@ -9,7 +9,7 @@ import torch
 
 from megatron_burst.kernels import block_backward, block_forward, row_dot
 from megatron_burst.kernels.choice import choose
-from megatron_burst.layout import BlockMask
+from megatron_burst.masks.block import BlockMask
 
 from gpu.common import DEV, DTYPE, EXPECTED_KERNELS, L, ON_CPU, WINDOW, check, doc_bounds, errors, \
     kernel_failures, reference, sdpa_errors

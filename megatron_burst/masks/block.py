@@ -1,0 +1,172 @@
+"""A block pair's visible region as data: :class:`BlockMask`, the rectangle of a (local q block,
+local kv block) pair that the kernels compute, with the mask inside it.
+
+Every mask of the package ends here: the layouts' causal/full masks
+(:func:`megatron_burst.masks.layout.block_mask`), documents and windows (``positions``
+rectangles, :mod:`megatron_burst.masks.documents`, :mod:`megatron_burst.masks.window`) and
+vertical-slash plans (``sparse`` and ``gather`` blocks, :mod:`megatron_burst.masks.vertical_slash`).
+
+Invariants: coordinates are local rows and columns of the pair (rectangle [q_start, q_stop) x
+[kv_start, kv_stop)); rows outside the rectangle receive nothing from the block; a rectangle's
+operations (:meth:`BlockMask.clip_rows`, :meth:`BlockMask.shifted`, :meth:`BlockMask.restrict_kv`)
+return masks that see a subset of the same (query, key) pairs, moved but never widened.
+This module imports nothing else from the package.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+__all__ = ["BlockMask", "positions_visibility"]
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """What part of a (local q block, local kv block) pair is visible.
+
+    kind:
+      * ``empty``: nothing visible, skip the block.
+      * ``full``: q rows [q_start, q_stop) see kv rows [kv_start, kv_stop) entirely.
+      * ``causal``: inside that rectangle, row i sees column j iff i - q_start >= j - kv_start.
+      * ``block_causal``: inside the rectangle, row i sees column j iff
+        (i - q_start) // block >= (j - kv_start) // block.
+      * ``positions``: inside the rectangle, row i sees column j iff
+        q_pos[i'] - left <= kv_pos[j'] <= q_pos[i'] + right with ``band`` = (left, right) (global
+        token positions, both increasing; i' = i - q_start, j' = j - kv_start; a None bound is
+        unbounded; the default (None, 0) is causal, a sliding window narrows it) and, when
+        document ids are given, q_doc[i'] == kv_doc[j']. Either pair may be None (no position
+        condition / one document). Document masks produce it (see
+        :mod:`megatron_burst.masks.documents`): for one document whose causal pattern is none of the
+        above (e.g. striped with an offset), or for a run of small adjacent documents merged into
+        one kernel call. Every row of such a rectangle sees at least one column.
+      * ``sparse``: per-head block-sparse visibility (vertical-slash patterns): ``plan`` lists the
+        64-row query tiles, their visible 64-column key tiles and per-head masks
+        (megatron_burst.masks.vertical_slash); rows may see nothing (output 0, lse -inf).
+      * ``gather``: per-row gathered keys (the scattered part of a sparse plan): ``plan`` is a
+        megatron_burst.masks.vertical_slash.SparseRows for rows [q_start, q_stop); rows may see nothing.
+    Rows outside [q_start, q_stop) receive nothing from this block.
+    """
+
+    kind: str
+    q_start: int = 0
+    q_stop: int = 0
+    kv_start: int = 0
+    kv_stop: int = 0
+    block: int = 1
+    # ``positions`` only: LongTensors [q_stop - q_start] and [kv_stop - kv_start] (CPU)
+    q_pos: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    kv_pos: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    q_doc: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    kv_doc: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    # ``sparse``: the block-sparse plan (tuple of megatron_burst.masks.vertical_slash.SparseTile); ``gather``: a SparseRows
+    plan: Optional[tuple] = field(default=None, compare=False, repr=False)
+    band: tuple = (None, 0)  # ``positions`` only: (left, right) bounds of kv_pos - q_pos (see kind)
+
+    @property
+    def mask_data(self) -> tuple:
+        """(q_pos, kv_pos, q_doc, kv_doc, band) of a ``positions`` block (see :func:`positions_visibility`)."""
+        return self.q_pos, self.kv_pos, self.q_doc, self.kv_doc, self.band
+
+    @property
+    def q_slice(self) -> slice:
+        return slice(self.q_start, self.q_stop)
+
+    @property
+    def kv_slice(self) -> slice:
+        return slice(self.kv_start, self.kv_stop)
+
+    def clip_rows(self, rows: int) -> "BlockMask":
+        """The same block restricted to q rows [0, rows) (columns no row there sees are dropped too)."""
+        if self.kind == "empty" or rows >= self.q_stop:
+            return self
+        if rows <= self.q_start:
+            return BlockMask("empty")
+        height = rows - self.q_start
+        if self.kind == "causal":  # rows [0, h) of a causal rectangle see columns [0, h): stays square
+            kv_stop = min(self.kv_stop, self.kv_start + height)
+        elif self.kind == "block_causal":
+            kv_stop = min(self.kv_stop, self.kv_start + ((height - 1) // self.block + 1) * self.block)
+        elif self.kind == "positions":  # the last kept row's position and document bound the columns
+            seen = self.kv_stop - self.kv_start
+            if self.q_pos is not None and self.band[1] is not None:
+                last = self.q_pos[height - 1:height] + self.band[1]
+                seen = min(seen, int(torch.searchsorted(self.kv_pos, last, right=True)[0]))
+            if self.q_doc is not None:
+                seen = min(seen, int(torch.searchsorted(self.kv_doc, self.q_doc[height - 1:height], right=True)[0]))
+            cut = lambda t, m: None if t is None else t[:m]  # noqa: E731
+            return BlockMask("positions", self.q_start, rows, self.kv_start, self.kv_start + seen, 1,
+                             cut(self.q_pos, height), cut(self.kv_pos, seen), cut(self.q_doc, height),
+                             cut(self.kv_doc, seen), band=self.band)
+        else:
+            kv_stop = self.kv_stop
+        return BlockMask(self.kind, self.q_start, rows, self.kv_start, kv_stop, self.block)
+
+    def shifted(self, q_offset: int, kv_offset: int) -> "BlockMask":
+        """The same region placed at (q_offset, kv_offset) inside a larger block (a block of blocks);
+        a ``positions`` block keeps its per-row/column data (it is relative to the rectangle)."""
+        if self.kind == "empty":
+            return self
+        return dataclasses.replace(self, q_start=self.q_start + q_offset, q_stop=self.q_stop + q_offset,
+                                   kv_start=self.kv_start + kv_offset, kv_stop=self.kv_stop + kv_offset)
+
+    def restrict_kv(self, kv_start: int, kv_stop: int) -> "BlockMask":
+        """The same region restricted to kv rows [kv_start, kv_stop) (a piece of the kv block).
+
+        A causal rectangle keeps its diagonal: cutting off leading columns moves its first visible
+        row down by as many rows (for block_causal, ``kv_start`` must sit on a stripe boundary).
+        """
+        if self.kind == "empty":
+            return self
+        if self.kind == "positions":  # its rows may see nothing of a piece: document masks are not cut
+            raise ValueError("restrict_kv does not cut 'positions' blocks (document masks): gather them whole")
+        lo, hi = max(self.kv_start, kv_start), min(self.kv_stop, kv_stop)
+        if lo >= hi:
+            return BlockMask("empty")
+        q_start = self.q_start
+        if self.kind != "full":
+            if self.kind == "block_causal" and (lo - self.kv_start) % self.block:
+                raise ValueError(f"restrict_kv({kv_start}, {kv_stop}) cuts a stripe of {self.block}")
+            q_start += lo - self.kv_start
+        if q_start >= self.q_stop:
+            return BlockMask("empty")
+        return BlockMask(self.kind, q_start, self.q_stop, lo, hi, self.block)
+
+    def dense(self, q_len: int, kv_len: int) -> torch.Tensor:
+        """Boolean [q_len, kv_len] visibility matrix (tests and fallback kernels)."""
+        m = torch.zeros(q_len, kv_len, dtype=torch.bool)
+        if self.kind == "empty":
+            return m
+        rows = torch.arange(self.q_stop - self.q_start)[:, None]
+        cols = torch.arange(self.kv_stop - self.kv_start)[None, :]
+        if self.kind == "full":
+            sub = torch.ones(rows.shape[0], cols.shape[1], dtype=torch.bool)
+        elif self.kind == "causal":
+            sub = rows >= cols
+        elif self.kind == "positions":
+            sub = positions_visibility(*self.mask_data, rows.shape[0], cols.shape[1])
+        else:
+            sub = rows // self.block >= cols // self.block
+        m[self.q_slice, self.kv_slice] = sub
+        return m
+
+
+def positions_visibility(q_pos: Optional[torch.Tensor], kv_pos: Optional[torch.Tensor], q_doc: Optional[torch.Tensor],
+                         kv_doc: Optional[torch.Tensor], band: tuple, sq: int, sk: int,
+                         device: Optional[torch.device] = None) -> torch.Tensor:
+    """Boolean [sq, sk] visibility of a ``positions`` block: q_pos - left <= kv_pos <= q_pos + right
+    with band = (left, right) (if positions are given; a None bound is unbounded) and
+    q_doc == kv_doc (if given), from the (already sliced) per-row and per-column vectors."""
+    vis = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if q_pos is not None:
+        left, right = band
+        diff = q_pos.to(device)[:, None] - kv_pos.to(device)[None, :]  # q_pos - kv_pos
+        if right is not None:
+            vis &= diff >= -right
+        if left is not None:
+            vis &= diff <= left
+    if q_doc is not None:
+        vis &= kv_doc.to(device)[None, :] == q_doc.to(device)[:, None]
+    return vis
