@@ -158,7 +158,8 @@ def test_balanced_pair_table_equals_the_block_masks(causal, W, U):
     planned on their union included), a superset of them with one (never missing a visible pair)."""
     import random
 
-    from megatron_burst.documents import balanced_documents, visible_blocks
+    from megatron_burst.masks.documents import balanced_documents
+    from megatron_burst.masks.visible import visible_blocks
     from megatron_burst.topology import CPTopology
 
     rng = random.Random(W * 10 + U + causal)
@@ -186,7 +187,7 @@ def test_balanced_pair_table_on_arbitrary_runs(causal):
     import random
 
     from megatron_burst.algorithms.schedule import balanced_pair_table
-    from megatron_burst.dispatch import DispatchPlan
+    from megatron_burst.masks.dispatch import DispatchPlan
 
     rng = random.Random(7 + causal)
     W, S = 5, 60

@@ -130,7 +130,7 @@ def _rope_rows(cp: int) -> dict:
 
 
 def test_rope_rows_are_the_plans_global_positions():
-    from megatron_burst.documents import balanced_documents
+    from megatron_burst.masks.documents import balanced_documents
     from megatron_burst.megatron.packed import document_boundaries
 
     plan = balanced_documents(document_boundaries(long_document_batch()["tokens"], EOD), 24, 2, 4).plan
@@ -221,7 +221,7 @@ def _glue_slice() -> tuple:
 
 
 def test_megatron_lm_glue_slices_by_the_plan():
-    from megatron_burst.documents import balanced_documents
+    from megatron_burst.masks.documents import balanced_documents
 
     batch, thd = long_document_batch(), thd_batch()
     thd_documents = balanced_documents([0, 3, 4, 12, 17, 20], 20, 1, 2)  # padding tails are documents

@@ -128,7 +128,7 @@ def test_eod_documents_match_megatrons_dense_mask_and_positions():
     --reset-attention-mask, and the batch's reset position ids are Megatron's."""
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
-    from megatron_burst.documents import dense_document_mask
+    from megatron_burst.masks.documents import dense_document_mask
     from megatron_burst.megatron.packed import document_boundaries
 
     batch = eod_batch()
@@ -166,7 +166,7 @@ def _glue_slice(cp_algo: str):
 
 
 def test_megatron_lm_glue_hands_documents_to_the_model():
-    from megatron_burst.layout import layout_indices, thd_indices
+    from megatron_burst.masks.layout import layout_indices, thd_indices
 
     batch, thd = eod_batch(), thd_batch()
     for rank, (keys, mask, tokens, fmt, cu, max_seqlen, thd_pos, thd_fmt) in enumerate(

@@ -193,7 +193,7 @@ def test_mask_check_covers_every_row_chunk(monkeypatch):
 def test_positions_and_rope_rows_are_built_once():
     """Slicing indices and RoPE rows are cached per (sequence, rank, layout, device): the same
     tensor comes back, so no host-to-device index copy happens per call."""
-    from megatron_burst.layout import layout_indices_on
+    from megatron_burst.masks.layout import layout_indices_on
 
     a = layout_indices_on(24, 1, 2, "striped", 1, torch.device("cpu"))
     assert a is layout_indices_on(24, 1, 2, "striped", 1, torch.device("cpu"))

@@ -57,7 +57,7 @@ def sparse_core_attention_vs_dense(layout: str, stripe: int, algo: str, local_le
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import megatron_burst as mb
-    from megatron_burst.dynamic_pattern import Dynamic, estimate
+    from megatron_burst.masks.dynamic import Dynamic, estimate
     from megatron_burst.megatron.attention import CPCoreAttention
 
     W, r = dist.get_world_size(), dist.get_rank()

@@ -36,8 +36,8 @@ import numpy as np
 from megatron_burst.bench import plotting
 from megatron_burst.bench.document_mixes import (LOGNORMAL, corpus_lengths, corpus_mix, cu,  # noqa: F401 (public here)
                                                  long_plus_short, lognormal_mix, mixes, uniform_mix)
-from megatron_burst.dispatch import plan_dispatch
-from megatron_burst.documents import imbalance
+from megatron_burst.masks.dispatch import plan_dispatch
+from megatron_burst.masks.imbalance import document_imbalance as imbalance
 
 LAYOUTS = (  # name: (layout, stripe)
     ("zigzag", "zigzag", 1),

@@ -126,7 +126,7 @@ def node_local_plan(plan, nodes: int):
 def plans_of(bounds: list, seq: int, world_size: int, nodes: int) -> dict:
     """Documents per balanced variant (the engine's plan, and its node-local relabeling)."""
     import megatron_burst as mb
-    from megatron_burst.documents import Documents
+    from megatron_burst.masks.documents import Documents
 
     engine = mb.balanced_documents(torch.tensor(bounds), seq, 1, world_size)
     relabeled = Documents(seq, engine.groups, node_local_plan(engine.plan, nodes))
@@ -143,7 +143,7 @@ def measure(args) -> dict:
     interleaved. Returns per-repeat timings and bytes; writes the last repeat's output and input
     gradients to ``args.tensors`` for the driver's exactness check."""
     import megatron_burst as mb
-    from megatron_burst.documents import check_cu_seqlens
+    from megatron_burst.masks.documents import check_cu_seqlens
 
     W, r = dist.get_world_size(), dist.get_rank()
     topo = mb.build_cp_topology(None, args.ranks_per_node)

@@ -36,8 +36,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_burst.activation_store import SelectiveAttentionCache, selective_cp_attention
 from megatron_burst.algorithms import prepare
-from megatron_burst.documents import THD, check_window
-from megatron_burst.layout import BALANCED
+from megatron_burst.masks.documents import THD
+from megatron_burst.masks.window import check_window
+from megatron_burst.masks.layout import BALANCED
 from megatron_burst.megatron.comm_types import PER_LAYER, STOCK_ATTENTION
 from megatron_burst.megatron.groups import (cp_group_from, needs_node_topology, needs_usp_topology,
                                             resolve_cp_ranks_per_node, usp_topology_from_pg_collection)
@@ -247,7 +248,7 @@ class CPCoreAttention(FollowsModelLayout, MegatronModule):
         # what it cannot run with a pattern is refused here, before any collective.
         self.sparse = None
         if cp_sparse is not None:
-            from megatron_burst.dynamic_pattern import Dynamic
+            from megatron_burst.masks.dynamic import Dynamic
 
             self.sparse = Dynamic(*cp_sparse)
             self.sparse.check(self.sparse.last_q)

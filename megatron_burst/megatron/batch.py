@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_burst.layout import BALANCED, check_layout, check_seq_len, layout_indices_on
+from megatron_burst.masks.layout import BALANCED, check_layout, check_seq_len, layout_indices_on
 from megatron_burst.megatron.groups import cp_rank_and_size
 
 

@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 from typing import Optional
 
-from megatron_burst.layout import BALANCED, check_seq_len
+from megatron_burst.masks.layout import BALANCED, check_seq_len
 from megatron_burst.megatron.comm_types import PER_LAYER, STOCK_ATTENTION, check_gated_delta_net_comm_type
 from megatron_burst.megatron.linear_variants import GATED_DELTA_NET, LINEAR_ATTENTION_TYPES, get_variant
 from megatron_burst.megatron.options import (DEFAULT_LINEAR_CP_ALGO, LINEAR_MIN_STRIPE, BurstOptions, CPOptions,
@@ -37,7 +37,7 @@ def sparse_from_args(args: argparse.Namespace) -> Optional[tuple]:
     """(p_v, p_s, last_q) of --sparse-attention vertical_slash, validated; None without it."""
     if getattr(args, "sparse_attention", "none") in (None, "none"):
         return None
-    from megatron_burst.dynamic_pattern import Dynamic
+    from megatron_burst.masks.dynamic import Dynamic
 
     p_v, p_s = getattr(args, "sparse_budget", (0.9, 0.9))
     budgets = Dynamic(float(p_v), float(p_s), int(getattr(args, "sparse_last_q", 64)))

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
-from megatron_burst.layout import BALANCED
+from megatron_burst.masks.layout import BALANCED
 from megatron_burst.megatron.batch import get_batch_on_this_cp_rank
 from megatron_burst.megatron.comm_types import STOCK_ATTENTION
 from megatron_burst.megatron.flags import add_args

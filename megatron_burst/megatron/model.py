@@ -10,7 +10,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 
 from megatron_burst.activation_store import release_before_optimizer_steps
 from megatron_burst.megatron.attention import CPCoreAttention, FollowsModelLayout
-from megatron_burst.layout import BALANCED
+from megatron_burst.masks.layout import BALANCED
 from megatron_burst.megatron.rope import LayoutRotaryEmbedding, use_layout_rope
 
 

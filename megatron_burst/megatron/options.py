@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
-from megatron_burst.layout import BALANCED, LAYOUTS, check_layout
+from megatron_burst.masks.layout import BALANCED, LAYOUTS, check_layout
 from megatron_burst.megatron.comm_types import DEFAULT_CP_ALGO, PER_LAYER, STOCK_ATTENTION, resolve_cp_algo
 from megatron_burst.topology import RING_SHAPES, check_ranks_per_node
 

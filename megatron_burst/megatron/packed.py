@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_burst.documents import THD, Documents, balanced_documents, check_cu_seqlens, check_thd
-from megatron_burst.layout import BALANCED, plan_rows, thd_indices
+from megatron_burst.masks.documents import Documents, THD, balanced_documents, check_cu_seqlens, check_thd
+from megatron_burst.masks.layout import BALANCED, plan_rows, thd_indices
 
 # The attribute of a PackedSeqParams that carries a balanced batch's Documents (set where the batch
 # is sliced, read by every layer and the model's RoPE).

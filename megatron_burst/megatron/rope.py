@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-from megatron_burst.dispatch import DispatchPlan
-from megatron_burst.layout import BALANCED, check_layout, layout_indices_on, plan_rows
+from megatron_burst.masks.dispatch import DispatchPlan
+from megatron_burst.masks.layout import BALANCED, check_layout, layout_indices_on, plan_rows
 
 
 class LayoutRotaryEmbedding(RotaryEmbedding):
