@@ -158,8 +158,17 @@ def _choose_kernel(kernel: str, q: torch.Tensor, dv: int, documents: bool):
         raise ValueError(f"unknown gated delta rule kernel {kernel!r}: choose one of {', '.join(GDN_KERNELS)}")
     # the hook is looked up at call time (module attribute), so tests can stand a fake in for fla
     _, fla = kernel_choice.choose("gdn", "token", q.device, q.dtype, q.shape[-1], dv, kernel, documents=documents,
-                                  load=lambda: fla_chunk_gated_delta_rule())
+                                  load=lambda: fla_chunk_gated_delta_rule(), gdn_torch_outputs=torch_entering_outputs)
     return fla
+
+
+def torch_entering_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           S_in: torch.Tensor, scale: float) -> torch.Tensor:
+    """Our chunked path for rows entering with their own states: q, k [..., L, dk], v [..., L, dv],
+    g, beta [..., L], S_in [..., dk, dv] -> o [..., L, dv] (what fla's kernel is self-checked against)."""
+    _, _, chunks = delta_segment_maps(q, k, v, g, beta)
+    o0, q_in = delta_segment_outputs(chunks, scale)
+    return o0 + scale * (q_in @ S_in)
 
 
 def _validate(q, k, v, g, beta, *, world_size, layout, stripe, qkv_format, cu_seqlens=None) -> Optional[Documents]:

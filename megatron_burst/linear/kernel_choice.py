@@ -243,14 +243,16 @@ def _lasp2_check(fla_fn: Callable, form: str, device: torch.device, dtype: torch
         (f"d{n}", a, r) for n, a, r in zip(grads_of, got, ref)]
 
 
-def _gdn_check(fla_fn: Callable, device: torch.device, dtype: torch.dtype, dk: int, dv: int
-               ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+def _gdn_check(fla_fn: Callable, device: torch.device, dtype: torch.dtype, dk: int, dv: int,
+               torch_outputs: Callable) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, fla value, fp32 torch value) for o and the gradients of q, k, v, g, beta and the
-    entering states (each row enters with its own state, as the CP exchange hands them)."""
+    entering states (each row enters with its own state, as the CP exchange hands them).
+    ``torch_outputs(q, k, v, g, beta, S_in, scale)``: our chunked path ([N, h, L, d] segments,
+    g and beta [N, h, L], S_in [N, h, dk, dv]) -> o [N, h, L, dv] (delta.py passes it: the
+    delta module imports this one, not the reverse)."""
     import torch.nn.functional as F
 
     from megatron_burst.linear import fla_adapter
-    from megatron_burst.linear.delta import delta_segment_maps, delta_segment_outputs
 
     N, h, L = SELF_CHECK_SEGMENTS, SELF_CHECK_HEADS, SELF_CHECK_LEN
     gen = torch.Generator().manual_seed(0)
@@ -271,18 +273,19 @@ def _gdn_check(fla_fn: Callable, device: torch.device, dtype: torch.dtype, dk: i
     seg = lambda t: t.permute(0, 2, 1, 3)  # noqa: E731  [N, L, h, d] -> [N, h, L, d]
     rq, rk, rv = (seg(t) for t in ref_leaves[:3])
     rg, rb = (t.permute(0, 2, 1) for t in ref_leaves[3:5])
-    _, _, chunks = delta_segment_maps(rq, rk, rv, rg, rb)
-    o0, q_in = delta_segment_outputs(chunks, scale)
-    ref_o = (o0 + scale * (q_in @ ref_leaves[5])).permute(0, 2, 1, 3)  # [N, L, h, dv]
+    ref_o = torch_outputs(rq, rk, rv, rg, rb, ref_leaves[5], scale).permute(0, 2, 1, 3)  # [N, L, h, dv]
     ref = torch.autograd.grad((ref_o * do.float()).sum(), ref_leaves)
     return [("out", o, ref_o)] + [(f"d{n}" if n != "S_in" else "dS_in", a, r) for n, a, r in zip(names, got, ref)]
 
 
-def self_check(op: str, form: str, fla_fn: Callable, device: torch.device, dtype: torch.dtype, dk: int, dv: int
-               ) -> None:
+def self_check(op: str, form: str, fla_fn: Callable, device: torch.device, dtype: torch.dtype, dk: int, dv: int,
+               gdn_torch_outputs: Optional[Callable] = None) -> None:
     """Run fla's kernel for (op, form) against our fp32 torch path on ``device``, forward and
     backward; raise KernelSelfCheckError naming kernel, device, dtype, head dims, form, shape and
-    (chained) the exception or the value that is off."""
+    (chained) the exception or the value that is off. ``gdn_torch_outputs``: the delta rule's
+    torch path (op "gdn"; see :func:`_gdn_check`)."""
+    if op == "gdn" and gdn_torch_outputs is None:
+        raise ValueError("self_check('gdn', ...) needs gdn_torch_outputs (megatron_burst.linear.delta passes it)")
     module_name, function = FLA_OPS[(op, form)]
     label = (f"fla's {module_name}.{function} for {op} ({FORM_TEXT[form]}) on {device} / "
              f"{str(dtype).replace('torch.', '')} / dk {dk} dv {dv}")
@@ -293,7 +296,7 @@ def self_check(op: str, form: str, fla_fn: Callable, device: torch.device, dtype
         case = shape + ("" if form != "head" else (", decay learned (per-token g)" if g_needs_grad
                                                    else ", decay fixed (g_gamma)"))
         try:
-            pairs = (_gdn_check(fla_fn, device, dtype, dk, dv) if op == "gdn"
+            pairs = (_gdn_check(fla_fn, device, dtype, dk, dv, gdn_torch_outputs) if op == "gdn"
                      else _lasp2_check(fla_fn, form, device, dtype, dk, dv, g_needs_grad))
         except KernelSelfCheckError:
             raise
@@ -323,13 +326,15 @@ def _slow(op: str, form: str, device: torch.device, dtype: torch.dtype, dk: int,
 
 def choose(op: str, form: str, device: torch.device, dtype: torch.dtype, dk: int, dv: int, kernel: str = "auto",
            documents: bool = False, policy: Optional[LinearKernelPolicy] = None,
-           load: Optional[Callable[[], Optional[Callable]]] = None) -> tuple[LinearKernelChoice, Optional[Callable]]:
+           load: Optional[Callable[[], Optional[Callable]]] = None, gdn_torch_outputs: Optional[Callable] = None
+           ) -> tuple[LinearKernelChoice, Optional[Callable]]:
     """The kernel for one call of ``op`` (``"lasp2"`` or ``"gdn"``) with decay ``form`` on
     (device, dtype, dk, dv): (the choice, fla's function or None). See the module docstring.
 
     ``documents``: the call has document boundaries (not wired to fla yet: the torch path, loudly
     on CUDA). ``load``: returns fla's function or None (default :func:`load_fla`; delta.py passes
-    its own hook). Raises ValueError for an unknown kernel or ``kernel="fla"`` that cannot run,
+    its own hook); ``gdn_torch_outputs``: the delta rule's torch path for its self-check (op
+    "gdn", from delta.py). Raises ValueError for an unknown kernel or ``kernel="fla"`` that cannot run,
     KernelSelfCheckError, SlowKernelError (strict policy)."""
     if kernel not in LINEAR_KERNELS:
         raise ValueError(f"unknown linear attention kernel {kernel!r}: choose one of {', '.join(LINEAR_KERNELS)}")
@@ -345,7 +350,8 @@ def choose(op: str, form: str, device: torch.device, dtype: torch.dtype, dk: int
     if memo in _CHOSEN:
         decided = _CHOSEN[memo]
         return decided, (load() if decided.uses_fla else None)
-    decided, fn = _decide(op, form, device, dtype, dk, dv, requested, documents, policy, fused, load)
+    decided, fn = _decide(op, form, device, dtype, dk, dv, requested, documents, policy, fused, load,
+                          gdn_torch_outputs)
     _CHOSEN[memo] = decided
     key = (op, form, device.type, dtype, dk, dv, policy)
     if _LOGGED.get(key) != decided:
@@ -354,7 +360,7 @@ def choose(op: str, form: str, device: torch.device, dtype: torch.dtype, dk: int
     return decided, fn
 
 
-def _decide(op, form, device, dtype, dk, dv, requested, documents, policy, fused, load):
+def _decide(op, form, device, dtype, dk, dv, requested, documents, policy, fused, load, gdn_torch_outputs):
     torch_choice = lambda why: LinearKernelChoice(op, form, device.type, dtype, dk, dv, "torch", why)  # noqa: E731
     if requested == "torch":
         return torch_choice("MEGATRON_BURST_LINEAR_KERNEL=torch"), None
@@ -384,7 +390,7 @@ def _decide(op, form, device, dtype, dk, dv, requested, documents, policy, fused
     name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
     try:
         remembered(_VERIFIED, (op, form, name, str(device), dtype, dk, dv),
-                   lambda: self_check(op, form, fn, device, dtype, dk, dv), KernelSelfCheckError)
+                   lambda: self_check(op, form, fn, device, dtype, dk, dv, gdn_torch_outputs), KernelSelfCheckError)
     except KernelSelfCheckError as e:
         return _self_check_failed(op, form, device, dtype, dk, dv, requested, policy, e)
     return LinearKernelChoice(op, form, device.type, dtype, dk, dv, "fla", "self-checked"), fn
