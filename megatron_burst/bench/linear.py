@@ -1,5 +1,6 @@
 """LASP-2 vs LASP-1, the gated delta rule (and softmax ring / burst attention of the same size) on
-emulated nodes.
+emulated nodes. (``--gpu``: the one-GPU benchmark against flash-linear-attention instead, see
+:mod:`megatron_burst.bench.linear_gpu`.)
 
     sudo python -m megatron_burst.bench linear --nodes 2 --ranks-per-node 2 --inter-mbit 100 \\
         --seqs 4096 16384 65536 --softmax-max-seq 16384
@@ -109,6 +110,9 @@ def _plot(summary, path, title) -> None:
 
 
 def main(argv=None) -> None:
+    if "--gpu" in (argv if argv is not None else []):  # one GPU, fla side by side: megatron_burst.bench.linear_gpu
+        from megatron_burst.bench import linear_gpu
+        return linear_gpu.main(argv)
     p = argparse.ArgumentParser(prog="python -m megatron_burst.bench linear", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=2)

@@ -19,6 +19,7 @@ from megatron_burst.masks.documents import CuSeqlens, Documents
 from megatron_burst.linear.checks import MIN_STRIPE, check_qkv, segment_order, segments_per_rank
 from megatron_burst.linear.chunked import segment_output, segment_state
 from megatron_burst.linear.docs import check_documents, segment_documents
+from megatron_burst.linear import fla_adapter, kernel_choice
 from megatron_burst.linear.exchange import (Lasp1Chain, Lasp2Exchange, SegmentMap, local_entering_states,
                                             post_state_gather)
 from megatron_burst.linear.delta import gated_delta_rule
@@ -30,9 +31,15 @@ LINEAR_CP_ALGOS = ("lasp2", "lasp1")
 
 
 def _validate(q, k, v, g, *, world_size, causal, layout, stripe, algo, qkv_format,
-              cu_seqlens=None) -> Optional[Documents]:
+              cu_seqlens=None, kernel="auto") -> Optional[Documents]:
     """Raise ValueError for any input linear_attention cannot take; returns the validated
     documents (None without). Local checks only."""
+    if kernel not in kernel_choice.LINEAR_KERNELS:
+        raise ValueError(f"unknown linear attention kernel {kernel!r}: choose one of "
+                         f"{', '.join(kernel_choice.LINEAR_KERNELS)}")
+    if kernel == "fla" and not causal:
+        raise ValueError("kernel='fla' needs causal=True: bidirectional linear attention has no intra-segment "
+                         "work for fla (its sums are one matmul, in torch); use kernel='auto' or 'torch'")
     if algo not in LINEAR_CP_ALGOS:
         raise ValueError(f"unknown linear attention algo {algo!r}: choose one of {', '.join(LINEAR_CP_ALGOS)}")
     s, b, h, dk = check_qkv(q, k, v, world_size=world_size, layout=layout, stripe=stripe, qkv_format=qkv_format)
@@ -58,7 +65,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                      group: Optional[dist.ProcessGroup] = None, g: Optional[torch.Tensor] = None,
                      causal: bool = True, layout: str = "contiguous", stripe: int = 1, algo: str = "lasp2",
                      scale: Optional[float] = None, qkv_format: str = "sbhd",
-                     cu_seqlens: "Optional[CuSeqlens | Documents]" = None) -> torch.Tensor:
+                     cu_seqlens: "Optional[CuSeqlens | Documents]" = None, kernel: str = "auto") -> torch.Tensor:
     """Context-parallel (decayed) linear attention; exact, differentiable in q, k, v and g.
 
     q, k [s, b, h, dk], v [s, b, h, dv] (``qkv_format="sbhd"``; or [b, s, h, d] for "bshd") hold
@@ -83,12 +90,20 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     :class:`~megatron_burst.masks.documents.Documents`. The state starts again from zero at every
     document's first token, across rank boundaries, in every layout (``causal=True`` only). The
     bytes sent are unchanged: every rank derives the segments' reset flags from the boundaries.
+
+    ``kernel`` (the local, intra-segment work; causal only): "auto" (flash-linear-attention's
+    chunk kernels on CUDA when installed, after a self-check; our torch path on CPU), "torch"
+    (our chunked path everywhere) or "fla" (fla's kernels, required). fla computes each
+    segment's zero-start output and the state M it leaves (``chunk_simple_gla`` for no / per-head /
+    per-token decays, ``chunk_gla`` per channel; :mod:`megatron_burst.linear.fla_adapter`); the
+    exchange and the entering states' term stay ours. See :mod:`megatron_burst.linear.kernel_choice`
+    for the environment overrides and what is loud.
     """
     pg = group
     world_size = dist.get_world_size(pg) if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank(pg) if world_size > 1 else 0
     documents = _validate(q, k, v, g, world_size=world_size, causal=causal, layout=layout, stripe=stripe, algo=algo,
-                          qkv_format=qkv_format, cu_seqlens=cu_seqlens)
+                          qkv_format=qkv_format, cu_seqlens=cu_seqlens, kernel=kernel)
     sbhd = qkv_format == "sbhd"
     s, b, h, dk = q.shape if sbhd else (q.shape[1], q.shape[0], q.shape[2], q.shape[3])
     dv = v.shape[-1]
@@ -101,21 +116,34 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     def segments(t: torch.Tensor) -> torch.Tensor:  # [b, h, s, d] -> [nseg, b, h, L, d]
         return t.reshape(b, h, per_rank, L, t.shape[-1]).permute(2, 0, 1, 3, 4)
 
-    qs, ks, vs = (segments(to_bhsd(t).to(acc)) for t in (q, k, v))
-    gs = None
-    if g is not None:
-        g_sbhd = g if (sbhd or g.dim() == 1) else g.transpose(0, 1)
-        gs = segments(expand_log_decay(g_sbhd, b, h, s, dk).to(acc))
+    fla_fn = None
+    form = kernel_choice.decay_form(g)
+    if causal:  # bidirectional: the local work is one matmul per segment, always torch
+        _, fla_fn = kernel_choice.choose("lasp2", form, q.device, q.dtype, dk, dv, kernel,
+                                         documents=documents is not None)
     smap = SegmentMap(pg, rank, world_size, tuple(segment_order(layout, world_size, r, per_rank)
                                                    for r in range(world_size)), causal)
-    sd = segment_documents(documents, b, smap.order[rank], smap.total, q.device)
-    doc, keep = (None, None) if sd is None else (sd.doc, sd.keep)
-
-    M, a, G = segment_state(ks, vs, gs, doc)
+    if fla_fn is not None and world_size * per_rank == 1:  # one global segment, entered by a zero state
+        o_rows, _ = fla_adapter.lasp2_segments(fla_fn, form, *(fla_adapter.to_rows(t, 1, sbhd) for t in (q, k, v)), g,
+                                               fla_adapter.decay_rows(g, form, 1, b, L, sbhd), scale)
+        return fla_adapter.rows_to_local(o_rows, 1, sbhd).to(q.dtype).contiguous()
+    if fla_fn is not None:
+        o, M, a, G, qs = _fla_local(fla_fn, form, q, k, v, g, per_rank, b, h, s, dk, dv, L, sbhd, scale, acc,
+                                    segments, to_bhsd)
+        doc = keep = sd = None
+    else:
+        qs, ks, vs = (segments(to_bhsd(t).to(acc)) for t in (q, k, v))
+        gs = None
+        if g is not None:
+            g_sbhd = g if (sbhd or g.dim() == 1) else g.transpose(0, 1)
+            gs = segments(expand_log_decay(g_sbhd, b, h, s, dk).to(acc))
+        sd = segment_documents(documents, b, smap.order[rank], smap.total, q.device)
+        doc, keep = (None, None) if sd is None else (sd.doc, sd.keep)
+        M, a, G = segment_state(ks, vs, gs, doc)
     pending = None
     if algo == "lasp2" and world_size > 1:
         gathered, pending = post_state_gather(M, a, smap)  # overlaps with the intra-segment work below
-    if causal:
+    if causal and fla_fn is None:
         o = segment_output(qs, ks, vs, gs, scale, doc)
     q_in = qs if G is None else qs * torch.exp(G)  # the entering state S_in adds scale * q_in @ S_in
     if sd is not None:  # ... to the tokens before the segment's first document start
@@ -132,3 +160,21 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     o = o.permute(1, 2, 0, 3, 4).reshape(b, h, s, dv)  # segments back in local order
     out = o.permute(2, 0, 1, 3) if sbhd else o.permute(0, 2, 1, 3)
     return out.to(q.dtype).contiguous()
+
+
+def _fla_local(fla_fn, form, q, k, v, g, nseg, b, h, s, dk, dv, L, sbhd, scale, acc, segments, to_bhsd):
+    """This rank's local work by fla: (o, M, a, G, qs) as the torch path forms them -- o [nseg, b, h,
+    L, dv] the zero-start outputs and M [nseg, b, h, dk, dv] the states the segments leave, from fla;
+    a [nseg, b, h, 1 or dk] and G [nseg, b, h, L, 1 or dk] (the segments' total and cumulative
+    decays; None without decay) and qs (fp32 queries) in torch for the entering state's term."""
+    q_rows, k_rows, v_rows = (fla_adapter.to_rows(t, nseg, sbhd) for t in (q, k, v))
+    g_rows = fla_adapter.decay_rows(g, form, nseg, b, L, sbhd)
+    o_rows, M_rows = fla_adapter.lasp2_segments(fla_fn, form, q_rows, k_rows, v_rows, g, g_rows, scale)
+    o = fla_adapter.rows_to_segments(o_rows, nseg)
+    M = M_rows.view(nseg, b, h, dk, dv).to(acc)
+    a = G = None
+    if g is not None:
+        g_sbhd = g if (sbhd or g.dim() == 1) else g.transpose(0, 1)
+        G = torch.cumsum(segments(expand_log_decay(g_sbhd, b, h, s, dk).to(acc)), dim=-2)
+        a = torch.exp(G[..., -1, :])
+    return o.to(acc), M, a, G, segments(to_bhsd(q).to(acc))

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from megatron_burst.masks.documents import CuSeqlens, Documents
 from megatron_burst.linear.checks import check_qkv, segment_order, segments_per_rank
 from megatron_burst.linear.chunked import CHUNK
+from megatron_burst.linear import fla_adapter, kernel_choice
 from megatron_burst.linear.docs import check_documents, segment_documents
 from megatron_burst.linear.exchange import Lasp2Exchange, SegmentMap, local_entering_states, post_state_gather
 
@@ -150,17 +151,24 @@ def delta_segment_outputs(chunks: DeltaChunks, scale: float) -> tuple[torch.Tens
     return unchunk(o0), unchunk(q_in)
 
 
-def _choose_kernel(kernel: str, q: torch.Tensor):
-    """fla's kernel for the outputs, or None for the plain-torch chunked kernel."""
+def _choose_kernel(kernel: str, q: torch.Tensor, dv: int, documents: bool):
+    """fla's kernel for the outputs, or None for the plain-torch chunked kernel (the decision and
+    its self-check: :func:`megatron_burst.linear.kernel_choice.choose`, op "gdn")."""
     if kernel not in GDN_KERNELS:
         raise ValueError(f"unknown gated delta rule kernel {kernel!r}: choose one of {', '.join(GDN_KERNELS)}")
-    if kernel == "torch":
-        return None
-    fla = fla_chunk_gated_delta_rule()
-    if kernel == "fla" and fla is None:
-        raise ValueError("kernel='fla' needs flash-linear-attention (pip install flash-linear-attention); "
-                         "use kernel='torch' or 'auto'")
-    return fla if (kernel == "fla" or q.is_cuda) else None
+    # the hook is looked up at call time (module attribute), so tests can stand a fake in for fla
+    _, fla = kernel_choice.choose("gdn", "token", q.device, q.dtype, q.shape[-1], dv, kernel, documents=documents,
+                                  load=lambda: fla_chunk_gated_delta_rule(), gdn_torch_outputs=torch_entering_outputs)
+    return fla
+
+
+def torch_entering_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           S_in: torch.Tensor, scale: float) -> torch.Tensor:
+    """Our chunked path for rows entering with their own states: q, k [..., L, dk], v [..., L, dv],
+    g, beta [..., L], S_in [..., dk, dv] -> o [..., L, dv] (what fla's kernel is self-checked against)."""
+    _, _, chunks = delta_segment_maps(q, k, v, g, beta)
+    o0, q_in = delta_segment_outputs(chunks, scale)
+    return o0 + scale * (q_in @ S_in)
 
 
 def _validate(q, k, v, g, beta, *, world_size, layout, stripe, qkv_format, cu_seqlens=None) -> Optional[Documents]:
@@ -199,14 +207,16 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
     ``kernel``: "torch" (the chunked kernel above, everywhere), "fla" (flash-linear-attention's
     Triton kernel forms the outputs from the exchanged entering states, its autograd giving their
-    gradients; the maps stay in torch), "auto" (fla on CUDA when installed, else torch).
+    gradients; the maps stay in torch), "auto" (fla on CUDA when installed, after a self-check
+    against the torch path; torch on CPU; on CUDA without fla a one-time SlowKernelWarning). See
+    :mod:`megatron_burst.linear.kernel_choice` (environment overrides, what is loud).
 
     ``cu_seqlens``: packed documents, as :func:`megatron_burst.cp_attention` takes them (global
     boundaries [0, ..., S], S = s x CP size, the same on every rank; one per sample in a list; or
     a validated :class:`~megatron_burst.masks.documents.Documents`): the state starts again from zero at
     every document's first token, across rank boundaries, in every layout; the bytes sent are
-    unchanged. With documents the outputs are formed in torch ("auto" does not take fla's kernel;
-    "fla" is refused).
+    unchanged. With documents the outputs are formed in torch ("auto" warns on CUDA that fla's
+    kernel is not wired for them yet; "fla" is refused).
     """
     pg = group
     world_size = dist.get_world_size(pg) if dist.is_available() and dist.is_initialized() else 1
@@ -216,9 +226,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if documents is not None and kernel == "fla":
         raise ValueError("kernel='fla' with documents (cu_seqlens) is not supported yet: use kernel='torch' or "
                          "'auto' (which forms the outputs in torch when documents are given)")
-    fla = _choose_kernel(kernel, q)
-    if documents is not None:  # fla's kernel takes cu_seqlens, but that path is not wired and tested here
-        fla = None
+    fla = _choose_kernel(kernel, q, v.shape[-1], documents is not None)
     sbhd = qkv_format == "sbhd"
     s, b, h, dk = q.shape if sbhd else (q.shape[1], q.shape[0], q.shape[2], q.shape[3])
     dv = v.shape[-1]
@@ -232,10 +240,13 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         t = t.permute(1, 2, 0, 3) if sbhd else t.permute(0, 2, 1, 3)
         return t.reshape(b, h, per_rank, L, t.shape[-1]).permute(2, 0, 1, 3, 4).to(acc)
 
-    ks, vs = (segments(t) for t in (k, v))
-    gs, bs = (segments(t)[..., 0] for t in (g, beta))
     smap = SegmentMap(pg, rank, world_size, tuple(segment_order(layout, world_size, r, per_rank)
                                                    for r in range(world_size)), True)
+    if fla is not None and world_size * per_rank == 1:  # one global segment, entered by a zero state: no maps
+        o = fla_adapter.gdn_rows(fla, *(fla_adapter.to_rows(t, 1, sbhd) for t in (q, k, v, g, beta)), scale, None)
+        return fla_adapter.rows_to_local(o, 1, sbhd).to(q.dtype).contiguous()
+    ks, vs = (segments(t) for t in (k, v))
+    gs, bs = (segments(t)[..., 0] for t in (g, beta))
     if fla is not None:
         return _fla_outputs(fla, q, k, v, g, beta, delta_segment_maps(None, ks, vs, gs, bs)[:2], smap, sbhd, scale)
     sd = segment_documents(documents, b, smap.order[rank], smap.total, q.device)
@@ -268,11 +279,8 @@ def _fla_outputs(fla, q, k, v, g, beta, maps, smap: SegmentMap, sbhd: bool, scal
         S_in = local_entering_states(B, A, matrix=True)
 
     def rows(t: torch.Tensor) -> torch.Tensor:  # sbhd/bshd -> [nseg * b, L, h, ...] (segment-major rows)
-        t = t.transpose(0, 1) if sbhd else t
-        return t.reshape((b, nseg, -1) + tuple(t.shape[2:])).transpose(0, 1).reshape((nseg * b, -1) + tuple(t.shape[2:]))
+        return fla_adapter.to_rows(t, nseg, sbhd)
 
     init = None if S_in is None else S_in.reshape(nseg * b, h, dk, dv)
-    o, _ = fla(rows(q), rows(k), rows(v), rows(g).float(), rows(beta), scale=scale, initial_state=init,
-               output_final_state=False)
-    o = o.reshape((nseg, b) + tuple(o.shape[1:])).transpose(0, 1).reshape(b, -1, h, dv)  # [b, s, h, dv]
-    return (o.transpose(0, 1) if sbhd else o).to(q.dtype).contiguous()
+    o = fla_adapter.gdn_rows(fla, rows(q), rows(k), rows(v), rows(g), rows(beta), scale, init)
+    return fla_adapter.rows_to_local(o, nseg, sbhd).to(q.dtype).contiguous()

@@ -1,0 +1,419 @@
+"""Which kernel forms the local work of the linear-attention family: flash-linear-attention's
+chunk kernels (self-checked, loud) or our plain-torch chunked path (the reference, and the CPU path).
+
+The local work of one rank (its segments' outputs from a zero entering state, and for LASP the
+states the segments leave) is one *op* per decay form:
+
+* ``("lasp2", form)`` for :func:`megatron_burst.linear_attention` (LASP-2 and LASP-1 alike),
+  ``form`` one of :data:`DECAY_FORMS`: "none", "head" ([h]), "token" ([s, b, h]), "channel"
+  ([s, b, h, dk]) -- fla's ``chunk_simple_gla`` for the first three, ``chunk_gla`` for "channel";
+* ``("gdn", "token")`` for :func:`megatron_burst.gated_delta_rule`: fla's ``chunk_gated_delta_rule``.
+
+The exchange between ranks (LASP-2's all-gather and its scan, the delta rule's affine maps) stays
+ours whatever runs locally (:mod:`megatron_burst.linear.fla_adapter` has the calls).
+
+The decision (one per op, device, dtype, head dims, ``kernel`` argument and policy; memoized):
+
+* ``kernel="torch"``: the torch path, never consulting fla.
+* ``kernel="fla"``: fla, which must be installed (ValueError naming ``pip install
+  flash-linear-attention`` otherwise), after its self-check on this device (any device).
+* ``kernel="auto"`` (default): on a device type in
+  :data:`megatron_burst.kernels.choice.FUSED_DEVICE_TYPES` (CUDA; tests add "cpu" to drive this
+  path with a stand-in fla), fla when installed -- after a self-check on first use per (op, form,
+  device, dtype, dk, dv) against our fp32 torch path, forward and backward, at an odd length
+  crossing fla's 64-token chunks, two rows with their own decays. A failure raises
+  :class:`~megatron_burst.kernels.choice.KernelSelfCheckError` naming the kernel, device, dtype,
+  head dims, decay form, shape and the chained exception; it is never silently replaced. fla not
+  installed (or the op not covered: documents, fp64) -> the torch path with a one-time
+  :class:`~megatron_burst.kernels.choice.SlowKernelWarning` naming the op and the fix. On other
+  devices (CPU) the torch path runs silently: it is the CPU path, not a fallback.
+
+:class:`LinearKernelPolicy` (:meth:`LinearKernelPolicy.from_env`, the one place these variables are
+read for linear ops) changes that:
+
+* ``MEGATRON_BURST_LINEAR_KERNEL=torch|fla``: what ``kernel="auto"`` means everywhere (an explicit
+  ``kernel=`` argument wins). ``torch`` is the opt-out of fla and of its self-check.
+* ``MEGATRON_BURST_ALLOW_SLOW_KERNELS`` (shared with softmax attention, parsed by
+  :meth:`megatron_burst.kernels.choice.KernelPolicy.from_env`): ``1`` -- a failed self-check under
+  "auto" warns and the torch path runs; ``0`` -- a CUDA op without fla is an error
+  (:class:`~megatron_burst.kernels.choice.SlowKernelError`) instead of a warning.
+
+The error and warning classes are softmax attention's (one concept, one place): the GPU suite
+treats any SlowKernelWarning as a failure, whichever op raised it.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from megatron_burst.kernels import choice as attention_choice
+from megatron_burst.kernels.choice import KernelSelfCheckError, SlowKernelError, SlowKernelWarning, remembered
+
+__all__ = ["LINEAR_KERNELS", "DECAY_FORMS", "FLA_OPS", "FLA_FIX", "LinearKernelPolicy", "LinearKernelChoice",
+           "choose", "decay_form", "load_fla", "self_check", "report", "reset", "KernelSelfCheckError",
+           "SlowKernelError", "SlowKernelWarning"]
+
+logger = logging.getLogger("megatron_burst.linear")
+
+LINEAR_KERNELS = ("auto", "torch", "fla")
+DECAY_FORMS = ("none", "head", "token", "channel")
+# (op, decay form) -> (fla module, function): the kernel that forms that op's local work
+FLA_OPS: dict[tuple[str, str], tuple[str, str]] = {
+    ("lasp2", "none"): ("fla.ops.simple_gla", "chunk_simple_gla"),
+    ("lasp2", "head"): ("fla.ops.simple_gla", "chunk_simple_gla"),
+    ("lasp2", "token"): ("fla.ops.simple_gla", "chunk_simple_gla"),
+    ("lasp2", "channel"): ("fla.ops.gla", "chunk_gla"),
+    ("gdn", "token"): ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
+}
+FLA_FIX = "pip install flash-linear-attention"
+FLA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # Triton has no fp64 dot
+FORM_TEXT = {"none": "no decay", "head": "per-head decay", "token": "per-token decay",
+             "channel": "per-channel decay"}
+
+
+@dataclass(frozen=True)
+class LinearKernelPolicy:
+    """See the module docstring. ``forced``: None, "torch" or "fla" (what ``kernel="auto"`` means);
+    ``allow_slow``: None (failed self-checks raise, a CUDA op without fla warns), True (both warn),
+    False (both raise)."""
+
+    forced: Optional[str] = None
+    allow_slow: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        if self.forced not in (None, "torch", "fla"):
+            raise ValueError(f"MEGATRON_BURST_LINEAR_KERNEL={self.forced!r}: use torch (our chunked path everywhere) "
+                             "or fla (flash-linear-attention's kernels, self-checked); unset: fla on CUDA when "
+                             "installed")
+
+    @classmethod
+    def from_env(cls) -> "LinearKernelPolicy":
+        """The policy from MEGATRON_BURST_LINEAR_KERNEL and MEGATRON_BURST_ALLOW_SLOW_KERNELS."""
+        allow_slow = attention_choice.KernelPolicy.from_env().allow_slow  # one parser of the shared variable
+        return cls(forced=os.environ.get("MEGATRON_BURST_LINEAR_KERNEL") or None, allow_slow=allow_slow)
+
+
+@dataclass(frozen=True)
+class LinearKernelChoice:
+    """The kernel one call runs: ``name`` "fla" or "torch" for ``op``/``form`` on
+    ``device_type``/``dtype``/(``dk``, ``dv``); ``why`` says how it was decided. Hashable."""
+
+    op: str
+    form: str
+    device_type: str
+    dtype: torch.dtype
+    dk: int
+    dv: int
+    name: str
+    why: str = field(default="", compare=False)
+
+    @property
+    def uses_fla(self) -> bool:
+        return self.name == "fla"
+
+    def describe(self) -> str:
+        dtype = str(self.dtype).replace("torch.", "")
+        kernel = "fla " + ".".join(FLA_OPS[(self.op, self.form)]) if self.uses_fla else "torch (chunked)"
+        return (f"linear kernels: {self.op} {FORM_TEXT[self.form]} on {self.device_type} {dtype} dk {self.dk} "
+                f"dv {self.dv}: {kernel} ({self.why})")
+
+
+def decay_form(g: Optional[torch.Tensor]) -> str:
+    """The decay form of a validated linear-attention log-decay: None, [h], [s, b, h], [s, b, h, dk]."""
+    if g is None:
+        return "none"
+    return {1: "head", 3: "token", 4: "channel"}[g.dim()]
+
+
+def load_fla(op: str, form: str) -> Optional[Callable]:
+    """fla's function for (op, form), or None when flash-linear-attention is not installed.
+
+    A broken install (fla present, but importing it fails: a missing dependency such as einops, a
+    Triton without a driver) raises RuntimeError naming the import error: it is not "not installed"."""
+    module_name, function = FLA_OPS[(op, form)]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] == "fla":
+            return None
+        raise RuntimeError(f"flash-linear-attention is installed but importing {module_name} failed: "
+                           f"{type(e).__name__}: {e}. Fix: pip install {e.name} (fla's dependency)") from e
+    except Exception as e:  # noqa: BLE001  re-raised with what was imported
+        raise RuntimeError(f"flash-linear-attention is installed but importing {module_name} failed: "
+                           f"{type(e).__name__}: {e}") from e
+    fn = getattr(module, function, None)
+    if fn is None:
+        raise RuntimeError(f"{module_name} has no {function} (flash-linear-attention too old or too new: megatron-burst "
+                           "calls it as in fla 0.6)")
+    return fn
+
+
+# ------------------------------------------------------------------------------------------ self-check
+SELF_CHECK_LEN = 83  # odd, crosses fla's 64-token chunk boundary (a padded tail chunk)
+SELF_CHECK_SEGMENTS = 2  # two rows, each with its own decays (and entering state for the delta rule)
+SELF_CHECK_HEADS = 2
+
+
+def _tolerances(dtype: torch.dtype) -> tuple[float, float]:
+    """(values, decay gradients) relative Frobenius bounds: fp32 allows fla's TF32 dots; 16-bit
+    inputs round every product; the decay gradients sum differences of those (noisier)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return 2e-2, 5e-2
+    return 5e-3, 1e-2
+
+
+def _relative(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.detach().float(), ref.detach().float()
+    if got.shape != ref.shape:
+        return float("inf")
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _check_values(label: str, case: str, pairs: list[tuple[str, torch.Tensor, torch.Tensor]], dtype: torch.dtype,
+                  fix: str) -> None:
+    tol, tol_decay = _tolerances(dtype)
+    for what, got, ref in pairs:
+        bound = tol_decay if what in ("dg", "dbeta") else tol
+        if tuple(got.shape) != tuple(ref.shape):
+            raise KernelSelfCheckError(f"{label} failed its self-check ({case}): {what} has shape {tuple(got.shape)}, "
+                                       f"our fp32 torch path {tuple(ref.shape)}. {fix}")
+        err = _relative(got, ref)
+        if not err <= bound:
+            raise KernelSelfCheckError(f"{label} failed its self-check ({case}): {what} is off our fp32 torch path "
+                                       f"by {err:.3g} (relative; allowed {bound:g}). {fix}")
+
+
+def _fix_hint(op: str) -> str:
+    return ("Report it with your torch, triton and flash-linear-attention versions; to run anyway set "
+            "MEGATRON_BURST_LINEAR_KERNEL=torch (our chunked kernels, slower) or MEGATRON_BURST_ALLOW_SLOW_KERNELS=1 "
+            f"(warn and use them for {op})")
+
+
+def _inputs(device, dtype, shape, generator, scale=1.0):
+    return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
+
+
+def _lasp2_check(fla_fn: Callable, form: str, device: torch.device, dtype: torch.dtype, dk: int, dv: int,
+                 g_needs_grad: bool) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, fla value, fp32 torch value) for o, M and the gradients of q, k, v (and g)."""
+    from megatron_burst.linear import fla_adapter
+    from megatron_burst.linear.chunked import segment_output, segment_state
+    from megatron_burst.linear.reference import expand_log_decay
+
+    nseg, b, h, L = SELF_CHECK_SEGMENTS, 1, SELF_CHECK_HEADS, SELF_CHECK_LEN
+    s = nseg * L
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (_inputs(device, dtype, (s, b, h, d), gen) for d in (dk, dk, dv))
+    g = {"none": None,
+         "head": -torch.tensor([0.05, 0.3])[:h],
+         "token": -torch.rand(s, b, h, generator=gen) * 0.3,
+         "channel": -torch.rand(s, b, h, dk, generator=gen) * 0.3}[form]
+    g = None if g is None else g.to(device)
+    do = _inputs(device, dtype, (nseg * b, L, h, dv), gen)
+    dM = _inputs(device, torch.float32, (nseg * b, h, dk, dv), gen)
+    scale = dk ** -0.5
+    grads_of = ("q", "k", "v") + (("g",) if g is not None and g_needs_grad else ())
+
+    leaves = {"q": q.clone().requires_grad_(), "k": k.clone().requires_grad_(), "v": v.clone().requires_grad_()}
+    if g is not None:
+        leaves["g"] = g.clone().requires_grad_(g_needs_grad)
+    rows = {n: fla_adapter.to_rows(leaves[n], nseg, True) for n in ("q", "k", "v")}
+    g_rows = fla_adapter.decay_rows(leaves.get("g"), form, nseg, b, L, True)
+    o, M = fla_adapter.lasp2_segments(fla_fn, form, rows["q"], rows["k"], rows["v"], leaves.get("g"), g_rows, scale)
+    got = torch.autograd.grad((o.float() * do.float()).sum() + (M * dM).sum(), [leaves[n] for n in grads_of])
+
+    ref_leaves = {n: t.detach().float().requires_grad_(n in grads_of) for n, t in leaves.items()}
+    to_seg = lambda t: t.permute(1, 2, 0, 3).reshape(b, h, nseg, L, t.shape[-1]).permute(2, 0, 1, 3, 4)  # noqa: E731
+    qs, ks, vs = (to_seg(ref_leaves[n]) for n in ("q", "k", "v"))
+    gs = None if g is None else to_seg(expand_log_decay(ref_leaves["g"], b, h, s, dk))
+    ref_o = segment_output(qs, ks, vs, gs, scale)  # [nseg, b, h, L, dv]
+    ref_M = segment_state(ks, vs, gs)[0]  # [nseg, b, h, dk, dv]
+    ref_o_rows = ref_o.permute(0, 1, 3, 2, 4).reshape(nseg * b, L, h, dv)
+    ref_M_rows = ref_M.reshape(nseg * b, h, dk, dv)
+    ref = torch.autograd.grad((ref_o_rows * do.float()).sum() + (ref_M_rows * dM).sum(),
+                              [ref_leaves[n] for n in grads_of])
+    return [("out", o, ref_o_rows), ("final state", M, ref_M_rows)] + [
+        (f"d{n}", a, r) for n, a, r in zip(grads_of, got, ref)]
+
+
+def _gdn_check(fla_fn: Callable, device: torch.device, dtype: torch.dtype, dk: int, dv: int,
+               torch_outputs: Callable) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, fla value, fp32 torch value) for o and the gradients of q, k, v, g, beta and the
+    entering states (each row enters with its own state, as the CP exchange hands them).
+    ``torch_outputs(q, k, v, g, beta, S_in, scale)``: our chunked path ([N, h, L, d] segments,
+    g and beta [N, h, L], S_in [N, h, dk, dv]) -> o [N, h, L, dv] (delta.py passes it: the
+    delta module imports this one, not the reverse)."""
+    import torch.nn.functional as F
+
+    from megatron_burst.linear import fla_adapter
+
+    N, h, L = SELF_CHECK_SEGMENTS, SELF_CHECK_HEADS, SELF_CHECK_LEN
+    gen = torch.Generator().manual_seed(0)
+    q = _inputs(device, dtype, (N, L, h, dk), gen)
+    k = F.normalize(torch.randn(N, L, h, dk, generator=gen), dim=-1).to(device=device, dtype=dtype)
+    v = _inputs(device, dtype, (N, L, h, dv), gen)
+    g = (-torch.rand(N, L, h, generator=gen) * 0.3).to(device)
+    beta = torch.rand(N, L, h, generator=gen).to(device=device, dtype=dtype)
+    S_in = _inputs(device, torch.float32, (N, h, dk, dv), gen, 0.1)
+    do = _inputs(device, dtype, (N, L, h, dv), gen)
+    scale = dk ** -0.5
+    names = ("q", "k", "v", "g", "beta", "S_in")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, S_in)]
+    o = fla_adapter.gdn_rows(fla_fn, *leaves[:5], scale, leaves[5])
+    got = torch.autograd.grad((o.float() * do.float()).sum(), leaves)
+
+    ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v, g, beta, S_in)]
+    seg = lambda t: t.permute(0, 2, 1, 3)  # noqa: E731  [N, L, h, d] -> [N, h, L, d]
+    rq, rk, rv = (seg(t) for t in ref_leaves[:3])
+    rg, rb = (t.permute(0, 2, 1) for t in ref_leaves[3:5])
+    ref_o = torch_outputs(rq, rk, rv, rg, rb, ref_leaves[5], scale).permute(0, 2, 1, 3)  # [N, L, h, dv]
+    ref = torch.autograd.grad((ref_o * do.float()).sum(), ref_leaves)
+    return [("out", o, ref_o)] + [(f"d{n}" if n != "S_in" else "dS_in", a, r) for n, a, r in zip(names, got, ref)]
+
+
+def self_check(op: str, form: str, fla_fn: Callable, device: torch.device, dtype: torch.dtype, dk: int, dv: int,
+               gdn_torch_outputs: Optional[Callable] = None) -> None:
+    """Run fla's kernel for (op, form) against our fp32 torch path on ``device``, forward and
+    backward; raise KernelSelfCheckError naming kernel, device, dtype, head dims, form, shape and
+    (chained) the exception or the value that is off. ``gdn_torch_outputs``: the delta rule's
+    torch path (op "gdn"; see :func:`_gdn_check`)."""
+    if op == "gdn" and gdn_torch_outputs is None:
+        raise ValueError("self_check('gdn', ...) needs gdn_torch_outputs (megatron_burst.linear.delta passes it)")
+    module_name, function = FLA_OPS[(op, form)]
+    label = (f"fla's {module_name}.{function} for {op} ({FORM_TEXT[form]}) on {device} / "
+             f"{str(dtype).replace('torch.', '')} / dk {dk} dv {dv}")
+    fix = _fix_hint(op)
+    shape = f"{SELF_CHECK_SEGMENTS} rows x {SELF_CHECK_LEN} tokens x {SELF_CHECK_HEADS} heads"
+    variants = [True, False] if form == "head" else [True]  # head: g_gamma (fixed decay) and per-token g (learned)
+    for g_needs_grad in variants:
+        case = shape + ("" if form != "head" else (", decay learned (per-token g)" if g_needs_grad
+                                                   else ", decay fixed (g_gamma)"))
+        try:
+            pairs = (_gdn_check(fla_fn, device, dtype, dk, dv, gdn_torch_outputs) if op == "gdn"
+                     else _lasp2_check(fla_fn, form, device, dtype, dk, dv, g_needs_grad))
+        except KernelSelfCheckError:
+            raise
+        except Exception as e:  # surfaced, never swallowed: this is how a wrong call into fla shows
+            raise KernelSelfCheckError(f"{label} raised in its self-check ({case}): {type(e).__name__}: {e}. "
+                                       f"{fix}") from e
+        _check_values(label, case, pairs, dtype, fix)
+
+
+# ------------------------------------------------------------------------------------------ the decision
+_VERIFIED: dict[tuple, object] = {}
+_CHOSEN: dict[tuple, LinearKernelChoice] = {}
+_LOGGED: dict[tuple, LinearKernelChoice] = {}
+
+
+def _slow(op: str, form: str, device: torch.device, dtype: torch.dtype, dk: int, dv: int, reason: str, fix: str,
+          policy: LinearKernelPolicy) -> LinearKernelChoice:
+    message = (f"megatron-burst: {op} ({FORM_TEXT[form]}) on {device.type} / {str(dtype).replace('torch.', '')} / "
+               f"dk {dk} dv {dv} runs our plain-torch chunked kernels ({reason}), many times slower than "
+               f"flash-linear-attention's. Fix: {fix}")
+    if policy.allow_slow is False:
+        raise SlowKernelError(message + " (MEGATRON_BURST_ALLOW_SLOW_KERNELS=0 makes this an error)")
+    # softmax attention's once-per-key memo: the GPU suite fails on any key starting with "slow"
+    attention_choice._warn_once(("slow", "linear", op, form, device.type, dtype, dk, dv, reason), message)
+    return LinearKernelChoice(op, form, device.type, dtype, dk, dv, "torch", f"slow: {reason}")
+
+
+def choose(op: str, form: str, device: torch.device, dtype: torch.dtype, dk: int, dv: int, kernel: str = "auto",
+           documents: bool = False, policy: Optional[LinearKernelPolicy] = None,
+           load: Optional[Callable[[], Optional[Callable]]] = None, gdn_torch_outputs: Optional[Callable] = None
+           ) -> tuple[LinearKernelChoice, Optional[Callable]]:
+    """The kernel for one call of ``op`` (``"lasp2"`` or ``"gdn"``) with decay ``form`` on
+    (device, dtype, dk, dv): (the choice, fla's function or None). See the module docstring.
+
+    ``documents``: the call has document boundaries (not wired to fla yet: the torch path, loudly
+    on CUDA). ``load``: returns fla's function or None (default :func:`load_fla`; delta.py passes
+    its own hook); ``gdn_torch_outputs``: the delta rule's torch path for its self-check (op
+    "gdn", from delta.py). Raises ValueError for an unknown kernel or ``kernel="fla"`` that cannot run,
+    KernelSelfCheckError, SlowKernelError (strict policy)."""
+    if kernel not in LINEAR_KERNELS:
+        raise ValueError(f"unknown linear attention kernel {kernel!r}: choose one of {', '.join(LINEAR_KERNELS)}")
+    if (op, form) not in FLA_OPS:
+        raise ValueError(f"unknown linear op {op!r} with decay form {form!r}: one of {sorted(FLA_OPS)}")
+    if kernel == "torch":  # asked for by name: fla is not consulted at all
+        return LinearKernelChoice(op, form, device.type, dtype, dk, dv, "torch", "kernel='torch'"), None
+    policy = policy or LinearKernelPolicy.from_env()
+    fused = device.type in attention_choice.FUSED_DEVICE_TYPES
+    requested = kernel if kernel != "auto" else (policy.forced or "auto")
+    memo = (op, form, str(device), dtype, dk, dv, requested, documents, policy, fused)
+    load = load or (lambda: load_fla(op, form))
+    if memo in _CHOSEN:
+        decided = _CHOSEN[memo]
+        return decided, (load() if decided.uses_fla else None)
+    decided, fn = _decide(op, form, device, dtype, dk, dv, requested, documents, policy, fused, load,
+                          gdn_torch_outputs)
+    _CHOSEN[memo] = decided
+    key = (op, form, device.type, dtype, dk, dv, policy)
+    if _LOGGED.get(key) != decided:
+        _LOGGED[key] = decided
+        logger.info("megatron-burst: %s", decided.describe())
+    return decided, fn
+
+
+def _decide(op, form, device, dtype, dk, dv, requested, documents, policy, fused, load, gdn_torch_outputs):
+    torch_choice = lambda why: LinearKernelChoice(op, form, device.type, dtype, dk, dv, "torch", why)  # noqa: E731
+    if requested == "torch":
+        return torch_choice("MEGATRON_BURST_LINEAR_KERNEL=torch"), None
+    if requested == "auto" and not fused:
+        return torch_choice(f"the {device.type} path"), None
+    what = f"kernel='fla' for {op} ({FORM_TEXT[form]})"
+    if documents:
+        if requested == "fla":
+            raise ValueError(f"{what} with documents (cu_seqlens) is not supported yet: use kernel='torch' or 'auto'")
+        return _slow(op, form, device, dtype, dk, dv, "documents are not wired to fla's kernels yet",
+                     "none yet (fla takes cu_seqlens; wiring our document resets to it is open work)", policy), None
+    if dtype not in FLA_DTYPES:
+        if requested == "fla":
+            raise ValueError(f"{what} takes fp32, bf16 or fp16 inputs, got {dtype}: use kernel='torch'")
+        return _slow(op, form, device, dtype, dk, dv, f"fla's Triton kernels take no {dtype}",
+                     "train in bf16 (Megatron: --bf16)", policy), None
+    try:
+        fn = load()
+    except RuntimeError as e:  # a broken fla install is as loud as a failed self-check
+        failure = KernelSelfCheckError(f"{what} on {device} / {dtype}: {e}. {_fix_hint(op)}")
+        failure.__cause__ = e
+        return _self_check_failed(op, form, device, dtype, dk, dv, requested, policy, failure)
+    if fn is None:
+        if requested == "fla":
+            raise ValueError(f"{what} needs flash-linear-attention ({FLA_FIX}); use kernel='torch' or 'auto'")
+        return _slow(op, form, device, dtype, dk, dv, "flash-linear-attention is not installed", FLA_FIX, policy), None
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    try:
+        remembered(_VERIFIED, (op, form, name, str(device), dtype, dk, dv),
+                   lambda: self_check(op, form, fn, device, dtype, dk, dv, gdn_torch_outputs), KernelSelfCheckError)
+    except KernelSelfCheckError as e:
+        return _self_check_failed(op, form, device, dtype, dk, dv, requested, policy, e)
+    return LinearKernelChoice(op, form, device.type, dtype, dk, dv, "fla", "self-checked"), fn
+
+
+def _self_check_failed(op, form, device, dtype, dk, dv, requested, policy, error: KernelSelfCheckError):
+    if requested == "fla" or not policy.allow_slow:
+        raise error
+    attention_choice._warn_once(("failed", "linear", op, form, str(device), dtype, dk, dv),
+                                f"megatron-burst: {error} -- MEGATRON_BURST_ALLOW_SLOW_KERNELS=1, so our torch path "
+                                "runs instead")
+    return LinearKernelChoice(op, form, device.type, dtype, dk, dv, "torch",
+                              "fla failed its self-check; MEGATRON_BURST_ALLOW_SLOW_KERNELS=1"), None
+
+
+def report() -> list[str]:
+    """One line per linear-kernel decision made in this process so far."""
+    return sorted({c.describe() for c in _LOGGED.values()})
+
+
+def reset() -> None:
+    """Forget every self-check verdict, decision and log line of this process (tests); warnings
+    live in :func:`megatron_burst.kernels.choice.reset`."""
+    _VERIFIED.clear()
+    _CHOSEN.clear()
+    _LOGGED.clear()

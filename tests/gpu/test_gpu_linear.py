@@ -1,0 +1,93 @@
+"""Linear attention (LASP-2, every decay form) and the gated delta rule on one GPU with
+flash-linear-attention's kernels behind them (megatron_burst.linear.kernel_choice), bf16.
+
+* W = 1: kernel "auto" takes fla after its self-check (the decision line says so); out and every
+  gradient within ``BOUND`` x fla's own kernel's error (same inputs, same fp32 reference: our torch
+  path in fp32 on the bf16-rounded inputs) and under ``SANITY``;
+* W = 2 ranks on one GPU (host-staged transport): the reassembled out and gradients as close to the
+  fp32 reference as W = 1 (the exchange adds no error beyond fp32 rounding);
+* no plain-torch path on CUDA (a SlowKernelWarning is an error here, as in the rest of tests/gpu).
+
+Needs fla on the GPU machine (scripts/gpu_linear.sh installs the wheels from .whl/). Dry run on CPU
+(MEGATRON_BURST_GPU_TESTS_ON_CPU=1): tiny sizes, fp32, the torch path (fla's Triton kernels need a
+GPU), errors against the fp32 reference held to CPU_FP32_BOUND; the fla assertions are skipped.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megatron_burst as mb
+from megatron_burst.bench.linear_gpu import GRAD_NAMES, errors, fla_direct_fn, leaves_of, make_inputs, reference
+from megatron_burst.linear import kernel_choice
+
+from gpu import linear_ranks
+from gpu.common import CPU_FP32_BOUND, DEV, DTYPE, L, ON_CPU, run_on_ranks
+
+SEQ, HEADS, D = L(2048), 4, (128 if not ON_CPU else 32)
+CASES = [("lasp2", "none"), ("lasp2", "head"), ("lasp2", "token"), ("lasp2", "channel"), ("gdn", "token")]
+BOUND = 1.5  # ours <= BOUND x fla's own kernel's error (+ ABS_FLOOR), as the attention suite holds SDPA
+ABS_FLOOR = 1e-4
+SANITY = 5e-2  # and never above this (bf16; out, dq, dk, dv)
+
+
+def _bar_failures(what: str, ours: dict, fla: dict | None) -> list[str]:
+    fails = []
+    for name, err in ours.items():
+        if ON_CPU:
+            if not err <= CPU_FP32_BOUND:
+                fails.append(f"{what}: {name} error {err:.2e} > {CPU_FP32_BOUND:.0e} (fp32 dry run)")
+            continue
+        bar = BOUND * fla[name] + ABS_FLOOR
+        if not err <= bar or (name in ("out", "dq", "dk", "dv") and not err <= SANITY):
+            fails.append(f"{what}: {name} error {err:.3e} > {BOUND} x fla's {fla[name]:.3e} (or > {SANITY})")
+    return fails
+
+
+def _fla_errors(op: str, form: str, x: dict, ref: list) -> dict:
+    direct = fla_direct_fn(op, form)
+    leaves = leaves_of(op, form, x)
+    o = direct(x, leaves)
+    o.backward(x["dout"])
+    return errors(op, [o.detach()] + [t.grad for t in leaves], ref, HEADS)
+
+
+@pytest.mark.parametrize("op,form", CASES)
+def test_linear_op_through_fla_on_one_gpu(op, form):
+    x = make_inputs(op, form, SEQ, HEADS, D, DTYPE, DEV)
+    ref = reference(op, form, x, HEADS)
+    leaves = leaves_of(op, form, x)
+    o = (mb.gated_delta_rule(*leaves) if op == "gdn" else
+         mb.linear_attention(*leaves[:3], g=leaves[3] if len(leaves) > 3 else x["g"]))
+    o.backward(x["dout"])
+    ours = errors(op, [o.detach()] + [t.grad for t in leaves], ref, HEADS)
+    fla = None
+    if not ON_CPU:
+        decided = [line for line in kernel_choice.report() if line.startswith(f"linear kernels: {op} ")]
+        assert decided and all("fla " in line and "self-checked" in line for line in decided), decided
+        fla = _fla_errors(op, form, x, ref)
+    fails = _bar_failures(f"{op} {form} W=1", ours, fla)
+    assert not fails, "\n".join(fails) + f"\nours {ours}\nfla {fla}"
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_two_ranks_on_one_gpu_match_the_fp32_reference(world_size):
+    per_rank = run_on_ranks(world_size, linear_ranks.linear_cases, CASES, SEQ, HEADS, D)
+    fails = []
+    for rank, res in enumerate(per_rank):
+        if res["slow"]:
+            fails.append(f"rank {rank} ran plain-torch kernels: {res['slow']}")
+        fails += [f"{case} raised on rank {rank}:\n{tb}" for case, tb in res["errors"].items()]
+        if not ON_CPU:
+            fails += [f"rank {rank}: {line}" for line in res["kernels"] if "fla " not in line]
+    for op, form in CASES:
+        if any((op, form) not in res["results"] for res in per_rank):
+            continue  # reported above
+        x = make_inputs(op, form, SEQ, HEADS, D, DTYPE, DEV)
+        ref = reference(op, form, x, HEADS)
+        n = len(per_rank[0]["results"][(op, form)])
+        got = [torch.cat([res["results"][(op, form)][i] for res in per_rank], 0).to(DEV) for i in range(n)]
+        ours = errors(op, got, ref, HEADS)
+        assert set(ours) <= {"out", *GRAD_NAMES[op]}
+        fails += _bar_failures(f"{op} {form} W={world_size}", ours, None if ON_CPU else _fla_errors(op, form, x, ref))
+    assert not fails, "\n".join(fails[:30])

@@ -1,0 +1,53 @@
+"""``python -m megatron_burst.bench linear --gpu --smoke``: the one-GPU linear benchmark's plumbing on
+CPU in seconds (W = 1 and W = 2 gloo ranks with the host-staged transport staging CPU tensors), and
+its fla variants (ours with kernel='fla', fla's own kernel) against the stand-in fla of
+tests/fla_standin.py on the CUDA decision path."""
+from __future__ import annotations
+
+import json
+
+import fla_standin
+from megatron_burst.bench import linear_gpu
+from megatron_burst.kernels import choice as attention_choice
+from megatron_burst.linear import kernel_choice
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(line) for line in open(path)]
+
+
+def test_smoke_runs_every_section_and_records_errors_vs_fp32(tmp_path, capsys):
+    out = tmp_path / "linear.jsonl"
+    linear_gpu.main(["--gpu", "--smoke", "--out", str(out)])
+    lines = _lines(out)
+    assert not [l for l in lines if "error" in l], [l["error"] for l in lines if "error" in l]
+    local = {(l["name"], l["variant"]) for l in lines if l["section"] == "local" and "ms" in l}
+    assert local == {(f"lasp2_{f}", "torch") for f in linear_gpu.FORMS} | {("gdn", "torch")}
+    for l in lines:
+        if l["section"] == "local" and "ms" in l:
+            assert max(l["errors"].values()) <= 1e-6, l  # the torch path is the fp32 reference here
+    multi = [l for l in lines if l["section"] == "multi_rank" and "ms" in l]
+    assert {l["variant"] for l in multi} == {"lasp2:token:torch", "gdn:token:torch"}
+    for l in multi:
+        assert l["sent_bytes_per_rank"] > 0 and max(l["rel_diff_vs_w1"].values()) <= 1e-5, l
+    assert "| local | gdn | torch |" in capsys.readouterr().out
+
+
+def test_fla_variants_against_the_stand_in(tmp_path, monkeypatch):
+    fla_standin.install(monkeypatch)
+    monkeypatch.setattr(attention_choice, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
+    kernel_choice.reset()
+    out = tmp_path / "linear.jsonl"
+    try:
+        linear_gpu.main(["--gpu", "--smoke", "--sections", "local", "--kernels", "torch", "fla", "--seq", "96",
+                         "--forms", "head", "channel", "--out", str(out)])
+    finally:
+        kernel_choice.reset()
+    lines = [l for l in _lines(out) if l["variant"] != "done"]
+    assert not [l for l in lines if "error" in l], [l["error"] for l in lines if "error" in l]
+    got = {(l["name"], l["variant"]) for l in lines}
+    assert got == {(n, v) for n in ("lasp2_head", "lasp2_channel", "gdn") for v in ("torch", "fla", "fla_direct")}
+    for l in lines:
+        assert max(l["errors"].values()) <= 1e-5, l
+    fla_lines = [l for l in lines if l["variant"] == "fla"]
+    assert all(any("self-checked" in k for k in l["linear_kernels"]) for l in fla_lines)
