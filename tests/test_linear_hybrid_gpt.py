@@ -123,6 +123,8 @@ def test_cli_trains_a_hybrid_model_single_process(tmp_path):
     assert len(lines) == 2, proc.stdout
     data = json.loads(metrics.read_text())
     assert data["algo"] == "burst" and all(math.isfinite(m["lm_loss"]) for m in data["metrics"])
+    # the run says which kernels its linear layers used (on CPU: our torch path)
+    assert any("lasp2" in line.lower() or "linear" in line.lower() for line in data["kernels"]), data["kernels"]
 
 
 def test_cli_refuses_linear_flags_before_starting(tmp_path):

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 import megatron_burst
 from megatron_burst.activation_store import end_iteration
-from megatron_burst.kernels import report as kernel_report
+from megatron_burst.kernels import report as attention_kernel_report
+from megatron_burst.linear.kernel_choice import report as linear_kernel_report
 from megatron_burst.megatron.options import CPOptions
 from megatron_burst.train.args import ParallelSizes, build_parser, validate_args
 from megatron_burst.train.checkpointing import load_checkpoint, save_checkpoint
@@ -20,6 +21,11 @@ from megatron_burst.train.setup import (Groups, build_model, build_optimizer, in
 from megatron_burst.train import mixed_precision
 from megatron_burst.train.step import allreduce_grads, clip_grads, count_zero_grads, loss_and_grads
 
+
+
+def kernel_report() -> list[str]:
+    """Which local kernels ran: softmax attention's decisions, then the linear family's."""
+    return attention_kernel_report() + linear_kernel_report()
 
 def run(argv: Optional[Sequence[str]] = None) -> List[Dict[str, float]]:
     """Train on the already-initialized torch.distributed world; returns per-iteration metrics
