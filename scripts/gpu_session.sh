@@ -27,7 +27,7 @@ part() {  # part NAME SECONDS COMMAND...: run with at most SECONDS (and never pa
   local name=$1 want=$2; shift 2
   local have; have=$(left)
   local limit=$(( want < have ? want : have ))
-  if (( limit < 20 )); then echo "$name: skipped, ${have}s of the budget left" | tee -a "$OUT_DIR/session.log"; return; fi
+  if (( limit < 20 )); then echo "$name: skipped (its limit would be ${limit}s; ${have}s of the budget left)" | tee -a "$OUT_DIR/session.log"; return; fi
   local t0; t0=$(date +%s)
   echo "$name: start (limit ${limit}s)" | tee -a "$OUT_DIR/session.log"
   timeout "$limit" "$@"
@@ -46,6 +46,6 @@ for pkg in liger_kernel:liger_kernel cut_cross_entropy:cut_cross_entropy megatro
     $PY -m pip install --quiet --no-deps .whl/${pkg##*:}-*.whl 2>&1 | tail -2
   fi
 done
-part loss-test 60 bash -c "$PY -m pytest -q -p no:cacheprovider --timeout=50 tests/gpu/test_gpu_fused_loss.py 2>&1 | tee '$OUT_DIR/loss/gpu_loss_test.log'"
-part loss-bench 120 bash -c "$PY -m megatron_burst.bench loss --quick 2>&1 | tee '$OUT_DIR/loss/bench_loss.log'"
+part loss-test 60 bash -o pipefail -c "$PY -m pytest -q -p no:cacheprovider --timeout=50 tests/gpu/test_gpu_fused_loss.py 2>&1 | tee '$OUT_DIR/loss/gpu_loss_test.log'"
+part loss-bench 120 bash -o pipefail -c "$PY -m megatron_burst.bench loss --quick 2>&1 | tee '$OUT_DIR/loss/bench_loss.log'"
 echo "session: $(( $(date +%s) - START ))s of ${BUDGET}s" | tee -a "$OUT_DIR/session.log"
