@@ -85,8 +85,10 @@ def run_case(algo: str, heads: tuple, local_len: int, *, bounds: Optional[list] 
     scale = d ** -0.5
     vis = torch.stack([visibility(seq, x, causal, window) for x in all_bounds])
     ref = dense_reference(q, k, v, dout, vis, scale)
-    # the placement, independently of the engine's layout code: the planner on the union of boundaries
-    idx = torch.from_numpy(plan_dispatch(union(all_bounds), W).index_array()[r])
+    # the placement, independently of the engine's layout code: the planner on the union of boundaries,
+    # placed for the topology's nodes (cp_attention plans with its group's ranks per node)
+    ranks_per_node = getattr(group, "ranks_per_node", None)
+    idx = torch.from_numpy(plan_dispatch(union(all_bounds), W, ranks_per_node=ranks_per_node).index_array()[r])
     sh = lambda t: t[idx].clone()  # noqa: E731
     ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
     if per_sample is not None:
@@ -94,7 +96,7 @@ def run_case(algo: str, heads: tuple, local_len: int, *, bounds: Optional[list] 
     else:
         cu = torch.tensor(bounds, dtype=torch.int32)
     if prebuilt:
-        cu = mb.balanced_documents(cu, seq, b, W)
+        cu = mb.balanced_documents(cu, seq, b, W, ranks_per_node=ranks_per_node)
     out = mb.cp_attention(ql, kl, vl, group=group, algo=algo, layout="balanced", causal=causal,
                           softmax_scale=scale, ring=ring, cu_seqlens=cu, window=window, **cp_kw)
     out.backward(sh(dout))
