@@ -131,3 +131,22 @@ def test_linear_attention_refuses_balanced():
 
     with pytest.raises(ValueError, match="layout 'balanced'.*not supported by the linear-attention layers"):
         check_documents(mb.balanced_documents(torch.tensor([0, 40, 128]), 128, 1, 2), 128, 1)
+
+
+def test_node_aware_placement_is_exact_and_keeps_documents_inside_nodes():
+    """W = 4 as 2 nodes x 2: ring, burst and allgather are exact with the plan placed for the nodes
+    (raw cu_seqlens and prebuilt Documents), and ring / burst send fewer bytes over the inter-node
+    link than the one-node plan does (here none: every split document sits on one node). Documents
+    placed for another node size are refused by name, before any transfer."""
+    from balanced_cases import node_placement
+
+    for results in run_ranks(4, node_placement):
+        message, moved, group_ok = results.pop("mismatch")
+        assert message is not None and moved == 0 and group_ok
+        assert "placed for 4 ranks per node" in message and "has 2" in message, message
+        assert "ranks_per_node=2" in message, message
+        _assert_exact({case: errs for case, errs in results.items()})
+        for algo in ("ring", "burst"):
+            node_aware, one_node = results[(algo, "nodes")], results[(algo, "one_node_plan")]
+            assert node_aware["inter_bytes"] < one_node["inter_bytes"], (algo, node_aware, one_node)
+            assert node_aware["inter_bytes"] == 0, (algo, node_aware)
