@@ -107,7 +107,7 @@ import numpy as np
 import torch
 
 __all__ = ["CuSeqlens", "MAX_IMBALANCE", "MAX_STEP_IMBALANCE", "ATTEMPTS", "DispatchPlan", "check_divisible",
-           "check_ranks_per_node", "level_chain", "placement_order", "plan_dispatch"]
+           "checked_ranks_per_node", "level_chain", "placement_order", "plan_dispatch"]
 
 CuSeqlens = Union[torch.Tensor, Sequence[int]]
 
@@ -151,7 +151,7 @@ class DispatchPlan:
 
     def __post_init__(self) -> None:
         # one node unless told otherwise: None and W are the same placement (the identity)
-        object.__setattr__(self, "ranks_per_node", check_ranks_per_node(self.world_size, self.ranks_per_node))
+        object.__setattr__(self, "ranks_per_node", checked_ranks_per_node(self.world_size, self.ranks_per_node))
 
     @property
     def member_order(self) -> tuple:
@@ -251,7 +251,7 @@ def check_divisible(seq_len: int, world_size: int) -> None:
                          "(e.g. a padding document at the end)")
 
 
-def check_ranks_per_node(world_size: int, ranks_per_node: Optional[int]) -> int:
+def checked_ranks_per_node(world_size: int, ranks_per_node: Optional[int]) -> int:
     """The ranks per node R a plan is placed for: ``ranks_per_node`` (None: one node, W), checked to be
     a positive int dividing ``world_size``, else ValueError naming both."""
     if ranks_per_node is None:
@@ -272,7 +272,7 @@ def placement_order(world_size: int, ranks_per_node: Optional[int] = None) -> tu
     Plan position p lands on node p mod N. A k-coset {p mod (W/k) + j W/k} has members congruent
     mod W/k, so it lies inside one node whenever N divides W/k, i.e. **whenever k divides R**:
     documents at those levels never cross a node link. The identity for one node (N = 1)."""
-    R = check_ranks_per_node(world_size, ranks_per_node)
+    R = checked_ranks_per_node(world_size, ranks_per_node)
     N = world_size // R
     return tuple((p % N) * R + p // N for p in range(world_size))
 

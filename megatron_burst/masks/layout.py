@@ -31,7 +31,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from megatron_burst.masks.block import BlockMask
-from megatron_burst.masks.dispatch import DispatchPlan, check_ranks_per_node, plan_dispatch
+from megatron_burst.masks.dispatch import DispatchPlan, checked_ranks_per_node, plan_dispatch
 
 __all__ = ["LAYOUTS", "BALANCED", "ENGINE_LAYOUTS", "BalancedCuSeqlens", "check_layout", "seq_divisor",
            "check_seq_len", "check_local_len", "balanced_plan", "layout_indices", "thd_indices", "plan_rows",
@@ -136,7 +136,7 @@ def balanced_plan(cu_seqlens: BalancedCuSeqlens, seq_len: int, world_size: int, 
         raise ValueError(f"sequence length {seq_len} is not divisible by world_size={world_size}: layout 'balanced' "
                          f"gives every rank S / W tokens; pad the batch to a multiple of {world_size} (e.g. a padding "
                          "document at the end)")
-    R = check_ranks_per_node(world_size, ranks_per_node)  # None and W: one cache entry
+    R = checked_ranks_per_node(world_size, ranks_per_node)  # None and W: one cache entry
     return _plan_of(_union_bounds(cu_seqlens, seq_len), world_size, bool(causal), R)
 
 
@@ -156,7 +156,7 @@ def _resolve_plan(seq_len: int, world_size: int, cu_seqlens: Optional[BalancedCu
     if (plan.seq_len, plan.world_size) != (seq_len, world_size):
         raise ValueError(f"the plan places {plan.seq_len} tokens on {plan.world_size} ranks, but this call has "
                          f"{seq_len} tokens on {world_size} ranks: plan this batch for this CP size")
-    if ranks_per_node is not None and plan.ranks_per_node != check_ranks_per_node(world_size, ranks_per_node):
+    if ranks_per_node is not None and plan.ranks_per_node != checked_ranks_per_node(world_size, ranks_per_node):
         raise ValueError(f"the plan is placed for {plan.ranks_per_node} ranks per node, this call asks for "
                          f"ranks_per_node={ranks_per_node}: plan the batch with ranks_per_node={ranks_per_node} "
                          "(or pass ranks_per_node=None to take the plan's)")
