@@ -14,8 +14,8 @@ messages are additionally told apart by tag.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import torch.distributed as dist
 
@@ -52,10 +52,28 @@ class CPTopology:
     flat: Optional[Ring]
     inner: Optional[Ring] = None
     outer: Optional[Ring] = None
+    # rings over the CP group in another order (ring_in_order), by order: built once each
+    _ordered_rings: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_nodes(self) -> int:
         return self.world_size // self.ranks_per_node
+
+    def ring_in_order(self, order: Sequence[int]) -> Ring:
+        """The flat CP group as a ring whose position p is CP rank ``order[p]`` (a permutation of the
+        CP ranks), one communicator for activations and gradients as :attr:`flat` has, links classed
+        by :meth:`link_of`. Built on first use and kept (no collective: the communicator is the CP
+        group's; the identity order is :attr:`flat` itself)."""
+        order = tuple(int(r) for r in order)
+        if sorted(order) != list(range(self.world_size)):
+            raise ValueError(f"order={order} is not a permutation of the {self.world_size} CP ranks")
+        if order == tuple(range(self.world_size)):
+            return self.flat
+        ring = self._ordered_rings.get(order)
+        if ring is None:
+            comm = RingComm(self.group, link_of=self.link_of, ranks=order)
+            ring = self._ordered_rings[order] = Ring(comm, comm)
+        return ring
 
     def node_of(self, cp_rank: int) -> int:
         return cp_rank // self.ranks_per_node

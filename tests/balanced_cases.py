@@ -85,8 +85,10 @@ def run_case(algo: str, heads: tuple, local_len: int, *, bounds: Optional[list] 
     scale = d ** -0.5
     vis = torch.stack([visibility(seq, x, causal, window) for x in all_bounds])
     ref = dense_reference(q, k, v, dout, vis, scale)
-    # the placement, independently of the engine's layout code: the planner on the union of boundaries
-    idx = torch.from_numpy(plan_dispatch(union(all_bounds), W).index_array()[r])
+    # the placement, independently of the engine's layout code: the planner on the union of boundaries,
+    # placed for the topology's nodes (cp_attention plans with its group's ranks per node)
+    ranks_per_node = getattr(group, "ranks_per_node", None)
+    idx = torch.from_numpy(plan_dispatch(union(all_bounds), W, ranks_per_node=ranks_per_node).index_array()[r])
     sh = lambda t: t[idx].clone()  # noqa: E731
     ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
     if per_sample is not None:
@@ -94,7 +96,7 @@ def run_case(algo: str, heads: tuple, local_len: int, *, bounds: Optional[list] 
     else:
         cu = torch.tensor(bounds, dtype=torch.int32)
     if prebuilt:
-        cu = mb.balanced_documents(cu, seq, b, W)
+        cu = mb.balanced_documents(cu, seq, b, W, ranks_per_node=ranks_per_node)
     out = mb.cp_attention(ql, kl, vl, group=group, algo=algo, layout="balanced", causal=causal,
                           softmax_scale=scale, ring=ring, cu_seqlens=cu, window=window, **cp_kw)
     out.backward(sh(dout))
@@ -208,3 +210,45 @@ def refusals(local_len: int = 4) -> tuple[dict, int, bool]:
     t = torch.ones(1)
     dist.all_reduce(t)
     return messages, counter.bytes("sent") + counter.bytes("received"), t.item() == W
+
+
+# documents at level 2 on W = 4 (cosets {r, r + 2}): they cross nodes of 2 unless the plan is placed for them
+LEVEL_TWO_BOUNDS = [0, 12, 24, 30, 35, 38, 42, 45, 48]
+
+
+def node_placement(local_len: int = 12) -> dict:
+    """W = 4 as 2 emulated nodes x 2 (``build_cp_topology(None, 2)``): cp_attention plans raw
+    cu_seqlens for the topology's nodes (node-aware placement, the direct pass in the plan's member
+    order). Per algorithm: errors vs the dense reference and the bytes sent over inter-node links,
+    for the node-aware run and for the one-node plan (``ranks_per_node=None``) on a one-node view of
+    the same group whose links keep the nodes' classes. Also the mismatch refusal: Documents placed
+    for one node passed with the 2-node topology (message, bytes moved before it, group ok after)."""
+    from megatron_burst.topology import CPTopology
+
+    W = dist.get_world_size()
+    seq = local_len * W
+    assert seq == LEVEL_TWO_BOUNDS[-1]
+    nodes = mb.build_cp_topology(None, 2)
+    one_node_view = CPTopology(nodes.group, nodes.rank, W, W, nodes.flat)  # links still classed by nodes
+    out = {}
+    for algo in ("ring", "burst", "allgather"):
+        for name, group in (("nodes", nodes), ("one_node_plan", one_node_view)):
+            with mb.comm_counter() as counter:
+                errs = run_case(algo, (8, 2), local_len, bounds=LEVEL_TWO_BOUNDS, group=group)
+            errs["inter_bytes"] = counter.bytes("sent", link="inter")
+            errs["intra_bytes"] = counter.bytes("sent", link="intra")
+            out[(algo, name)] = errs
+        out[(algo, "prebuilt")] = run_case(algo, (8, 2), local_len, bounds=LEVEL_TWO_BOUNDS, group=nodes,
+                                           prebuilt=True)
+    q, kv = torch.randn(local_len, 1, 4, 8), torch.randn(local_len, 1, 2, 8)
+    one_node_docs = mb.balanced_documents(torch.tensor(LEVEL_TWO_BOUNDS), seq, 1, W)
+    with mb.comm_counter() as counter:
+        try:
+            mb.cp_attention(q, kv, kv, group=nodes, algo="burst", layout="balanced", cu_seqlens=one_node_docs)
+            message = None
+        except ValueError as e:
+            message = str(e)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    out["mismatch"] = (message, counter.bytes("sent") + counter.bytes("received"), t.item() == W)
+    return out

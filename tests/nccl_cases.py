@@ -167,3 +167,24 @@ def previous_tokens_schedule(layout: str):
     result = _replays(trace)
     result["max_err"] = max(errs["halo"], errs["grad"])
     return result
+
+
+def balanced_nodes_schedule(algo: str, ranks_per_node: int):
+    """layout "balanced" on a node topology: the plan placed for the nodes, the direct pass over the CP
+    group in the plan's member order (not the identity here), forward + backward recorded and
+    replayed; errors vs the dense reference and the inter-node bytes (documents at levels dividing
+    the node size stay inside a node)."""
+    from balanced_cases import LEVEL_TWO_BOUNDS, run_case
+    from megatron_burst.bench.document_mixes import lognormal_mix
+
+    W = dist.get_world_size()
+    local_len = 12 if W == 4 else 128  # 2 x 2: documents at level 2; 2 x 4: the lognormal mix at levels 1, 4
+    bounds = LEVEL_TWO_BOUNDS if W == 4 else lognormal_mix(local_len * W)
+    group = topology(ranks_per_node)
+    with record_schedule() as trace, mb.comm_counter() as counter:
+        errs = run_case(algo, (8, 2), local_len, bounds=bounds, group=group)
+    result = _replays(trace)
+    result["max_err"] = max(errs[n] for n in ("out", "dq", "dk", "dv"))
+    result["inter"] = counter.bytes("sent", link="inter")
+    result["sent"] = counter.bytes("sent")
+    return result

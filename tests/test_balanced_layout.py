@@ -131,3 +131,45 @@ def test_linear_attention_refuses_balanced():
 
     with pytest.raises(ValueError, match="layout 'balanced'.*not supported by the linear-attention layers"):
         check_documents(mb.balanced_documents(torch.tensor([0, 40, 128]), 128, 1, 2), 128, 1)
+
+
+def test_node_aware_placement_is_exact_and_keeps_documents_inside_nodes():
+    """W = 4 as 2 nodes x 2: ring, burst and allgather are exact with the plan placed for the nodes
+    (raw cu_seqlens and prebuilt Documents), and ring / burst send fewer bytes over the inter-node
+    link than the one-node plan does (here none: every split document sits on one node). Documents
+    placed for another node size are refused by name, before any transfer."""
+    from balanced_cases import node_placement
+
+    for results in run_ranks(4, node_placement):
+        message, moved, group_ok = results.pop("mismatch")
+        assert message is not None and moved == 0 and group_ok
+        assert "placed for 4 ranks per node" in message and "has 2" in message, message
+        assert "ranks_per_node=2" in message, message
+        _assert_exact({case: errs for case, errs in results.items()})
+        for algo in ("ring", "burst"):
+            node_aware, one_node = results[(algo, "nodes")], results[(algo, "one_node_plan")]
+            assert node_aware["inter_bytes"] < one_node["inter_bytes"], (algo, node_aware, one_node)
+            assert node_aware["inter_bytes"] == 0, (algo, node_aware)
+
+
+def test_layout_functions_take_ranks_per_node():
+    """balanced_plan / shard / unshard / layout_indices / balanced_documents plan for the given nodes,
+    cached per node size (None and W are one node), and a plan placed for other nodes is refused."""
+    S, W = 48, 4
+    cu = torch.tensor(mixed_bounds(S))
+    placed = layout.balanced_plan(cu, S, W, ranks_per_node=2)
+    assert placed is layout.balanced_plan(cu, S, W, ranks_per_node=2) and placed.ranks_per_node == 2
+    assert layout.balanced_plan(cu, S, W) is layout.balanced_plan(cu, S, W, ranks_per_node=W)
+    assert placed != layout.balanced_plan(cu, S, W) and placed.member_order == (0, 2, 1, 3)
+    assert mb.balanced_documents(cu, S, 1, W, ranks_per_node=2).plan is placed
+    x = torch.arange(S * 3).reshape(S, 3)
+    shards = [layout.shard(x, 0, r, W, "balanced", cu_seqlens=cu, ranks_per_node=2) for r in range(W)]
+    assert all(torch.equal(s[:, 0] // 3, placed.indices(r)) for r, s in enumerate(shards))
+    assert torch.equal(layout.unshard(shards, 0, "balanced", cu_seqlens=cu, ranks_per_node=2), x)
+    assert torch.equal(layout.unshard(shards, 0, "balanced", plan=placed), x)
+    with pytest.raises(ValueError, match=r"placed for 2 ranks per node.*ranks_per_node=4"):
+        layout.layout_indices(S, 0, W, "balanced", plan=placed, ranks_per_node=4)
+    with pytest.raises(ValueError, match="ranks_per_node=3 does not divide world_size=4"):
+        layout.balanced_plan(cu, S, W, ranks_per_node=3)
+    with pytest.raises(ValueError, match="only in layout 'balanced'"):
+        layout.layout_indices(S, 0, W, "zigzag", ranks_per_node=2)

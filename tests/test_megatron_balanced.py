@@ -59,6 +59,7 @@ def balanced_gpt_step(cp: int, batch: Dict[str, torch.Tensor], eod: Optional[int
     result["layouts"] = sorted({layout for layout, _ in seen})
     result["documents_objects"] = len({id(docs) for _, docs in seen})
     result["calls"] = len(seen)
+    result["plan_ranks_per_node"] = sorted({docs.plan.ranks_per_node for _, docs in seen})
     return result
 
 
@@ -78,6 +79,17 @@ def reset_reference():
 def test_balanced_documents_cp_equals_cp1(reset_reference, cp, algo):
     results = run_ranks(cp, balanced_gpt_step, cp, long_document_batch(), EOD, RESET + BALANCED + ["--cp-algo", algo])
     _check_against(results, reset_reference)
+
+
+@pytest.mark.parametrize("algo", ["burst", "ring"])
+def test_balanced_on_two_nodes_cp4_equals_cp1(reset_reference, algo):
+    """CP = 4 as 2 nodes x 2 (--cp-ranks-per-node, the flag the layers' topology takes): the batch
+    slicing plans for the same nodes as the layers (placed node-aware), the direct pass runs in the
+    plan's member order, and the step equals CP = 1."""
+    flags = RESET + BALANCED + ["--cp-algo", algo, "--cp-ranks-per-node", "2"]
+    results = run_ranks(4, balanced_gpt_step, 4, long_document_batch(), EOD, flags)
+    _check_against(results, reset_reference)
+    assert all(res["plan_ranks_per_node"] == [2] for res in results), [res["plan_ranks_per_node"] for res in results]
 
 
 def test_balanced_without_documents_is_one_document_split_over_all_ranks():
@@ -191,7 +203,7 @@ def test_thd_balanced_needs_a_total_divisible_by_cp():
     batch = {k: thd_batch()[k][:, :18] for k in ("tokens", "labels")}
     with pytest.raises(ValueError, match="not divisible by the CP size 4"):
         _balanced_thd_batch(batch, torch.tensor([0, 3, 11, 16], dtype=torch.int32),
-                            torch.tensor([0, 4, 12, 18], dtype=torch.int32), 0, 4)
+                            torch.tensor([0, 4, 12, 18], dtype=torch.int32), 0, 4, 4)
 
 
 def _glue_slice() -> tuple:

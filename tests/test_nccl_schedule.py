@@ -181,6 +181,18 @@ def test_direct_traffic_schedules_complete_under_nccl(algo, ring, world_size):
     assert sum(r["sent"] for r in results) < sum(r["ring_sent"] for r in results)
 
 
+@pytest.mark.parametrize("algo,world_size", [("ring", 4), ("burst", 8)])
+def test_node_aware_balanced_schedules_complete_under_nccl(algo, world_size):
+    """The balanced layout on 2 nodes: the direct pass runs over the CP group in the plan's member
+    order (every rank derives it from the same plan), sends nothing across nodes for these mixes,
+    and its recorded schedule replays under NCCL's rules."""
+    results = run_ranks(world_size, nccl_cases.balanced_nodes_schedule, algo, DOUBLE[world_size])
+    for rank, res in enumerate(results):
+        _assert_replays(res, f"balanced on nodes {algo} W={world_size} rank {rank}")
+        assert res["max_err"] < 1e-5 and res["inter"] == 0, res
+    assert sum(r["sent"] for r in results) > 0
+
+
 @pytest.mark.parametrize("algo", ["ring", "burst"])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_sparse_dynamic_schedules_complete_under_nccl(algo, world_size):

@@ -157,6 +157,8 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
              dropout_p=dropout_p, attn_bias=attn_bias, ulysses_size=ulysses_size, ring_backward=ring_backward)
     b, hq, n, d = to_bhsd(q, qkv_format).shape
     hkv = to_bhsd(k, qkv_format).shape[1]
+    # the balanced layout is placed node-aware for the CP group's nodes (masks.dispatch.placement_order)
+    ranks_per_node = group.ranks_per_node if isinstance(group, USPTopology) else topo.ranks_per_node
     documents: Optional[Documents] = None
     if isinstance(cu_seqlens, Documents):  # validated once per batch by the caller (no host read per layer)
         documents = cu_seqlens
@@ -172,12 +174,17 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, al
         if documents.plan is not None and documents.plan.world_size != world_size:
             raise ValueError(f"the balanced plan of these documents is for {documents.plan.world_size} ranks, the CP "
                              f"group has {world_size}: build them with balanced_documents(..., world_size={world_size})")
+        if documents.plan is not None and documents.plan.ranks_per_node != ranks_per_node:
+            raise ValueError(f"the balanced plan of these documents is placed for {documents.plan.ranks_per_node} "
+                             f"ranks per node, the CP topology has {ranks_per_node}: build them with "
+                             f"balanced_documents(..., ranks_per_node={ranks_per_node}) (the topology's "
+                             "ranks_per_node), so batch slicing and attention agree on which rank holds which token")
         if any(end > b for _, end, _ in documents.groups):
             raise ValueError(f"documents describe {documents.groups[-1][1]} samples, the batch has {b}")
     elif layout == THD:
         documents = check_thd(cu_seqlens, cu_seqlens_padded, n, world_size, b)
     elif layout == BALANCED:  # planned with the default causal=True, as layout_indices(cu_seqlens=...) does
-        documents = balanced_documents(cu_seqlens, n * world_size, b, world_size)
+        documents = balanced_documents(cu_seqlens, n * world_size, b, world_size, ranks_per_node=ranks_per_node)
     elif cu_seqlens is not None:
         documents = check_cu_seqlens(cu_seqlens, n * world_size, b)
     if isinstance(pattern, Dynamic):

@@ -27,7 +27,8 @@ mask needs it, straight from its owner, with no relaying: at step t (1 <= t < si
 position p receives owner (p - t)'s tensors iff ``needs(p, p - t)`` and sends its own to p + t iff
 ``needs(p + t, p)``; the gradient a member computed for owner o goes straight home to o in the next
 step's batch (one step behind, overlapping the next compute). Steps no member needs are skipped.
-On a double ring it runs over the flat CP group (bytes still classed intra/inter per link).
+On a double ring it runs over the flat CP group (bytes still classed intra/inter per link); for a
+node-aware balanced plan, over the CP group in the plan's member order (:func:`cp_ring_pass`).
 
 NCCL safety of the direct pass. ``needs`` is the mask's (global data: the same function on every
 member), so every member derives the same table and the same list of steps, and posts at most one
@@ -430,6 +431,16 @@ def direct_pass(ring: Optional[Ring], travel: Sequence[torch.Tensor], visit: Vis
     return home_grad
 
 
+def _plan_member_order(cfg: CPConfig) -> Optional[tuple]:
+    """The balanced plan's member order when the direct pass must follow it (a node-aware placement:
+    not the identity; ring members are CP ranks, i.e. no Ulysses), else None."""
+    plan = cfg.documents.plan if cfg.documents is not None else None
+    if plan is None or cfg.ulysses_size != 1 or cfg.world_size == 1:
+        return None
+    order = plan.member_order
+    return None if order == tuple(range(len(order))) else order
+
+
 def cp_ring_pass(cfg: CPConfig, travel: Sequence[torch.Tensor], visit: Visit, phase: str,
                  grad_like: Optional[torch.Tensor] = None, needs: Optional[Needs] = None) -> Optional[torch.Tensor]:
     """:func:`ring_pass` over the CP group in ``cfg.ring``'s shape; ``visit`` gets owner CP ranks
@@ -438,12 +449,21 @@ def cp_ring_pass(cfg: CPConfig, travel: Sequence[torch.Tensor], visit: Visit, ph
     far as the last node with a rank that needs one, the inner rings prune per block.
 
     With ``cfg.resolved_traffic`` "direct" it is :func:`direct_pass` over the flat CP group
-    (whatever ``cfg.ring``), sending by ``needs`` always; ``needs`` is then required."""
+    (whatever ``cfg.ring``), sending by ``needs`` always; ``needs`` is then required. When the
+    documents' balanced plan is placed over several nodes (``plan.member_order`` not the identity;
+    without Ulysses), the pass runs over the CP group in the plan's member order: ring position p
+    is CP rank ``member_order[p]``, so step t pairs the plan positions the planner balanced at step
+    t (its ``work``); ``visit`` and ``needs`` still get CP ranks. Every rank derives the order from
+    the same plan, so every rank runs the same table and steps (NCCL-safe as :func:`direct_pass`)."""
     topo = cfg.topology
     if cfg.resolved_traffic == "direct":
         if needs is None:
             raise ValueError("traffic='direct' sends blocks by the mask: cp_ring_pass needs needs(holder, owner)")
-        return direct_pass(topo.flat, travel, visit, phase, grad_like, needs)
+        order = _plan_member_order(cfg)
+        if order is None:
+            return direct_pass(topo.flat, travel, visit, phase, grad_like, needs)
+        return direct_pass(topo.ring_in_order(order), travel, lambda pos, t: visit(order[pos], t), phase, grad_like,
+                           lambda holder, owner: needs(order[holder], order[owner]))
     needs = needs if cfg.prune else None
     if cfg.ring == "flat" or topo.num_nodes == 1:
         return ring_pass(topo.flat, travel, visit, phase, grad_like, needs)

@@ -23,10 +23,12 @@ of them alike. Per variant it reports:
 
 Layouts: ``zigzag`` (Megatron's; the engine's default ring, i.e. the double ring when the
 topology spans nodes), ``zigzag/flat`` (one flat ring), ``block-striped`` (stripes of 64 tokens),
-``balanced`` (megatron_burst.balanced_documents, which picks the direct traffic schedule),
-``balanced/node-local`` (an experiment of this benchmark, not an engine layout: the same plan with
-its ranks relabeled by :func:`node_local_plan`, so that the documents split over a coset of ranks
-stay inside one node).
+``balanced`` (megatron_burst.balanced_documents placed for the emulated nodes' ranks per node, as
+cp_attention plans on a multi-node topology: documents split over k ranks with k dividing the ranks
+per node stay inside a node; it picks the direct traffic schedule), ``balanced/one-node-plan`` (the
+same documents planned as for one node, ``ranks_per_node=None``: cosets of ranks W/k apart span
+both nodes; run on a one-node view of the same CP group, :func:`one_node_view`, whose links keep
+the emulated nodes' intra/inter classes).
 
 Emulation (``--emulate``; root and iproute2, see megatron_burst.bench.emulated): one network
 namespace per node, each rank with its own NIC limited to ``--inter-mbit`` (rail-optimized, one
@@ -56,9 +58,8 @@ VARIANTS = {  # name: (layout, stripe, ring: None = the engine's default for the
     "zigzag": ("zigzag", 1, None),
     "zigzag/flat": ("zigzag", 1, "flat"),
     "block-striped": ("striped", 64, None),
-    "balanced": ("balanced", 1, None),
-    # bench-side experiment: the same plan with its ranks relabeled so split documents stay in a node
-    "balanced/node-local": ("balanced", 1, None),
+    "balanced": ("balanced", 1, None),  # placed for the topology's nodes (the engine's default)
+    "balanced/one-node-plan": ("balanced", 1, None),  # placed as for one node, to show the difference
 }
 BASELINE = "zigzag"
 # fp32 everywhere: a correct variant differs from the reference by summation order only
@@ -96,41 +97,23 @@ def reference(bounds: list, full: list[torch.Tensor]) -> dict[str, torch.Tensor]
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def node_local_plan(plan, nodes: int):
-    """``plan`` with plan rank r placed on CP rank (r mod nodes) x W/nodes + r // nodes.
-
-    plan_dispatch splits a document over a k-coset {r mod W/k + j W/k}: ranks W/k apart, which on
-    nodes of consecutive ranks means across nodes (at W = 8 on 2 x 4: {r, r + 4}). When ``nodes``
-    divides W/k, a coset's members are congruent mod ``nodes``, so this relabeling puts every such
-    coset on one node; only level-W documents still cross. Per-rank work is unchanged (the same
-    token sets, renamed); which ring step a pair falls on changes. Returns a DispatchPlan."""
-    import dataclasses
-
-    import numpy as np
-
-    W = plan.world_size
-    if W % nodes:
-        raise ValueError(f"cannot relabel a plan of {W} ranks onto {nodes} nodes: W must be a multiple of nodes")
-    per_node = W // nodes
-    cp_rank = [(r % nodes) * per_node + r // nodes for r in range(W)]
-    runs = tuple((start, length, cp_rank[r]) for start, length, r in plan.runs)
-    work = None
-    if plan.work is not None:  # [rank][step]: the pair (r, r - t) moves to (cp_rank[r], cp_rank[r - t])
-        work = np.zeros_like(plan.work)
-        for r in range(W):
-            for t in range(W):
-                work[cp_rank[r], (cp_rank[r] - cp_rank[(r - t) % W]) % W] += plan.work[r, t]
-    return dataclasses.replace(plan, runs=runs, work=work)
-
-
-def plans_of(bounds: list, seq: int, world_size: int, nodes: int) -> dict:
-    """Documents per balanced variant (the engine's plan, and its node-local relabeling)."""
+def plans_of(bounds: list, seq: int, world_size: int, ranks_per_node: int) -> dict:
+    """Documents per balanced variant: placed for nodes of ``ranks_per_node`` ranks (what cp_attention
+    plans on that topology), and placed as for one node."""
     import megatron_burst as mb
-    from megatron_burst.masks.documents import Documents
 
-    engine = mb.balanced_documents(torch.tensor(bounds), seq, 1, world_size)
-    relabeled = Documents(seq, engine.groups, node_local_plan(engine.plan, nodes))
-    return {"balanced": engine, "balanced/node-local": relabeled}
+    cu = torch.tensor(bounds)
+    return {"balanced": mb.balanced_documents(cu, seq, 1, world_size, ranks_per_node=ranks_per_node),
+            "balanced/one-node-plan": mb.balanced_documents(cu, seq, 1, world_size, ranks_per_node=None)}
+
+
+def one_node_view(topo):
+    """The CP group of ``topo`` as one node (ranks_per_node = W, its flat ring, no double ring), for
+    the one-node plan: cp_attention refuses a plan placed for other nodes than its topology's. The
+    flat ring's links are still classed by ``topo`` (bytes counted intra/inter as they travel)."""
+    from megatron_burst.topology import CPTopology
+
+    return CPTopology(topo.group, topo.rank, topo.world_size, topo.world_size, topo.flat)
 
 
 def variant_key(algo: str, name: str) -> str:
@@ -149,7 +132,8 @@ def measure(args) -> dict:
     topo = mb.build_cp_topology(None, args.ranks_per_node)
     bounds, full = batch(args)
     cu = torch.tensor(bounds, dtype=torch.int32)
-    documents = plans_of(bounds, args.seq, W, W // args.ranks_per_node)
+    documents = plans_of(bounds, args.seq, W, args.ranks_per_node)
+    groups = {name: one_node_view(topo) if name == "balanced/one-node-plan" else topo for name in args.variants}
     plain = check_cu_seqlens(cu, args.seq, 1)  # validated once, as Megatron's layers pass them
     locals_ = {}
     for name in args.variants:
@@ -169,7 +153,7 @@ def measure(args) -> dict:
                 dist.barrier()
                 with mb.comm_counter() as c:
                     t0 = time.perf_counter()
-                    out = mb.cp_attention(ql, kl, vl, group=topo, algo=algo, layout=layout, stripe=stripe,
+                    out = mb.cp_attention(ql, kl, vl, group=groups[name], algo=algo, layout=layout, stripe=stripe,
                                           ring=ring, cu_seqlens=docs)
                     t1 = time.perf_counter()
                     out.backward(dout)
@@ -217,7 +201,7 @@ def summarize(per_rank: list[dict], args, ref: dict[str, torch.Tensor], bounds: 
     import megatron_burst as mb
 
     W = len(per_rank)
-    plans = {name: docs.plan for name, docs in plans_of(bounds, args.seq, W, W // args.ranks_per_node).items()}
+    plans = {name: docs.plan for name, docs in plans_of(bounds, args.seq, W, args.ranks_per_node).items()}
     summary = {}
     for key in per_rank[0]["samples"]:
         algo, name = key.split("|")
@@ -301,7 +285,7 @@ def main(argv=None) -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--algos", nargs="+", default=["ring", "burst"], choices=["ring", "burst", "auto"])
-    p.add_argument("--variants", nargs="+", default=["zigzag", "balanced", "balanced/node-local"],
+    p.add_argument("--variants", nargs="+", default=["zigzag", "balanced", "balanced/one-node-plan"],
                    choices=list(VARIANTS))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)

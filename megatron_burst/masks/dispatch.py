@@ -62,6 +62,17 @@ the cosets carry equal work, and balanced in total when the ranks' sums are.
    at level W (TransformerEngine's THD partitioning, without padding: balanced, but every block
    travels). The first plan that meets both wins, else the best.
 
+**Nodes.** Cosets are W/k ranks apart, so on nodes of consecutive CP ranks (the topology's
+numbering) a coset {r, r + W/2} always spans two nodes. With ``ranks_per_node`` R (N = W / R nodes)
+the planner works in *plan positions* and places position p on physical rank
+pi(p) = (p mod N) R + p // N (:func:`placement_order`): position p lands on node p mod N, and a
+k-coset (members congruent mod W/k) lies inside one node **whenever k divides R**. Documents at
+those levels (and whole ones) never cross a node link; only documents at levels above R (the top
+level W/2 when R < W/2, level W, cut documents) do. The placement only renames ranks: the plan's
+work per position and step, its metrics and levels are those of the one-node plan, and the direct
+pass visits ranks in plan-position order (``DispatchPlan.member_order``), so plan step t is the
+engine's step t. Everything physical (``runs``, ``owner``, ``indices``, ``sends_to``) names CP ranks.
+
 Everything is deterministic (ties broken by index) and uses only ``cu_seqlens``. The output
 is a permutation of [0, S): per rank an increasing index list of S / W tokens, the form
 :mod:`megatron_burst.masks.layout` layouts take: ``layout="balanced"`` (see :meth:`DispatchPlan.indices`
@@ -96,7 +107,7 @@ import numpy as np
 import torch
 
 __all__ = ["CuSeqlens", "MAX_IMBALANCE", "MAX_STEP_IMBALANCE", "ATTEMPTS", "DispatchPlan", "check_divisible",
-           "level_chain", "plan_dispatch"]
+           "checked_ranks_per_node", "level_chain", "placement_order", "plan_dispatch"]
 
 CuSeqlens = Union[torch.Tensor, Sequence[int]]
 
@@ -108,11 +119,23 @@ MAX_STEP_IMBALANCE = 1.12  # worker (per ring step), likewise
 class DispatchPlan:
     """Which global tokens each rank holds (see the module docstring).
 
-    ``runs``: (start, length, rank) sorted by start, covering [0, seq_len) once.
+    Two numberings (they coincide on one node):
+
+    * **physical ranks** (CP ranks): ``runs`` (start, length, rank) sorted by start, covering
+      [0, seq_len) once; :meth:`owner`, :meth:`indices`, :meth:`index_array`, :meth:`sends_to`.
+      This is what batch slicing, block masks and the engine read.
+    * **plan positions**: where the planner's cosets and ring steps live. ``work``: [W][W] numpy
+      array, visible pairs of plan position p at plan step t (its queries against the keys of
+      position (p - t) mod W), computed exactly; :meth:`metrics` reads it. Position p is placed
+      on physical rank ``member_order[p]``; the direct pass runs its steps in this order
+      (:func:`megatron_burst.algorithms.schedule.cp_ring_pass`), so ``work`` is per rank and step
+      as the engine runs it.
+
     ``levels``: per document, the size of the coset it is split over (1: whole on one rank;
     0: cut into pieces over a few ranks to fill holes). ``group_size``: the largest level used.
-    ``work``: [W][W] numpy array, visible pairs of rank r at ring step t (computed exactly).
-    ``attempt``: which configuration produced it (0 = least splitting).
+    ``attempt``: which configuration produced it (0 = least splitting). ``ranks_per_node``: R,
+    the CP topology's ranks per node the plan was placed for (None given: one node, stored as
+    W); see :func:`placement_order` for ``member_order``.
     """
 
     seq_len: int
@@ -124,6 +147,24 @@ class DispatchPlan:
     causal: bool = True
     attempt: int = 0
     work: np.ndarray = field(default=None, repr=False, compare=False)
+    ranks_per_node: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        # one node unless told otherwise: None and W are the same placement (the identity)
+        object.__setattr__(self, "ranks_per_node", checked_ranks_per_node(self.world_size, self.ranks_per_node))
+
+    @property
+    def member_order(self) -> tuple:
+        """Physical rank of each plan position (:func:`placement_order`; the identity on one node)."""
+        cached = self.__dict__.get("_member_order")
+        if cached is None:
+            cached = placement_order(self.world_size, self.ranks_per_node)
+            object.__setattr__(self, "_member_order", cached)
+        return cached
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
 
     def __hash__(self) -> int:
         # Plans key per-layer caches (documents.rank_positions, layout_document_blocks): hashing the
@@ -132,7 +173,7 @@ class DispatchPlan:
         cached = self.__dict__.get("_hash")
         if cached is None:
             cached = hash((self.seq_len, self.world_size, self.bounds, self.runs, self.levels, self.group_size,
-                           self.causal, self.attempt))
+                           self.causal, self.attempt, self.ranks_per_node))
             object.__setattr__(self, "_hash", cached)
         return cached
 
@@ -141,12 +182,13 @@ class DispatchPlan:
         return self.seq_len // self.world_size
 
     def owner(self) -> np.ndarray:
-        """int64 [seq_len]: the rank holding each global token."""
+        """int64 [seq_len]: the physical rank holding each global token."""
         runs = np.asarray(self.runs, dtype=np.int64).reshape(-1, 3)
         return np.repeat(runs[:, 2], runs[:, 1])
 
     def index_array(self) -> np.ndarray:
-        """int64 [W, S/W]: row r = rank r's global token indices, increasing (O(S), no sort of tokens)."""
+        """int64 [W, S/W]: row r = physical rank r's global token indices, increasing (O(S), no sort of
+        tokens)."""
         runs = np.asarray(self.runs, dtype=np.int64).reshape(-1, 3)
         runs = runs[np.argsort(runs[:, 2], kind="stable")]  # by rank, then start (runs come by start)
         start, length = runs[:, 0], runs[:, 1]
@@ -155,7 +197,7 @@ class DispatchPlan:
         return out.reshape(self.world_size, self.local_len)
 
     def indices(self, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s global token positions (LongTensor [S/W], increasing): what batch slicing and
+        """Physical rank ``rank``'s global token positions (LongTensor [S/W], increasing): what batch slicing and
         RoPE positions take, like :func:`megatron_burst.masks.layout.layout_indices`."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is outside [0, {self.world_size})")
@@ -169,11 +211,13 @@ class DispatchPlan:
         return list(torch.from_numpy(self.index_array()).unbind(0))
 
     def metrics(self) -> dict:
-        """worker_total / worker (per ring step) imbalance of ``work`` (see the module docstring)."""
+        """worker_total / worker (per ring step) imbalance of ``work`` (see the module docstring): per
+        plan position and plan step, the order the direct pass runs in (the same for any placement)."""
         return _metrics(self.work)
 
     def sends_to(self) -> list:
-        """Per rank o, the sorted ranks r != o whose queries see o's keys (where o's K,V must go)."""
+        """Per physical rank o, the sorted physical ranks r != o whose queries see o's keys (where o's
+        K,V must go)."""
         return _senders(self)
 
 
@@ -205,6 +249,32 @@ def check_divisible(seq_len: int, world_size: int) -> None:
         raise ValueError(f"sequence length {seq_len} is not divisible by world_size={world_size}: the balanced "
                          f"layout gives every rank S / W tokens; pad the batch to a multiple of {world_size} "
                          "(e.g. a padding document at the end)")
+
+
+def checked_ranks_per_node(world_size: int, ranks_per_node: Optional[int]) -> int:
+    """The ranks per node R a plan is placed for: ``ranks_per_node`` (None: one node, W), checked to be
+    a positive int dividing ``world_size``, else ValueError naming both."""
+    if ranks_per_node is None:
+        return world_size
+    if not isinstance(ranks_per_node, (int, np.integer)) or isinstance(ranks_per_node, bool) or ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int (the CP topology's ranks per "
+                         "node) or None (one node)")
+    if world_size % ranks_per_node:
+        raise ValueError(f"ranks_per_node={ranks_per_node} does not divide world_size={world_size}: nodes hold equal "
+                         f"numbers of CP ranks; pass a divisor of {world_size} (or None: one node)")
+    return int(ranks_per_node)
+
+
+def placement_order(world_size: int, ranks_per_node: Optional[int] = None) -> tuple:
+    """Physical (CP) rank of each plan position: pi(p) = (p mod N) R + p // N, R = ranks per node,
+    N = W / R nodes of consecutive CP ranks (the topology's node-major numbering).
+
+    Plan position p lands on node p mod N. A k-coset {p mod (W/k) + j W/k} has members congruent
+    mod W/k, so it lies inside one node whenever N divides W/k, i.e. **whenever k divides R**:
+    documents at those levels never cross a node link. The identity for one node (N = 1)."""
+    R = checked_ranks_per_node(world_size, ranks_per_node)
+    N = world_size // R
+    return tuple((p % N) * R + p // N for p in range(world_size))
 
 
 def level_chain(world_size: int) -> list:
@@ -657,12 +727,13 @@ def _plan_work(whole: list, pieces: dict, w: list, W: int, causal: bool) -> np.n
 
 
 def _senders(plan: DispatchPlan) -> list:
-    W = plan.world_size
+    """``work`` is per plan position and step; the answer speaks physical ranks (``member_order``)."""
+    W, order = plan.world_size, plan.member_order
     need = [set() for _ in range(W)]
-    for r in range(W):
+    for p in range(W):
         for s in range(1, W):
-            if plan.work[r, s] > 0:
-                need[(r - s) % W].add(r)
+            if plan.work[p, s] > 0:
+                need[order[(p - s) % W]].add(order[p])
     return [sorted(x) for x in need]
 
 
@@ -680,15 +751,21 @@ ATTEMPTS = (  # (alpha, allow level W, every document at level W): least splitti
 )
 
 
-def plan_dispatch(cu_seqlens: CuSeqlens, world_size: int, *, causal: bool = True,
-                  max_imbalance: float = MAX_IMBALANCE, max_step_imbalance: float = MAX_STEP_IMBALANCE
-                  ) -> DispatchPlan:
+def plan_dispatch(cu_seqlens: CuSeqlens, world_size: int, *, ranks_per_node: Optional[int] = None,
+                  causal: bool = True, max_imbalance: float = MAX_IMBALANCE,
+                  max_step_imbalance: float = MAX_STEP_IMBALANCE) -> DispatchPlan:
     """Plan which global tokens each of ``world_size`` ranks holds for the packed batch ``cu_seqlens``
     ([0, ..., S], int tensor or list; S divisible by W). See the module docstring for the algorithm and
-    the definitions. Deterministic; needs no communication (every rank computes the same plan)."""
+    the definitions. Deterministic; needs no communication (every rank computes the same plan).
+
+    ``ranks_per_node``: the CP topology's R (None or W: one node; must divide W). The plan is made
+    in plan positions, then position p is placed on physical rank :func:`placement_order` (p), so
+    a document split over a k-coset with k dividing R stays inside one node. Placement renames
+    ranks only: ``work`` and :meth:`~DispatchPlan.metrics` are those of the one-node plan."""
     b = _bounds(cu_seqlens)
     S, W = b[-1], world_size
     check_divisible(S, W)
+    order = placement_order(W, ranks_per_node)
     L = [y - x for x, y in zip(b, b[1:])]
     w = [l * (l + 1) // 2 for l in L] if causal else [l * l for l in L]
     desc = sorted(range(len(L)), key=lambda d: (-w[d], d))
@@ -704,7 +781,8 @@ def plan_dispatch(cu_seqlens: CuSeqlens, world_size: int, *, causal: bool = True
             best = (score, i, whole, pieces, lev, gsize, work)
             break
     _, i, whole, pieces, lev, gsize, work = best
-    runs = [(b[d], L[d], r) for d, r in enumerate(whole) if r >= 0]
-    runs += [(b[d] + off, size, r) for d, ps in pieces.items() for off, size, r in ps]
+    # whole / pieces name plan positions; runs name the physical rank each position is placed on
+    runs = [(b[d], L[d], order[p]) for d, p in enumerate(whole) if p >= 0]
+    runs += [(b[d] + off, size, order[p]) for d, ps in pieces.items() for off, size, p in ps]
     runs.sort()
-    return DispatchPlan(S, W, tuple(b), tuple(runs), tuple(lev), gsize, causal, i, work)
+    return DispatchPlan(S, W, tuple(b), tuple(runs), tuple(lev), gsize, causal, i, work, ranks_per_node)

@@ -151,7 +151,7 @@ def check_cu_seqlens(cu_seqlens: CuSeqlens, seq_len: int, batch: int) -> Documen
 
 
 def balanced_documents(cu_seqlens: CuSeqlens, seq_len: int, batch: int, world_size: int, *,
-                       causal: bool = True) -> Documents:
+                       causal: bool = True, ranks_per_node: Optional[int] = None) -> Documents:
     """Validated documents of a ``layout="balanced"`` batch, with its placement planned once.
 
     ``cu_seqlens``: as :func:`check_cu_seqlens` takes it ([0, ..., seq_len], or one per sample of
@@ -163,12 +163,14 @@ def balanced_documents(cu_seqlens: CuSeqlens, seq_len: int, batch: int, world_si
     back per layer. Per-sample boundaries are planned on their union
     (:func:`megatron_burst.masks.layout.balanced_plan`): exact for every sample. ``causal`` only steers
     the balance; cp_attention given raw cu_seqlens plans with the default (causal=True), so the
-    same default here gives the same placement. Local work only (no collective): every rank
-    computes the same plan.
+    same default here gives the same placement. ``ranks_per_node``: the CP topology's ranks per
+    node (None: one node); cp_attention plans raw cu_seqlens with its topology's value and refuses
+    Documents placed for another, so pass the one the layers' topology has. Local work only (no
+    collective): every rank computes the same plan.
     """
     documents = check_cu_seqlens(cu_seqlens, seq_len, batch)
     bounds = [g[2] for g in documents.groups]
-    plan = balanced_plan(bounds if len(bounds) > 1 else bounds[0], seq_len, world_size, causal)
+    plan = balanced_plan(bounds if len(bounds) > 1 else bounds[0], seq_len, world_size, causal, ranks_per_node)
     return Documents(seq_len, documents.groups, plan)
 
 

@@ -31,7 +31,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from megatron_burst.masks.block import BlockMask
-from megatron_burst.masks.dispatch import DispatchPlan, plan_dispatch
+from megatron_burst.masks.dispatch import DispatchPlan, checked_ranks_per_node, plan_dispatch
 
 __all__ = ["LAYOUTS", "BALANCED", "ENGINE_LAYOUTS", "BalancedCuSeqlens", "check_layout", "seq_divisor",
            "check_seq_len", "check_local_len", "balanced_plan", "layout_indices", "thd_indices", "plan_rows",
@@ -109,12 +109,13 @@ def _union_bounds(cu_seqlens: BalancedCuSeqlens, seq_len: int) -> tuple[int, ...
 
 
 @functools.lru_cache(maxsize=16)
-def _plan_of(bounds: tuple[int, ...], world_size: int, causal: bool) -> DispatchPlan:
-    # every layer of a step asks for the same batch's plan: plan once per (boundaries, W)
-    return plan_dispatch(bounds, world_size, causal=causal)
+def _plan_of(bounds: tuple[int, ...], world_size: int, causal: bool, ranks_per_node: int) -> DispatchPlan:
+    # every layer of a step asks for the same batch's plan: plan once per (boundaries, W, causal, R)
+    return plan_dispatch(bounds, world_size, causal=causal, ranks_per_node=ranks_per_node)
 
 
-def balanced_plan(cu_seqlens: BalancedCuSeqlens, seq_len: int, world_size: int, causal: bool = True) -> DispatchPlan:
+def balanced_plan(cu_seqlens: BalancedCuSeqlens, seq_len: int, world_size: int, causal: bool = True,
+                  ranks_per_node: Optional[int] = None) -> DispatchPlan:
     """The ``balanced`` layout's placement of a batch: :func:`~megatron_burst.masks.dispatch.plan_dispatch`
     of its document boundaries ``cu_seqlens`` ([0, ..., seq_len] int tensor or list, or a list of
     them, one per sample) on ``world_size`` ranks.
@@ -123,8 +124,11 @@ def balanced_plan(cu_seqlens: BalancedCuSeqlens, seq_len: int, world_size: int, 
     placement for the whole batch, as tensors [s, b, ...] need. Any placement is exact for every
     sample (its own documents still decide what it sees); the union makes it balance each
     sample's documents nearly as well as its own plan would. Deterministic and the same on every
-    rank; cached per (boundaries, W, causal). ``causal`` only steers the balance (non-causal work is
-    L^2 per document): the engine plans with the default, so pass the same value everywhere.
+    rank; cached per (boundaries, W, causal, ranks per node). ``causal`` only steers the balance
+    (non-causal work is L^2 per document): the engine plans with the default, so pass the same value
+    everywhere. ``ranks_per_node``: the CP topology's ranks per node (None: one node), which places
+    the plan node-aware (:func:`~megatron_burst.masks.dispatch.placement_order`); batch slicing and
+    the attention layers must use the same value (cp_attention checks).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
@@ -132,43 +136,51 @@ def balanced_plan(cu_seqlens: BalancedCuSeqlens, seq_len: int, world_size: int, 
         raise ValueError(f"sequence length {seq_len} is not divisible by world_size={world_size}: layout 'balanced' "
                          f"gives every rank S / W tokens; pad the batch to a multiple of {world_size} (e.g. a padding "
                          "document at the end)")
-    return _plan_of(_union_bounds(cu_seqlens, seq_len), world_size, bool(causal))
+    R = checked_ranks_per_node(world_size, ranks_per_node)  # None and W: one cache entry
+    return _plan_of(_union_bounds(cu_seqlens, seq_len), world_size, bool(causal), R)
 
 
 def _resolve_plan(seq_len: int, world_size: int, cu_seqlens: Optional[BalancedCuSeqlens],
-                  plan: Optional[DispatchPlan]) -> DispatchPlan:
-    """The balanced layout's plan from ``plan`` or ``cu_seqlens`` (exactly one), checked against S and W."""
+                  plan: Optional[DispatchPlan], ranks_per_node: Optional[int] = None) -> DispatchPlan:
+    """The balanced layout's plan from ``plan`` or ``cu_seqlens`` (exactly one), checked against S and W
+    (and against ``ranks_per_node`` when both it and ``plan`` are given)."""
     if plan is None and cu_seqlens is None:
         raise ValueError("layout='balanced' places tokens by the batch's documents: pass cu_seqlens=[0, ..., S] "
                          "(or plan=megatron_burst.documents.balanced_documents(...).plan)")
     if plan is not None and cu_seqlens is not None:
         raise ValueError("pass either cu_seqlens or plan for layout='balanced', not both")
     if plan is None:
-        return balanced_plan(cu_seqlens, seq_len, world_size)
+        return balanced_plan(cu_seqlens, seq_len, world_size, ranks_per_node=ranks_per_node)
     if not isinstance(plan, DispatchPlan):
         raise ValueError(f"plan={plan!r} must be a megatron_burst.dispatch.DispatchPlan")
     if (plan.seq_len, plan.world_size) != (seq_len, world_size):
         raise ValueError(f"the plan places {plan.seq_len} tokens on {plan.world_size} ranks, but this call has "
                          f"{seq_len} tokens on {world_size} ranks: plan this batch for this CP size")
+    if ranks_per_node is not None and plan.ranks_per_node != checked_ranks_per_node(world_size, ranks_per_node):
+        raise ValueError(f"the plan is placed for {plan.ranks_per_node} ranks per node, this call asks for "
+                         f"ranks_per_node={ranks_per_node}: plan the batch with ranks_per_node={ranks_per_node} "
+                         "(or pass ranks_per_node=None to take the plan's)")
     return plan
 
 
 def layout_indices(seq_len: int, rank: int, world_size: int, layout: str, stripe: int = 1, *,
-                   cu_seqlens: Optional[BalancedCuSeqlens] = None, plan: Optional[DispatchPlan] = None
-                   ) -> torch.Tensor:
+                   cu_seqlens: Optional[BalancedCuSeqlens] = None, plan: Optional[DispatchPlan] = None,
+                   ranks_per_node: Optional[int] = None) -> torch.Tensor:
     """Global token positions held by ``rank``, in local (increasing) order. Returns LongTensor [seq_len / W].
 
     ``layout="balanced"`` needs the batch's documents: ``cu_seqlens`` (see :func:`balanced_plan`) or
     the ``plan`` itself (e.g. ``Documents.plan``, planned once per batch); other layouts take neither.
+    ``ranks_per_node`` (balanced only): the CP topology's ranks per node the plan is placed for
+    (None: one node with ``cu_seqlens``; the plan's own with ``plan``, else checked against it).
     """
     check_seq_len(seq_len, world_size, layout, stripe)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside [0, {world_size})")
     if layout == BALANCED:
-        return plan_rows(_resolve_plan(seq_len, world_size, cu_seqlens, plan))[rank].clone()
-    if cu_seqlens is not None or plan is not None:
-        raise ValueError(f"cu_seqlens / plan place tokens only in layout 'balanced'; layout {layout!r} places them "
-                         "by position alone (pass neither)")
+        return plan_rows(_resolve_plan(seq_len, world_size, cu_seqlens, plan, ranks_per_node))[rank].clone()
+    if cu_seqlens is not None or plan is not None or ranks_per_node is not None:
+        raise ValueError(f"cu_seqlens / plan / ranks_per_node place tokens only in layout 'balanced'; layout "
+                         f"{layout!r} places them by position alone (pass none of them)")
     n = seq_len // world_size
     if layout == "contiguous" or world_size == 1:  # one rank holds everything, in order
         return torch.arange(rank * n, (rank + 1) * n)
@@ -218,20 +230,24 @@ def layout_indices_on(seq_len: int, rank: int, world_size: int, layout: str, str
 
 
 def shard(x: torch.Tensor, dim: int, rank: int, world_size: int, layout: str, stripe: int = 1, *,
-          cu_seqlens: Optional[BalancedCuSeqlens] = None, plan: Optional[DispatchPlan] = None) -> torch.Tensor:
+          cu_seqlens: Optional[BalancedCuSeqlens] = None, plan: Optional[DispatchPlan] = None,
+          ranks_per_node: Optional[int] = None) -> torch.Tensor:
     """The part of the full-sequence tensor ``x`` (sequence along ``dim``, S long) that ``rank`` holds:
-    ``x`` with dim ``dim`` cut to S / W. ``cu_seqlens`` / ``plan``: layout "balanced" only (see
-    :func:`layout_indices`)."""
-    idx = layout_indices(x.shape[dim], rank, world_size, layout, stripe, cu_seqlens=cu_seqlens, plan=plan)
+    ``x`` with dim ``dim`` cut to S / W. ``cu_seqlens`` / ``plan`` / ``ranks_per_node``: layout
+    "balanced" only (see :func:`layout_indices`)."""
+    idx = layout_indices(x.shape[dim], rank, world_size, layout, stripe, cu_seqlens=cu_seqlens, plan=plan,
+                         ranks_per_node=ranks_per_node)
     if layout == "contiguous":
         return x.narrow(dim, int(idx[0]), idx.numel())
     return x.index_select(dim, idx.to(x.device))
 
 
 def unshard(shards: Sequence[torch.Tensor], dim: int, layout: str, stripe: int = 1, *,
-            cu_seqlens: Optional[BalancedCuSeqlens] = None, plan: Optional[DispatchPlan] = None) -> torch.Tensor:
+            cu_seqlens: Optional[BalancedCuSeqlens] = None, plan: Optional[DispatchPlan] = None,
+            ranks_per_node: Optional[int] = None) -> torch.Tensor:
     """Inverse of :func:`shard`: reassemble the full sequence (S = W x the shards' length along ``dim``)
-    from every rank's shard, in rank order. ``cu_seqlens`` / ``plan``: layout "balanced" only."""
+    from every rank's shard, in (physical) rank order. ``cu_seqlens`` / ``plan`` / ``ranks_per_node``:
+    layout "balanced" only."""
     world_size = len(shards)
     local_len = shards[0].shape[dim]
     seq_len = local_len * world_size
@@ -239,8 +255,8 @@ def unshard(shards: Sequence[torch.Tensor], dim: int, layout: str, stripe: int =
     if layout == "contiguous":
         check_seq_len(seq_len, world_size, layout, stripe)
         return cat
-    order = torch.cat([layout_indices(seq_len, r, world_size, layout, stripe, cu_seqlens=cu_seqlens, plan=plan)
-                       for r in range(world_size)])
+    order = torch.cat([layout_indices(seq_len, r, world_size, layout, stripe, cu_seqlens=cu_seqlens, plan=plan,
+                                      ranks_per_node=ranks_per_node) for r in range(world_size)])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(seq_len)
     return cat.index_select(dim, inverse.to(cat.device))

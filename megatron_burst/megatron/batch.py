@@ -52,7 +52,8 @@ def check_causal_attention_mask(mask: torch.Tensor, seq_len: int) -> None:
 
 def get_batch_on_this_cp_rank(batch: Dict[str, Any], layout: str = "zigzag",
                               cp_group: Optional[dist.ProcessGroup] = None,
-                              stripe: int = 1, eod_token: Optional[int] = None) -> Dict[str, Any]:
+                              stripe: int = 1, eod_token: Optional[int] = None,
+                              ranks_per_node: Optional[int] = None) -> Dict[str, Any]:
     """This CP rank's part of ``batch`` in ``layout``; returns a new dict with the same keys.
 
     ``batch`` maps names to [b, s, ...] tensors (tokens, labels, loss_mask, position_ids, ...) or
@@ -70,6 +71,12 @@ def get_batch_on_this_cp_rank(batch: Dict[str, Any], layout: str = "zigzag",
     one document [0, s], which the planner splits over all ranks); every entry is cut to this
     rank's plan rows, and ``packed_seq_params`` is always returned, carrying the plan
     (megatron_burst.megatron.packed.balanced_seq_params) for every layer and the model's RoPE.
+    The plan is placed for ``ranks_per_node`` CP ranks per node, which must be the attention
+    layers' (:func:`megatron_burst.megatron.groups.layers_ranks_per_node` of their options; the
+    layers refuse a plan placed for other nodes). None: the node topology registered for the CP
+    group (what the layers look up), else one node
+    (:func:`megatron_burst.megatron.groups.balanced_batch_ranks_per_node`). Fixed layouts place
+    tokens by position alone and ignore it.
     """
     check_layout(layout, stripe)
     rank, size = _cp_rank_size(cp_group)
@@ -98,7 +105,10 @@ def get_batch_on_this_cp_rank(batch: Dict[str, Any], layout: str = "zigzag",
         return dict(batch)
     check_seq_len(seq_len, size, layout, stripe)
     if layout == BALANCED:
-        return _balanced_batch(batch, seq_len, rank, size, eod_token)
+        from megatron_burst.megatron.groups import balanced_batch_ranks_per_node
+
+        per_node = balanced_batch_ranks_per_node(cp_group, size, ranks_per_node)
+        return _balanced_batch(batch, seq_len, rank, size, eod_token, per_node)
 
     out: Dict[str, Any] = {}
     for key, val in batch.items():
@@ -118,8 +128,9 @@ def get_batch_on_this_cp_rank(batch: Dict[str, Any], layout: str = "zigzag",
 
 
 def _balanced_batch(batch: Dict[str, Any], seq_len: int, rank: int, size: int,
-                    eod_token: Optional[int]) -> Dict[str, Any]:
-    """``get_batch_on_this_cp_rank`` for layout "balanced" (checks done): plan, then slice."""
+                    eod_token: Optional[int], ranks_per_node: int) -> Dict[str, Any]:
+    """``get_batch_on_this_cp_rank`` for layout "balanced" (checks done): plan for ``ranks_per_node``
+    CP ranks per node, then slice."""
     from megatron_burst.megatron.packed import (balanced_documents_of, balanced_seq_params, document_boundaries,
                                                 slice_balanced)
 
@@ -131,7 +142,7 @@ def _balanced_batch(batch: Dict[str, Any], seq_len: int, rank: int, size: int,
         per_sample = document_boundaries(tokens, eod_token)  # one host read of the tokens per batch
     else:
         per_sample = [[0, seq_len]] * tokens.shape[0]
-    params = balanced_seq_params(per_sample, seq_len, size, tokens.device)
+    params = balanced_seq_params(per_sample, seq_len, size, tokens.device, ranks_per_node)
     entries = {key: val for key, val in batch.items() if key != "packed_seq_params"}
     out = slice_balanced(entries, balanced_documents_of(params), rank, skip=("attention_mask",))
     if "attention_mask" in out:  # checked causal (or superseded by the documents) above

@@ -43,7 +43,7 @@ from megatron_burst.topology import (CPTopology, USPTopology, build_cp_topology,
                                      registered_cp_topology, registered_usp_topology, single_node_topology)
 from megatron_burst.world import group_timeout
 
-__all__ = ["resolve_cp_ranks_per_node", "needs_node_topology", "setup_cp_topology", "needs_usp_topology",
+__all__ = ["resolve_cp_ranks_per_node", "layers_ranks_per_node", "balanced_batch_ranks_per_node", "needs_node_topology", "setup_cp_topology", "needs_usp_topology",
            "default_cp_ranks_per_node", "usp_topology_from_pg_collection", "make_hierarchical_cp_groups",
            "cp_group_from", "cp_rank_and_size"]
 
@@ -105,6 +105,32 @@ def resolve_cp_ranks_per_node(opts: CPOptions, cp_size: int, tp_size: int) -> in
     per_node = opts.ranks_per_node or default_cp_ranks_per_node(cp_size, tp_size)
     check_ranks_per_node(cp_size, per_node)
     return per_node
+
+
+def layers_ranks_per_node(opts: CPOptions, cp_size: int, tp_size: int) -> int:
+    """The CP ranks per node of the topology the attention layers run on with these options
+    (:func:`resolve_cp_ranks_per_node`; ``cp_size`` itself for CP <= 1). Batch slicing of the
+    balanced layout passes it, so the batch is planned for the same nodes as the layers' plans."""
+    return resolve_cp_ranks_per_node(opts, cp_size, tp_size) if cp_size > 1 else max(cp_size, 1)
+
+
+def balanced_batch_ranks_per_node(cp_group: Optional[dist.ProcessGroup], cp_size: int,
+                                  ranks_per_node: Optional[int] = None) -> int:
+    """The ranks per node a balanced batch is planned for: ``ranks_per_node`` when given (checked to
+    divide ``cp_size``), else as the layers resolve their topology without options: the node
+    topology registered for the CP group (:func:`setup_cp_topology`, which the layers look up),
+    else one node. ``cp_group`` None: parallel_state's CP group. No collective."""
+    if ranks_per_node is not None:
+        check_ranks_per_node(cp_size, ranks_per_node)
+        return ranks_per_node
+    if cp_size <= 1 or not dist.is_initialized():
+        return max(cp_size, 1)
+    if cp_group is None:
+        from megatron.core import parallel_state
+
+        cp_group = parallel_state.get_context_parallel_group()
+    topo = registered_cp_topology(cp_group)
+    return topo.ranks_per_node if topo is not None and topo.world_size == cp_size else cp_size
 
 
 def needs_node_topology(opts: CPOptions, cp_size: int, per_node: int) -> bool:

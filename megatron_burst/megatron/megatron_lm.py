@@ -229,7 +229,21 @@ def slice_batch(batch: Dict[str, Any], args: argparse.Namespace, eod_token: Opti
         eod_token = get_tokenizer().eod
     if not getattr(args, "reset_attention_mask", False):
         eod_token = None
-    return get_batch_on_this_cp_rank(batch, layout=opts.layout, stripe=opts.stripe, eod_token=eod_token)
+    return get_batch_on_this_cp_rank(batch, layout=opts.layout, stripe=opts.stripe, eod_token=eod_token,
+                                     ranks_per_node=_layers_ranks_per_node(opts, args))
+
+
+def _layers_ranks_per_node(opts: CPOptions, args: argparse.Namespace) -> Optional[int]:
+    """The attention layers' CP ranks per node (balanced batches are planned for the same nodes);
+    None for the fixed layouts, which place tokens by position alone."""
+    if opts.layout != BALANCED:
+        return None
+    from megatron.core import parallel_state
+
+    from megatron_burst.megatron.groups import layers_ranks_per_node
+
+    return layers_ranks_per_node(opts, parallel_state.get_context_parallel_world_size(),
+                                 getattr(args, "tensor_model_parallel_size", 1) or 1)
 
 
 def slice_thd_batch(batch: Dict[str, Any], cu_seqlens: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor],
@@ -249,4 +263,5 @@ def slice_thd_batch(batch: Dict[str, Any], cu_seqlens: torch.Tensor, cu_seqlens_
     from megatron.core import parallel_state
 
     return get_thd_batch_on_this_cp_rank(batch, cu_seqlens, padded, max_seqlen,
-                                         parallel_state.get_context_parallel_group(), layout=opts.layout)
+                                         parallel_state.get_context_parallel_group(), layout=opts.layout,
+                                         ranks_per_node=_layers_ranks_per_node(opts, args))

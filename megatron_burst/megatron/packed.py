@@ -69,15 +69,17 @@ def _flat_seq_params(per_sample: list[list[int]], seq_len: int, device: torch.de
 
 
 def balanced_seq_params(per_sample: list[list[int]], seq_len: int, world_size: int,
-                        device: torch.device) -> PackedSeqParams:
+                        device: torch.device, ranks_per_node: Optional[int] = None) -> PackedSeqParams:
     """``PackedSeqParams(qkv_format="sbhd")`` of a ``--cp-layout balanced`` batch of
     ``len(per_sample)`` samples, each with document boundaries [0, ..., seq_len], carrying the
     batch's balanced Documents (planned here, once, on the union of the samples' boundaries).
 
     Validates before anything else (no collective here): boundaries, and seq_len divisible by
-    world_size. Slice the batch with ``balanced_documents_of(params).plan``.
+    world_size. Slice the batch with ``balanced_documents_of(params).plan``. ``ranks_per_node``: the
+    attention layers' CP ranks per node (None: one node), see
+    :func:`megatron_burst.masks.documents.balanced_documents`.
     """
-    documents = balanced_documents(per_sample, seq_len, len(per_sample), world_size)
+    documents = balanced_documents(per_sample, seq_len, len(per_sample), world_size, ranks_per_node=ranks_per_node)
     params = _flat_seq_params(per_sample, seq_len, device)
     setattr(params, _BALANCED_ATTR, documents)
     return params
@@ -113,7 +115,8 @@ def slice_balanced(batch: Dict[str, Any], documents: Documents, rank: int,
 
 def get_thd_batch_on_this_cp_rank(batch: Dict[str, Any], cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
                                   max_seqlen: torch.Tensor, cp_group: Optional[dist.ProcessGroup] = None,
-                                  layout: Optional[str] = None) -> tuple[Dict[str, Any], PackedSeqParams]:
+                                  layout: Optional[str] = None, ranks_per_node: Optional[int] = None
+                                  ) -> tuple[Dict[str, Any], PackedSeqParams]:
     """Megatron-Core's ``get_thd_batch_on_this_cp_rank`` without TransformerEngine: [1, t] entries
     sliced to this rank's chunks of every padded sequence; returns (batch, PackedSeqParams("thd")).
 
@@ -122,13 +125,17 @@ def get_thd_batch_on_this_cp_rank(batch: Dict[str, Any], cu_seqlens: torch.Tenso
     2 x CP padding needed) and the params are :func:`balanced_seq_params`' (qkv_format "sbhd", one
     sample of t tokens): the model runs the packed batch as one sample of documents. Other layouts
     (and None) keep TransformerEngine's partitioning. ``cp_group=None`` uses
-    megatron.core.parallel_state's CP group (or a single rank).
+    megatron.core.parallel_state's CP group (or a single rank). ``ranks_per_node`` (balanced only):
+    the attention layers' CP ranks per node, as
+    :func:`megatron_burst.megatron.batch.get_batch_on_this_cp_rank` takes it (None: the CP group's
+    registered node topology, else one node).
     """
-    from megatron_burst.megatron.groups import cp_rank_and_size
+    from megatron_burst.megatron.groups import balanced_batch_ranks_per_node, cp_rank_and_size
 
     rank, size = cp_rank_and_size(cp_group) if cp_group is not None or dist.is_initialized() else (0, 1)
     if layout == BALANCED:
-        return _balanced_thd_batch(batch, cu_seqlens, cu_seqlens_padded, rank, size)
+        per_node = balanced_batch_ranks_per_node(cp_group, size, ranks_per_node)
+        return _balanced_thd_batch(batch, cu_seqlens, cu_seqlens_padded, rank, size, per_node)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                              cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
                              max_seqlen_q=int(max_seqlen.reshape(-1)[0]), max_seqlen_kv=int(max_seqlen.reshape(-1)[0]))
@@ -151,7 +158,7 @@ def get_thd_batch_on_this_cp_rank(batch: Dict[str, Any], cu_seqlens: torch.Tenso
 
 
 def _balanced_thd_batch(batch: Dict[str, Any], cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
-                        rank: int, size: int) -> tuple[Dict[str, Any], PackedSeqParams]:
+                        rank: int, size: int, ranks_per_node: int) -> tuple[Dict[str, Any], PackedSeqParams]:
     """A packed [1, t] batch cut with the balanced plan of its (padded) sequences (see
     :func:`get_thd_batch_on_this_cp_rank`)."""
     total = int(cu_seqlens_padded.reshape(-1)[-1])
@@ -166,7 +173,7 @@ def _balanced_thd_batch(batch: Dict[str, Any], cu_seqlens: torch.Tensor, cu_seql
     for key, val in batch.items():
         if val is not None and key not in skip and val.shape[1] != total:
             raise ValueError(f"batch[{key!r}] has {val.shape[1]} tokens but cu_seqlens_padded ends at {total}")
-    params = balanced_seq_params([bounds], total, size, cu_seqlens.device)
+    params = balanced_seq_params([bounds], total, size, cu_seqlens.device, ranks_per_node)
     return slice_balanced(batch, balanced_documents_of(params), rank, skip), params
 
 

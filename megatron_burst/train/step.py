@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_burst
+from megatron_burst.megatron.groups import layers_ranks_per_node
 from megatron_burst.megatron.options import CPOptions
 from megatron_burst.train.setup import Groups
 
@@ -49,9 +50,13 @@ def slice_for_cp(batch: Dict[str, torch.Tensor], opts: CPOptions, groups: Groups
     ``--cp-layout balanced``: by the balanced plan of its sequences); a [b, s] batch is cut in
     ``--cp-layout``, with EOD documents when ``eod_token`` is given.
     """
+    # balanced batches are planned for the nodes of the layers' topology (None: fixed layouts)
+    per_node = (layers_ranks_per_node(opts, dist.get_world_size(groups.cp), dist.get_world_size(groups.tp))
+                if opts.layout == "balanced" else None)
     if "cu_seqlens" not in batch:
         return megatron_burst.get_batch_on_this_cp_rank(batch, layout=opts.layout, cp_group=groups.cp,
-                                                        stripe=opts.stripe, eod_token=eod_token)
+                                                        stripe=opts.stripe, eod_token=eod_token,
+                                                        ranks_per_node=per_node)
     from megatron_burst.megatron.packed import get_thd_batch_on_this_cp_rank
 
     rest = {k: v for k, v in batch.items() if k not in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")}
@@ -61,7 +66,8 @@ def slice_for_cp(batch: Dict[str, torch.Tensor], opts: CPOptions, groups: Groups
     max_seqlen = batch.get("max_seqlen")
     if max_seqlen is None:
         max_seqlen = (padded[1:] - padded[:-1]).max().reshape(1)
-    local, params = get_thd_batch_on_this_cp_rank(rest, cu, padded, max_seqlen, groups.cp, layout=opts.layout)
+    local, params = get_thd_batch_on_this_cp_rank(rest, cu, padded, max_seqlen, groups.cp, layout=opts.layout,
+                                                  ranks_per_node=per_node)
     local["packed_seq_params"] = params
     return local
 
