@@ -186,7 +186,7 @@ def test_balanced_pair_table_on_arbitrary_runs(causal):
     a document sit on ranks in any order (a planner's hole-filling cuts see only one way)."""
     import random
 
-    from megatron_burst.algorithms.schedule import balanced_pair_table
+    from megatron_burst.masks.dispatch import balanced_pair_table
     from megatron_burst.masks.dispatch import DispatchPlan
 
     rng = random.Random(7 + causal)

@@ -43,7 +43,6 @@ member that sends nothing never leaves a fresh communicator half-created.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -52,6 +51,7 @@ import torch
 
 from megatron_burst.comm import PendingExchange
 from megatron_burst.masks.block import BlockMask
+from megatron_burst.masks.dispatch import balanced_pair_table
 from megatron_burst.masks.documents import Documents
 from megatron_burst.masks.vertical_slash import VerticalSlash, pattern_blocks
 from megatron_burst.masks.visible import visible_blocks
@@ -178,7 +178,7 @@ class CPConfig:
         computed on the host, so that no rank plans all W x W pairs to prune its ring (a pair
         it says True for may still have nothing visible: it is then visited for nothing). Under
         the balanced layout it reads one table per call built from the plan's runs
-        (:func:`balanced_pair_table`: exact for documents, a superset under a window or with
+        (:func:`~megatron_burst.masks.dispatch.balanced_pair_table`: exact for documents, a superset under a window or with
         ``q_rows``), not W x W block lists."""
         if self.documents is not None and self.documents.plan is not None:  # balanced: from the plan's runs
             return bool(self._placement_table()[q_member][kv_member])
@@ -186,51 +186,6 @@ class CPConfig:
             return bool(self.blocks(q_member, kv_member, member_len, q_rows))
         return bool(visible_blocks(self.documents, self.layout, q_member, kv_member, self.world_size, member_len,
                                    True, self.stripe, q_rows, self.window))
-
-
-@functools.lru_cache(maxsize=64)
-def balanced_pair_table(plan, groups: tuple, causal: bool, window, ulysses_size: int = 1) -> np.ndarray:
-    """bool [M, M], M = W / ``ulysses_size`` ring members: ``[q][kv]`` is True iff some query of
-    member q may see some key of member kv under the balanced ``plan`` (a DispatchPlan) and the
-    documents ``groups`` (Documents.groups: per run of samples, their boundaries; the plan's
-    boundaries refine every group's, so each run of the plan lies inside one document).
-
-    Per document and rank, the first and last global position the rank holds of it decide:
-    causal: q's last >= kv's first; otherwise both hold some of it; a window (left, right) also
-    needs [kv's first, kv's last] to meet [q's first - left, q's last + right] (a superset).
-    O(runs + sum over documents of ranks²): milliseconds for 1M tokens at W = 64, where asking
-    the block masks of all W x W pairs takes seconds."""
-    W = plan.world_size
-    runs = np.asarray(plan.runs, dtype=np.int64).reshape(-1, 3)
-    start, length, rank = runs[:, 0], runs[:, 1], runs[:, 2]
-    table = np.zeros((W, W), dtype=bool)
-    left, right = window if window is not None else (None, None)
-    for _, _, bounds in groups:
-        doc = np.searchsorted(np.asarray(bounds, dtype=np.int64), start, side="right") - 1
-        key = doc * W + rank  # one entry per (document, rank) holding part of it
-        uniq, inv = np.unique(key, return_inverse=True)
-        first = np.full(uniq.size, np.iinfo(np.int64).max)
-        last = np.full(uniq.size, -1, dtype=np.int64)
-        np.minimum.at(first, inv, start)
-        np.maximum.at(last, inv, start + length - 1)
-        d_of, r_of = uniq // W, uniq % W
-        cuts = np.flatnonzero(np.diff(d_of)) + 1  # entries of one document are adjacent (sorted keys)
-        for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, uniq.size]):
-            if hi - lo == 1:
-                continue  # a document on one rank: only its own block (the diagonal) sees it
-            r, f, l_ = r_of[lo:hi], first[lo:hi], last[lo:hi]
-            sees = np.ones((r.size, r.size), dtype=bool)  # [q entry, kv entry]
-            if causal:
-                sees &= l_[:, None] >= f[None, :]
-            if left is not None:
-                sees &= l_[None, :] >= f[:, None] - left
-            if right is not None:
-                sees &= f[None, :] <= l_[:, None] + right
-            table[np.ix_(r, r)] |= sees
-    if ulysses_size > 1:  # a member holds ulysses_size consecutive CP ranks' shards
-        M = W // ulysses_size
-        table = table.reshape(M, ulysses_size, M, ulysses_size).any(axis=(1, 3))
-    return table
 
 
 Visit = Callable[[int, Sequence[torch.Tensor]], Optional[torch.Tensor]]

@@ -98,6 +98,7 @@ is hashable (``work`` is left out; the hash is computed once per plan).
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -786,3 +787,52 @@ def plan_dispatch(cu_seqlens: CuSeqlens, world_size: int, *, ranks_per_node: Opt
     runs += [(b[d] + off, size, order[p]) for d, ps in pieces.items() for off, size, p in ps]
     runs.sort()
     return DispatchPlan(S, W, tuple(b), tuple(runs), tuple(lev), gsize, causal, i, work, ranks_per_node)
+
+
+# --------------------------------------------------------------------------------------------- #
+# which rank pairs see each other under a plan
+
+
+@functools.lru_cache(maxsize=64)
+def balanced_pair_table(plan, groups: tuple, causal: bool, window, ulysses_size: int = 1) -> np.ndarray:
+    """bool [M, M], M = W / ``ulysses_size`` ring members: ``[q][kv]`` is True iff some query of
+    member q may see some key of member kv under the balanced ``plan`` and the
+    documents ``groups`` (Documents.groups: per run of samples, their boundaries; the plan's
+    boundaries refine every group's, so each run of the plan lies inside one document).
+
+    Per document and rank, the first and last global position the rank holds of it decide:
+    causal: q's last >= kv's first; otherwise both hold some of it; a window (left, right) also
+    needs [kv's first, kv's last] to meet [q's first - left, q's last + right] (a superset).
+    O(runs + sum over documents of ranks²): milliseconds for 1M tokens at W = 64, where asking
+    the block masks of all W x W pairs takes seconds."""
+    W = plan.world_size
+    runs = np.asarray(plan.runs, dtype=np.int64).reshape(-1, 3)
+    start, length, rank = runs[:, 0], runs[:, 1], runs[:, 2]
+    table = np.zeros((W, W), dtype=bool)
+    left, right = window if window is not None else (None, None)
+    for _, _, bounds in groups:
+        doc = np.searchsorted(np.asarray(bounds, dtype=np.int64), start, side="right") - 1
+        key = doc * W + rank  # one entry per (document, rank) holding part of it
+        uniq, inv = np.unique(key, return_inverse=True)
+        first = np.full(uniq.size, np.iinfo(np.int64).max)
+        last = np.full(uniq.size, -1, dtype=np.int64)
+        np.minimum.at(first, inv, start)
+        np.maximum.at(last, inv, start + length - 1)
+        d_of, r_of = uniq // W, uniq % W
+        cuts = np.flatnonzero(np.diff(d_of)) + 1  # entries of one document are adjacent (sorted keys)
+        for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, uniq.size]):
+            if hi - lo == 1:
+                continue  # a document on one rank: only its own block (the diagonal) sees it
+            r, f, l_ = r_of[lo:hi], first[lo:hi], last[lo:hi]
+            sees = np.ones((r.size, r.size), dtype=bool)  # [q entry, kv entry]
+            if causal:
+                sees &= l_[:, None] >= f[None, :]
+            if left is not None:
+                sees &= l_[None, :] >= f[:, None] - left
+            if right is not None:
+                sees &= f[None, :] <= l_[:, None] + right
+            table[np.ix_(r, r)] |= sees
+    if ulysses_size > 1:  # a member holds ulysses_size consecutive CP ranks' shards
+        M = W // ulysses_size
+        table = table.reshape(M, ulysses_size, M, ulysses_size).any(axis=(1, 3))
+    return table
