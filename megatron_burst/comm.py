@@ -39,7 +39,6 @@ fix. :mod:`megatron_burst.launch` starts W ranks on one GPU with this transport.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections import defaultdict
@@ -48,6 +47,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from megatron_burst import env
 
 PHASES = ("forward", "backward")
 LINKS = ("intra", "inter")
@@ -272,8 +273,8 @@ _transport_override: Optional[Transport] = None  # set by set_transport / transp
 
 
 def _transport_from_env() -> Transport:
-    """The only place :data:`TRANSPORT_ENV` is read (unset or empty: direct)."""
-    value = os.environ.get(TRANSPORT_ENV, "").strip()
+    """The transport :data:`TRANSPORT_ENV` names (megatron_burst.env reads it; unset or empty: direct)."""
+    value = env.transport()
     if not value:
         return Transport()
     if value not in _ENV_VALUES:

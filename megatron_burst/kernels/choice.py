@@ -28,13 +28,14 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-import os
 import warnings
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Optional
 
 import torch
+
+from megatron_burst import env
 
 logger = logging.getLogger("megatron_burst.kernels")
 
@@ -109,13 +110,8 @@ class KernelPolicy:
     @classmethod
     def from_env(cls, forced: Optional[str] = None) -> "KernelPolicy":
         """The policy from the environment; ``forced`` (an API argument) wins over MEGATRON_BURST_KERNEL."""
-        slow = os.environ.get("MEGATRON_BURST_ALLOW_SLOW_KERNELS", "")
-        if slow not in ("", "0", "1"):
-            raise ValueError(f"MEGATRON_BURST_ALLOW_SLOW_KERNELS={slow!r}: use 1 (warn and fall back) or 0 "
-                             "(a CUDA block without a fused kernel is an error); unset: failed self-checks raise")
-        return cls(forced=forced or os.environ.get("MEGATRON_BURST_KERNEL") or None,
-                   forced_sparse=os.environ.get("MEGATRON_BURST_SPARSE_KERNEL") or None,
-                   allow_slow=None if slow == "" else slow == "1")
+        return cls(forced=forced or env.kernel(), forced_sparse=env.sparse_kernel(),
+                   allow_slow=env.allow_slow_kernels())
 
 
 @dataclass(frozen=True)

@@ -45,12 +45,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
+from megatron_burst import env
 from megatron_burst.kernels import choice as attention_choice
 from megatron_burst.kernels.choice import KernelSelfCheckError, SlowKernelError, SlowKernelWarning, remembered
 
@@ -94,8 +94,7 @@ class LinearKernelPolicy:
     @classmethod
     def from_env(cls) -> "LinearKernelPolicy":
         """The policy from MEGATRON_BURST_LINEAR_KERNEL and MEGATRON_BURST_ALLOW_SLOW_KERNELS."""
-        allow_slow = attention_choice.KernelPolicy.from_env().allow_slow  # one parser of the shared variable
-        return cls(forced=os.environ.get("MEGATRON_BURST_LINEAR_KERNEL") or None, allow_slow=allow_slow)
+        return cls(forced=env.linear_kernel(), allow_slow=env.allow_slow_kernels())
 
 
 @dataclass(frozen=True)

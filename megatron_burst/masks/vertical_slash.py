@@ -38,13 +38,13 @@ pattern=...)`` (and the :func:`megatron_burst.sparse.sparse_cp_attention` wrappe
 """
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import torch
 
+from megatron_burst import env
 from megatron_burst.masks.block import BlockMask
 from megatron_burst.masks.documents import Documents
 from megatron_burst.masks.layout import layout_indices_on
@@ -56,11 +56,11 @@ __all__ = ["TILE", "COLUMNS", "CPU_DENSE_COLUMN", "LONG_RUN", "PLAN_CHUNK", "PLA
            "SparseRows", "key_floor", "plan_pair", "column_counts", "plan_tiles", "pattern_blocks"]
 
 # rows and columns of the block-sparse kernel's tiles ($MEGATRON_BURST_SPARSE_TILE overrides, for measuring)
-TILE = int(os.environ.get("MEGATRON_BURST_SPARSE_TILE", "64"))
+TILE = env.sparse_tile(64)
 # key columns a query tile gathers: "exact" (the columns some row and head of the tile sees: a
 # vertical line costs one column, not a 64-wide tile; 1.9x faster than "tiles" at 16K tokens,
 # 93.5 % sparse, see bench sparse) or "tiles" (whole 64-column tiles with any visible pair)
-COLUMNS = os.environ.get("MEGATRON_BURST_SPARSE_COLUMNS", "exact")
+COLUMNS = env.sparse_columns("exact")
 # On CPU a key column goes to the tile matmul when at least this fraction of the tile's (head, row)
 # cells see it, else its visible pairs are gathered row by row (kernels/row_gather.py). Measured on
 # CPU (16K tokens, W = 4, fwd + bwd): a gathered pair costs ~16x a tile score (680 vs 41 ns), so
@@ -68,7 +68,7 @@ COLUMNS = os.environ.get("MEGATRON_BURST_SPARSE_COLUMNS", "exact")
 # vertical lines and a dense band stay in the matmul. See dense_column_for.
 CPU_DENSE_COLUMN = 0.0625
 # $MEGATRON_BURST_SPARSE_DENSE_COLUMN overrides the threshold on every device (for measuring)
-_DENSE_COLUMN_OVERRIDE = os.environ.get("MEGATRON_BURST_SPARSE_DENSE_COLUMN") or None
+_DENSE_COLUMN_OVERRIDE = env.sparse_dense_column()
 # slash runs at least this long are counted per column by binary search instead of pair by pair
 LONG_RUN = 16
 # elements of the planner's largest temporaries (positions, masks of a chunk of tiles): 16M

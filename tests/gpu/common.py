@@ -12,13 +12,14 @@ kernel-choice / self-check assertions (CUDA kernels) are skipped. It proves the 
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-ON_CPU = os.environ.get("MEGATRON_BURST_GPU_TESTS_ON_CPU", "") == "1"
+from megatron_burst import env
+
+ON_CPU = env.gpu_tests_on_cpu()
 DEV = torch.device("cpu") if ON_CPU else torch.device("cuda", 0)
 DTYPE = torch.float32 if ON_CPU else torch.bfloat16
 NAMES = ("out", "dq", "dk", "dv")
