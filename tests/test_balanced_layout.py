@@ -114,7 +114,7 @@ def test_errors_name_the_value_and_the_fix():
         layout.layout_indices(12, 0, 2, "zigzag", cu_seqlens=cu)
     with pytest.raises(ValueError, match="places 12 tokens on 2 ranks.*24 tokens on 2"):
         layout.layout_indices(24, 0, 2, "balanced", plan=plan_dispatch([0, 3, 12], 2))
-    with pytest.raises(ValueError, match="must run from 0 to the global sequence length 12"):
+    with pytest.raises(ValueError, match="ends at 10 but the global sequence has 12 tokens"):
         layout.layout_indices(12, 0, 2, "balanced", cu_seqlens=[0, 3, 10])
     with pytest.raises(ValueError, match="documents"):
         layout.block_mask("balanced", 0, 1, 2, 6, True)

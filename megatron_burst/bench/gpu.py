@@ -74,6 +74,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_burst.bench import apply_defaults
+
 SECTIONS = ("dense", "rank_block", "documents", "sparse", "multi_rank")
 NAMES = ("out", "dq", "dk", "dv")
 
@@ -1140,10 +1142,7 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--ref-max-seq", type=int, default=8192, help="multi_rank: fp32 reference up to this length")
     args = p.parse_args(argv)
     if args.smoke:
-        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or []) if a.startswith("--")}
-        for key, value in SMOKE.items():
-            if key not in given:
-                setattr(args, key, value)
+        given = apply_defaults(args, argv, SMOKE)
     return args
 
 

@@ -54,6 +54,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_burst.bench import apply_defaults
 from megatron_burst.bench.gpu import Recorder, environment, free_memory, tensors_from_bytes, tensors_to_bytes, \
     time_fwd_bwd
 
@@ -362,10 +363,7 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=3.0, help="cut the repeats of one measurement to about this")
     args = p.parse_args(argv)
     if args.smoke:
-        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or []) if a.startswith("--")}
-        for key, value in SMOKE.items():
-            if key not in given:
-                setattr(args, key, value)
+        given = apply_defaults(args, argv, SMOKE)
         if "kernels" not in given:
             args.kernels = ["torch"]
     return args

@@ -107,6 +107,8 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
+from megatron_burst.masks.bounds import checked_bounds
+
 __all__ = ["CuSeqlens", "MAX_IMBALANCE", "MAX_STEP_IMBALANCE", "ATTEMPTS", "DispatchPlan", "check_divisible",
            "checked_ranks_per_node", "level_chain", "placement_order", "plan_dispatch"]
 
@@ -227,19 +229,7 @@ class DispatchPlan:
 
 
 def _bounds(cu_seqlens: CuSeqlens) -> list:
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor, got {cu_seqlens.dtype} "
-                             f"{tuple(cu_seqlens.shape)}")
-        b = [int(x) for x in cu_seqlens.tolist()]
-    else:
-        b = [int(x) for x in cu_seqlens]
-    if len(b) < 2 or b[0] != 0:
-        raise ValueError(f"cu_seqlens must be [0, ..., S] with at least one document, got {b[:8]}")
-    for x, y in zip(b, b[1:]):
-        if y <= x:
-            raise ValueError(f"cu_seqlens is not strictly increasing ({x} then {y}): drop empty documents")
-    return b
+    return list(checked_bounds(cu_seqlens, None, "cu_seqlens"))
 
 
 def check_divisible(seq_len: int, world_size: int) -> None:

@@ -51,6 +51,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from megatron_burst.masks.block import BlockMask
+from megatron_burst.masks.bounds import checked_bounds
 from megatron_burst.masks.dispatch import DispatchPlan
 from megatron_burst.masks.layout import BALANCED, balanced_plan, layout_indices, plan_rows, thd_indices
 
@@ -92,37 +93,6 @@ class Documents:
         """The balanced layout's plan (``plan.indices(rank)``: the rank's global token positions, to
         slice the batch and RoPE positions with), or None for other layouts."""
         return self.partition if isinstance(self.partition, DispatchPlan) else None
-
-
-def checked_bounds(cu: object, seq_len: int, what: str) -> tuple[int, ...]:
-    """One boundary list ``cu`` (int32/int64 1-D tensor or ints) as a tuple [0, ..., seq_len],
-    strictly increasing; raises ValueError naming ``what`` otherwise."""
-    if isinstance(cu, torch.Tensor):
-        if cu.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{what} has dtype {cu.dtype}: document boundaries must be an int32 or int64 "
-                             f"tensor, e.g. torch.tensor([0, ..., {seq_len}], dtype=torch.int32)")
-        if cu.dim() != 1:
-            raise ValueError(f"{what} has shape {tuple(cu.shape)}: pass a 1-D tensor [num_docs + 1] "
-                             "(or one per sample in a list)")
-        bounds = tuple(int(x) for x in cu.tolist())
-    else:
-        bounds = tuple(cu)
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in bounds):
-            raise ValueError(f"{what}={list(bounds)!r} must hold ints (global token positions)")
-    shown = list(bounds) if len(bounds) <= 12 else list(bounds[:5]) + ["..."] + list(bounds[-5:])
-    if len(bounds) < 2:
-        raise ValueError(f"{what}={shown} needs at least [0, {seq_len}] (one document)")
-    if bounds[0] != 0:
-        raise ValueError(f"{what}={shown} starts at {bounds[0]}: the first boundary must be 0")
-    if bounds[-1] != seq_len:
-        raise ValueError(f"{what}={shown} ends at {bounds[-1]} but the global sequence has {seq_len} tokens "
-                         f"(local length x CP size): the last boundary must be {seq_len}; pad the last "
-                         "document or add a padding document")
-    for a, b in zip(bounds, bounds[1:]):
-        if b <= a:
-            raise ValueError(f"{what}={shown} is not strictly increasing ({a} then {b}): drop empty "
-                             "documents and sort the boundaries")
-    return bounds
 
 
 def check_cu_seqlens(cu_seqlens: CuSeqlens, seq_len: int, batch: int) -> Documents:

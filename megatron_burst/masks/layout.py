@@ -31,6 +31,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from megatron_burst.masks.block import BlockMask
+from megatron_burst.masks.bounds import checked_bounds
 from megatron_burst.masks.dispatch import DispatchPlan, checked_ranks_per_node, plan_dispatch
 
 __all__ = ["LAYOUTS", "BALANCED", "ENGINE_LAYOUTS", "BalancedCuSeqlens", "check_layout", "seq_divisor",
@@ -91,20 +92,7 @@ def _union_bounds(cu_seqlens: BalancedCuSeqlens, seq_len: int) -> tuple[int, ...
                   and isinstance(cu_seqlens[0], (torch.Tensor, list, tuple)))
     union: set[int] = set()
     for i, cu in enumerate(cu_seqlens if per_sample else [cu_seqlens]):
-        what = f"cu_seqlens[{i}]" if per_sample else "cu_seqlens"
-        if isinstance(cu, torch.Tensor):
-            if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
-                raise ValueError(f"{what} has dtype {cu.dtype} and shape {tuple(cu.shape)}: pass a 1-D int32/int64 "
-                                 f"tensor [0, ..., {seq_len}]")
-            bounds = [int(x) for x in cu.tolist()]
-        else:
-            bounds = [int(x) for x in cu]
-        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != seq_len:
-            raise ValueError(f"{what}={bounds[:8]}{'...' if len(bounds) > 8 else ''} must run from 0 to the global "
-                             f"sequence length {seq_len} (at least one document)")
-        if any(b <= a for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"{what} is not strictly increasing: drop empty documents and sort the boundaries")
-        union.update(bounds)
+        union.update(checked_bounds(cu, seq_len, f"cu_seqlens[{i}]" if per_sample else "cu_seqlens"))
     return tuple(sorted(union))
 
 
