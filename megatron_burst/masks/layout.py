@@ -32,7 +32,7 @@ import torch
 
 from megatron_burst.masks.block import BlockMask
 from megatron_burst.masks.bounds import checked_bounds
-from megatron_burst.masks.dispatch import DispatchPlan, checked_ranks_per_node, plan_dispatch
+from megatron_burst.masks.dispatch import DispatchPlan, check_divisible, checked_ranks_per_node, plan_dispatch
 
 __all__ = ["LAYOUTS", "BALANCED", "ENGINE_LAYOUTS", "BalancedCuSeqlens", "check_layout", "seq_divisor",
            "check_seq_len", "check_local_len", "balanced_plan", "layout_indices", "thd_indices", "plan_rows",
@@ -118,12 +118,7 @@ def balanced_plan(cu_seqlens: BalancedCuSeqlens, seq_len: int, world_size: int, 
     the plan node-aware (:func:`~megatron_burst.masks.dispatch.placement_order`); batch slicing and
     the attention layers must use the same value (cp_attention checks).
     """
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size} must be >= 1")
-    if seq_len % world_size:
-        raise ValueError(f"sequence length {seq_len} is not divisible by world_size={world_size}: layout 'balanced' "
-                         f"gives every rank S / W tokens; pad the batch to a multiple of {world_size} (e.g. a padding "
-                         "document at the end)")
+    check_divisible(seq_len, world_size)
     R = checked_ranks_per_node(world_size, ranks_per_node)  # None and W: one cache entry
     return _plan_of(_union_bounds(cu_seqlens, seq_len), world_size, bool(causal), R)
 
