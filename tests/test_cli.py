@@ -9,6 +9,21 @@ def _run(*argv):
     return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120)
 
 
+def _bench_in_process(monkeypatch, capsys, *argv):
+    """``python -m megatron_burst.bench ARGV`` as its main() in this process (the `python -m` entry point
+    itself runs as a subprocess in test_bench_help_exits_zero_and_lists_the_benchmarks)."""
+    import types
+
+    from megatron_burst.bench.__main__ import main
+
+    monkeypatch.setattr(sys, "argv", ["python -m megatron_burst.bench", *argv])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main()
+    out, err = capsys.readouterr()
+    return types.SimpleNamespace(returncode=exc.value.code, stdout=out, stderr=err)
+
+
 def test_bench_help_exits_zero_and_lists_the_benchmarks():
     res = _run("megatron_burst.bench", "--help")
     assert res.returncode == 0, res.stderr
@@ -16,14 +31,14 @@ def test_bench_help_exits_zero_and_lists_the_benchmarks():
         assert name in res.stdout
 
 
-def test_bench_linear_help_names_the_core_cap():
-    res = _run("megatron_burst.bench", "linear", "--help")
+def test_bench_linear_help_names_the_core_cap(monkeypatch, capsys):
+    res = _bench_in_process(monkeypatch, capsys, "linear", "--help")
     assert res.returncode == 0, res.stderr
     assert "--cpu-per-rank" in res.stdout and "--seqs" in res.stdout
 
 
-def test_bench_unknown_name_is_an_error():
-    res = _run("megatron_burst.bench", "nonsense")
+def test_bench_unknown_name_is_an_error(monkeypatch, capsys):
+    res = _bench_in_process(monkeypatch, capsys, "nonsense")
     assert res.returncode == 2 and "unknown benchmark 'nonsense'" in res.stderr
 
 

@@ -28,6 +28,25 @@ def _cli(*argv, timeout=900):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def _cli_in_process(capsys, *argv):
+    """The CLI's main() in this process, for commands that only read the cases (list, harness-command,
+    usage errors): a CompletedProcess-like (returncode, stdout, stderr). The `python -m` entry point
+    itself runs as a subprocess in test_ci_cases_pass_end_to_end."""
+    import types
+    import warnings
+
+    from megatron_burst.functional_tests.__main__ import main
+
+    capsys.readouterr()
+    with warnings.catch_warnings():  # main() silences warnings process-wide; keep that to this call
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code
+    out, err = capsys.readouterr()
+    return types.SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+
 def test_every_case_maps_to_the_trainer_and_has_golden_values():
     cases = fc.list_cases()
     assert len(cases) >= 12
@@ -185,13 +204,13 @@ def test_metric_off_by_more_than_tolerance_fails_with_the_step(tmp_path, monkeyp
     assert "step 7: 4.4 vs golden 4.5" in fr.failures([result])
 
 
-def test_cli_lists_cases_and_refuses_unknown_ones():
-    res = _cli("list")
+def test_cli_lists_cases_and_refuses_unknown_ones(capsys):
+    res = _cli_in_process(capsys, "list")
     assert res.returncode == 0, res.stderr
     for case in fc.list_cases():
         assert case.name in res.stdout
     assert "gpt_ckpt_resume_cp2_to_cp1               ckpt-resume  TP 1 CP 2 -> CP 1" in res.stdout
-    res = _cli("run", "gpt_no_such_case")
+    res = _cli_in_process(capsys, "run", "gpt_no_such_case")
     assert res.returncode == 2 and "unknown case(s) gpt_no_such_case; known: " in res.stderr
 
 
@@ -329,11 +348,11 @@ def test_readme_harness_command_reads_a_golden_file_every_case_has():
         assert not missing, f"README passes GOLDEN_VALUES_PATH=$CASE/{name}, which {missing} lack"
 
 
-def test_harness_command_names_each_cases_golden_file_and_ranks():
+def test_harness_command_names_each_cases_golden_file_and_ranks(capsys):
     import re
 
     cases = fc.list_cases()
-    res = _cli("harness-command")
+    res = _cli_in_process(capsys, "harness-command")
     assert res.returncode == 0, res.stderr
     blocks = res.stdout.split("# ")[1:]
     assert [b.split("\n", 1)[0] for b in blocks] == [c.name for c in cases]
@@ -341,6 +360,7 @@ def test_harness_command_names_each_cases_golden_file_and_ranks():
         gold = re.search(r"GOLDEN_VALUES_PATH=tests/functional_tests/test_cases/gpt/(\S+)/(\S+)", block)
         assert gold and gold.group(1) == case.name and (case.path / gold.group(2)).exists(), block
         assert f"GPUS_PER_NODE={case.world_size()}" in block and "run_ci_test.sh" in block, block
-    res = _cli("harness-command", "gpt_cp2_burst_striped", "--golden", "golden_values_dev_dgx_h100.json")
+    res = _cli_in_process(capsys, "harness-command", "gpt_cp2_burst_striped", "--golden",
+                          "golden_values_dev_dgx_h100.json")
     assert res.returncode == 2
     assert "has no golden_values_dev_dgx_h100.json (it has golden_values_cpu.json)" in res.stderr
