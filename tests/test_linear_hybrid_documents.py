@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from harness import run_ranks
+from test_megatron_documents import EOD
+from test_megatron_documents import eod_batch as documents_batch
 from test_megatron_model import VOCAB
-
-EOD = VOCAB - 1  # drawn tokens stay below it, so EODs are only where a batch puts them
 HYBRID = ["--num-layers", "4", "--linear-attention-freq", "2", "--reset-attention-mask", "--reset-position-ids"]
 # EOD positions per sample (a document ends after each). 40 tokens at CP = 2: zigzag segments are
 # [0, 10) [10, 20) [20, 30) [30, 40), contiguous [0, 20) [20, 40). Sample 0: documents start at 3
@@ -30,20 +30,7 @@ EODS = {40: ((2, 9, 10, 26), (35,)), 256: ((2, 63, 64, 150), (200,))}
 
 
 def eod_batch(seq: int) -> Dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(17)
-    tokens = torch.randint(0, EOD, (2, seq + 1), generator=g)
-    for row, cols in enumerate(EODS[seq]):
-        tokens[row, list(cols)] = EOD
-    data = tokens[:, :-1].contiguous()
-    pos = torch.arange(seq).repeat(2, 1)
-    for row in range(2):  # --reset-position-ids, as Megatron's get_ltor_masks_and_position_ids
-        start = 0
-        for i in range(seq):
-            pos[row, i] = i - start
-            if data[row, i] == EOD:
-                start = i + 1
-    return {"tokens": data, "labels": tokens[:, 1:].contiguous(),
-            "loss_mask": (torch.rand(2, seq, generator=g) > 0.2).float(), "position_ids": pos}
+    return documents_batch(seq, eod_columns=EODS[seq], seed=17)
 
 
 def _build(cp: int, variant: str, extra: List[str], seq: int, fp64: bool):

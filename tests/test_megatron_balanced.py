@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from test_megatron_documents import EOD, _compare, gpt_step, thd_batch
+from test_megatron_documents import EOD, _compare, eod_batch, gpt_step, thd_batch
 from test_megatron_model import VOCAB, full_grads, small_args
 
 RESET = ["--reset-attention-mask", "--reset-position-ids"]
@@ -23,20 +23,7 @@ BALANCED = ["--cp-layout", "balanced"]
 def long_document_batch(seq: int = 24) -> Dict[str, torch.Tensor]:
     """Two samples: documents of 2, 1, 17 and 4 tokens (the 17-token one longer than any rank's
     share at CP >= 2, so the plan splits it), and of 9 and 15. Position ids reset after each EOD."""
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, EOD, (2, seq + 1), generator=g)
-    for row, cols in ((0, (1, 2, 19)), (1, (8,))):
-        tokens[row, list(cols)] = EOD
-    data = tokens[:, :-1].contiguous()
-    pos = torch.zeros(2, seq, dtype=torch.long)
-    for row in range(2):
-        start = 0
-        for i in range(seq):
-            pos[row, i] = i - start
-            if data[row, i] == EOD:
-                start = i + 1
-    return {"tokens": data, "labels": tokens[:, 1:].contiguous(),
-            "loss_mask": (torch.rand(2, seq, generator=g) > 0.2).float(), "position_ids": pos}
+    return eod_batch(seq, eod_columns=((1, 2, 19), (8,)), seed=3)
 
 
 def balanced_gpt_step(cp: int, batch: Dict[str, torch.Tensor], eod: Optional[int], extra: List[str],

@@ -16,13 +16,15 @@ LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4
 
 
-def eod_batch(seq: int = 24, reset_position_ids: bool = True) -> Dict[str, torch.Tensor]:
-    """Two samples: documents of 3, 1, 11 and 9 tokens (the 1-token one shorter than any rank's
-    share, the 11-token one spanning ranks), and of 11 and 13. Position ids reset after each EOD
-    like Megatron's get_ltor_masks_and_position_ids."""
-    g = torch.Generator().manual_seed(11)
+def eod_batch(seq: int = 24, reset_position_ids: bool = True, eod_columns: tuple = ((2, 3, 14), (10,)),
+              seed: int = 11) -> Dict[str, torch.Tensor]:
+    """Two samples with an EOD (end of a document) after each position of ``eod_columns``; by default
+    documents of 3, 1, 11 and 9 tokens (the 1-token one shorter than any rank's share, the 11-token
+    one spanning ranks), and of 11 and 13. Position ids reset after each EOD like Megatron's
+    get_ltor_masks_and_position_ids (``reset_position_ids``)."""
+    g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, EOD, (2, seq + 1), generator=g)
-    for row, cols in ((0, (2, 3, 14)), (1, (10,))):
+    for row, cols in enumerate(eod_columns):
         tokens[row, list(cols)] = EOD
     data = tokens[:, :-1].contiguous()
     pos = torch.arange(seq).repeat(2, 1)
