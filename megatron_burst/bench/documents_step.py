@@ -183,16 +183,6 @@ def _inter_node_rate(topo, kv: list[torch.Tensor]) -> float:
     return block.numel() * block.element_size() / statistics.median(times)
 
 
-def _worker(args) -> None:
-    """One rank inside an emulated node's namespace: measure, write DIR/rank<R>.json, end cleanly."""
-    from megatron_burst.world import exit_rank
-
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=args.rank, world_size=args.world_size)
-    result = measure(args)
-    with open(os.path.join(args.out, f"rank{args.rank}.json"), "w") as f:
-        json.dump(result, f)
-    exit_rank(0)
 
 
 # ---------------------------------------------------------------- driver
@@ -299,7 +289,9 @@ def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     if args.worker:
-        return _worker(args)
+        from megatron_burst.bench.emulated import run_rank
+
+        return run_rank(args, measure, args.threads)
     if args.quick:
         for k, val in QUICK.items():
             setattr(args, k, val)

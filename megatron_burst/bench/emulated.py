@@ -85,3 +85,20 @@ def run_on_emulated_nodes(bench: str, forwarded: list[str], nodes: int, ranks_pe
         with open(os.path.join(out_dir, f"rank{r}.json")) as f:
             results.append(json.load(f))
     return results
+
+
+def run_rank(args, measure, threads: int) -> None:
+    """The rank side of :func:`run_on_emulated_nodes`: ``args`` carries ``--rank``, ``--world-size``
+    and ``--out``; join the gloo group, ``measure(args)`` (a JSON-able result), write it to
+    ``OUT/rank<R>.json`` and end through megatron_burst.world.exit_rank."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_burst.world import exit_rank
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=args.rank, world_size=args.world_size)
+    result = measure(args)
+    with open(os.path.join(args.out, f"rank{args.rank}.json"), "w") as f:
+        json.dump(result, f)
+    exit_rank(0)

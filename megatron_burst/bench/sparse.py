@@ -81,19 +81,6 @@ def _run(args):
             for name, runs in samples.items()}
 
 
-def _worker(args) -> None:
-    """One rank inside an emulated node's namespace: measure, write DIR/rank<R>.json, end cleanly."""
-    import json
-    import os
-
-    from megatron_burst.world import exit_rank
-
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=args.rank, world_size=args.world_size)
-    result = _run(args)
-    with open(os.path.join(args.out, f"rank{args.rank}.json"), "w") as f:
-        json.dump(result, f)
-    exit_rank(0)
 
 
 def main(argv=None) -> None:
@@ -141,7 +128,9 @@ def main(argv=None) -> None:
         except ValueError as exc:
             p.error(f"--seq {args.seq}, schedule {name}: {exc}")
     if args.worker:
-        return _worker(args)
+        from megatron_burst.bench.emulated import run_rank
+
+        return run_rank(args, _run, args.threads)
     pattern = make_pattern(args.seq, args.heads, args.verticals, args.band, args.slashes,
                            vertical_prefix=args.vertical_prefix)
     env = STEADY_MALLOC if args.malloc == "steady" else {}
