@@ -29,8 +29,7 @@ env: $(STAMP)
 $(STAMP): setup.py Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
-	$(PY) -m pip install "$(MCORE_SPEC)"
-	$(PY) -m pip install -e ".[test]"
+	$(PY) -m pip install "$(MCORE_SPEC)" -e ".[test]"
 	@$(PY) -c "import torch, megatron.core, megatron_burst; print('env ok: torch', torch.__version__, '| megatron-core', megatron.core.__version__)"
 	@touch $(STAMP)
 
