@@ -373,7 +373,8 @@ def main(argv=None) -> None:
     args = parse(argv if argv is not None else sys.argv[1:])
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        if device.index is not None:  # torch 2.11's set_device refuses a device without an index
+            torch.cuda.set_device(device)
         device = torch.device("cuda", torch.cuda.current_device())
         torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference in real fp32
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the GPU's native instruction
+# exp(x) = exp2(x * log2(e)): exp2 is the GPU's native instruction. A constexpr: compiled Triton
+# kernels read only constexpr globals (the CPU interpreter reads any, so CI could not see this)
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 def ce_rows_kernel(Z, G, TGT, WTS, MAX, SUMEXP, ZTGT, V, stride_z, stride_g,

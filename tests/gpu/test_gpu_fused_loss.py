@@ -54,7 +54,10 @@ def test_auto_runs_the_self_checked_fast_path(dtype):
     from megatron_burst.loss.config import make_loss_config
 
     hidden, weight, labels, mask = _inputs(64, 1000, 32, dtype)
-    cfg = make_loss_config(hidden, weight, labels, mask, None, -100, False, None, None, "auto")
+    from megatron_burst.loss import fused_linear_cross_entropy
+
+    impl = choice.resolve_impl("auto", hidden, fused_linear_cross_entropy)  # the self-check runs here
+    cfg = make_loss_config(hidden, weight, labels, mask, None, -100, False, None, None, impl)
     assert cfg.impl == "triton"
     assert choice._VERDICTS[(str(hidden.device), dtype)] is True
     assert choice.describe(hidden.device, dtype, "triton") in choice.decisions()
