@@ -4,17 +4,19 @@
 #
 #   bash scripts/gpu_session.sh [OUT_DIR] [BUDGET_S]        (repository root, on the GPU machine)
 #
-# 1. I1  scripts/gpu_check.sh: the GPU suite (tests/gpu except the linear file) and the attention
-#        bench (dense 32K headline, documents/windows, sparse, rank blocks)        ~ 45 % of the budget
-# 2. I3  scripts/gpu_linear.sh: fla from the carried wheels, LASP-2 / GDN through fla, the linear
-#        bench at W = 1, 2                                                          ~ 30 %
-# 3. I2  the fused-loss bench (--quick) and its GPU test                          the rest
+# 1. benches: attention (dense 32K, documents/windows, sparse 64K, rank blocks), fused loss (--quick,
+#    Liger / CCE), linear (fla) -- on a quiet GPU, in that order
+# 2. the whole GPU suite (tests/gpu: attention, sparse, fused loss, linear), xdist workers when installed
+# Shares of the budget: ATTN_BENCH_SHARE 30, LOSS_BENCH_SHARE 15, LINEAR_BENCH_SHARE 15, SUITE_SHARE 40
+# (percent); GPU_BENCH_ARGS, LINEAR_BENCH_ARGS, GPU_TEST_ARGS override each part's arguments.
 # Carry `.whl` (git-ignored): fla_core, flash_linear_attention, einops (I3); liger_kernel,
-# cut_cross_entropy (the loss bench's peers) and megatron_core (its Megatron variants), e.g.
+# cut_cross_entropy (the loss bench's peers) and megatron_core, e.g.
 #   pip download --no-deps -d .whl flash-linear-attention fla-core einops liger-kernel cut-cross-entropy
-#   pip download --no-deps -d .whl --python-version 3.12 --only-binary=:all: megatron-core==0.16.1 Every part's own script header lists its outputs; this one
-# adds OUT_DIR/session.log (each part's start, exit status and seconds). Rerun a single part with
-# its own script and a larger share if it ran out of time.
+#   pip download --no-deps -d .whl --python-version 3.12 --only-binary=:all: megatron-core==0.16.1
+# Outputs: OUT_DIR/session.log (each part's start, exit status and seconds), env.txt, gpu_test.log,
+# bench_gpu.{jsonl,log}, bench_loss.log, bench_linear.{jsonl,log} (8 files: what a device call returns;
+# bench gpu / linear can redraw their plots here from the JSON lines).
+# scripts/gpu_check.sh and scripts/gpu_linear.sh run one family alone with a larger share.
 set -u
 OUT_DIR=${1:-${OUT:-/tmp/gpu_session}}
 BUDGET=${2:-540}
@@ -35,17 +37,21 @@ part() {  # part NAME SECONDS COMMAND...: run with at most SECONDS (and never pa
 }
 share() { echo $(( BUDGET * $1 / 100 )); }
 
-part attention $(share 45) env GPU_TEST_TIMEOUT=$(( $(share 45) * 55 / 100 )) GPU_BENCH_TIMEOUT=$(( $(share 45) * 40 / 100 )) \
-  GPU_TEST_ARGS="--ignore=tests/gpu/test_gpu_linear.py --ignore=tests/gpu/test_gpu_fused_loss.py" bash scripts/gpu_check.sh "$OUT_DIR/attention"
-part linear $(share 30) env LINEAR_TEST_TIMEOUT=$(( $(share 30) * 40 / 100 )) LINEAR_BENCH_TIMEOUT=$(( $(share 30) * 50 / 100 )) \
-  LINEAR_BENCH_ARGS="--seq 32768 --heads 16 --head-dim 128 --worlds 2 --repeats 5 --warmup 2 --max-seconds 2" \
-  bash scripts/gpu_linear.sh "$OUT_DIR/linear"
-mkdir -p "$OUT_DIR/loss"
-for pkg in liger_kernel:liger_kernel cut_cross_entropy:cut_cross_entropy megatron.core:megatron_core; do
+# the figures first, on a quiet GPU (bench timings), then the correctness suites (pytest-xdist workers
+# share the GPU when installed: first Triton compiles and rank spawns dominate, not GPU time)
+XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-8}")
+for pkg in liger_kernel:liger_kernel cut_cross_entropy:cut_cross_entropy megatron.core:megatron_core fla:fla_core fla:flash_linear_attention einops:einops; do
   if ! $PY -c "import ${pkg%%:*}" 2>/dev/null && ls .whl/${pkg##*:}-*.whl >/dev/null 2>&1; then
     $PY -m pip install --quiet --no-deps .whl/${pkg##*:}-*.whl 2>&1 | tail -2
   fi
 done
-part loss-test 60 bash -o pipefail -c "$PY -m pytest -q -p no:cacheprovider --timeout=50 tests/gpu/test_gpu_fused_loss.py 2>&1 | tee '$OUT_DIR/loss/gpu_loss_test.log'"
-part loss-bench 120 bash -o pipefail -c "$PY -m megatron_burst.bench loss --quick 2>&1 | tee '$OUT_DIR/loss/bench_loss.log'"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'triton', triton.__version__, torch.cuda.get_device_name())"
+} 2>&1 | tee "$OUT_DIR/env.txt"
+part attention-bench $(share ${ATTN_BENCH_SHARE:-30}) bash -o pipefail -c "$PY -m megatron_burst.bench gpu --out '$OUT_DIR/bench_gpu.jsonl' \
+  ${GPU_BENCH_ARGS:---sections dense documents sparse rank_block --seqs 32768 --doc-seqs 32768 --no-flex --repeats 5 --max-seconds 2} 2>&1 | tee '$OUT_DIR/bench_gpu.log'"
+part loss-bench $(share ${LOSS_BENCH_SHARE:-15}) bash -o pipefail -c "$PY -m megatron_burst.bench loss --quick --plot '' 2>&1 | tee '$OUT_DIR/bench_loss.log'"
+part linear-bench $(share ${LINEAR_BENCH_SHARE:-15}) bash -o pipefail -c "$PY -m megatron_burst.bench linear --gpu --out '$OUT_DIR/bench_linear.jsonl' \
+  ${LINEAR_BENCH_ARGS:---seq 32768 --heads 16 --head-dim 128 --worlds 2 --repeats 5 --warmup 2 --max-seconds 2} 2>&1 | tee '$OUT_DIR/bench_linear.log'"
+part gpu-suite $(share ${SUITE_SHARE:-40}) bash -o pipefail -c "$PY -m pytest -q -p no:cacheprovider $XDIST --timeout=240 --durations=15 ${GPU_TEST_ARGS:-} tests/gpu 2>&1 | tee '$OUT_DIR/gpu_test.log'"
 echo "session: $(( $(date +%s) - START ))s of ${BUDGET}s" | tee -a "$OUT_DIR/session.log"
