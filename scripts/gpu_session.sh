@@ -13,7 +13,8 @@
 # cut_cross_entropy (the loss bench's peers) and megatron_core, e.g.
 #   pip download --no-deps -d .whl flash-linear-attention fla-core einops liger-kernel cut-cross-entropy
 #   pip download --no-deps -d .whl --python-version 3.12 --only-binary=:all: megatron-core==0.16.1
-# Outputs: OUT_DIR/session.log (each part's start, exit status and seconds), env.txt, gpu_test.log,
+# Outputs: OUT_DIR/session.log (versions; each part's start, exit status and seconds), gpu_test.log,
+# gpu_failures.log (each failure as it happens),
 # bench_gpu.{jsonl,log}, bench_loss.log, bench_linear.{jsonl,log} (8 files: what a device call returns;
 # bench gpu / linear can redraw their plots here from the JSON lines).
 # scripts/gpu_check.sh and scripts/gpu_linear.sh run one family alone with a larger share.
@@ -47,11 +48,12 @@ for pkg in liger_kernel:liger_kernel cut_cross_entropy:cut_cross_entropy megatro
 done
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'triton', triton.__version__, torch.cuda.get_device_name())"
-} 2>&1 | tee "$OUT_DIR/env.txt"
+} 2>&1 | tee -a "$OUT_DIR/session.log"
+part cudnn-probe 40 bash -o pipefail -c "$PY scripts/gpu_probe_cudnn.py 2>&1 | tee -a '$OUT_DIR/session.log'"
 part attention-bench $(share ${ATTN_BENCH_SHARE:-30}) bash -o pipefail -c "$PY -m megatron_burst.bench gpu --out '$OUT_DIR/bench_gpu.jsonl' \
   ${GPU_BENCH_ARGS:---sections dense documents sparse rank_block --seqs 32768 --doc-seqs 32768 --no-flex --repeats 5 --max-seconds 2} 2>&1 | tee '$OUT_DIR/bench_gpu.log'"
 part loss-bench $(share ${LOSS_BENCH_SHARE:-15}) bash -o pipefail -c "$PY -m megatron_burst.bench loss --quick --plot '' 2>&1 | tee '$OUT_DIR/bench_loss.log'"
 part linear-bench $(share ${LINEAR_BENCH_SHARE:-15}) bash -o pipefail -c "$PY -m megatron_burst.bench linear --gpu --out '$OUT_DIR/bench_linear.jsonl' \
   ${LINEAR_BENCH_ARGS:---seq 32768 --heads 16 --head-dim 128 --worlds 2 --repeats 5 --warmup 2 --max-seconds 2} 2>&1 | tee '$OUT_DIR/bench_linear.log'"
-part gpu-suite $(share ${SUITE_SHARE:-40}) bash -o pipefail -c "$PY -m pytest -q -p no:cacheprovider $XDIST --timeout=240 --durations=15 ${GPU_TEST_ARGS:-} tests/gpu 2>&1 | tee '$OUT_DIR/gpu_test.log'"
+part gpu-suite $(share ${SUITE_SHARE:-40}) bash -o pipefail -c "env GPU_TEST_FAILLOG='$OUT_DIR/gpu_failures.log' $PY -m pytest -q -p no:cacheprovider $XDIST --timeout=240 --durations=15 ${GPU_TEST_ARGS:-} tests/gpu 2>&1 | tee '$OUT_DIR/gpu_test.log'"
 echo "session: $(( $(date +%s) - START ))s of ${BUDGET}s" | tee -a "$OUT_DIR/session.log"

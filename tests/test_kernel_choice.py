@@ -338,3 +338,47 @@ def test_one_rank_runs_one_kernel_call_each_way(monkeypatch):
     torch.testing.assert_close(out.permute(1, 2, 0, 3), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(q.grad.permute(1, 2, 0, 3), qr.grad, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k.grad.permute(1, 2, 0, 3), kr.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_cudnn_blocks_torch_refuses_run_flash_and_the_gate_is_cached(monkeypatch):
+    """cuDNN's private op has none of SDPA's shape/layout checks (a block outside its support crashed
+    the process on an H100): each block asks torch's public eligibility test first, and a refused
+    block runs torch's flash op, forward and backward; the verdict is cached per tensor signature."""
+    asked = []
+
+    def would_run(q, k, v, causal):
+        asked.append((tuple(q.shape), causal))
+        return q.shape[2] % 64 == 0
+
+    monkeypatch.setattr(cudnn_sdpa, "_torch_would_run_cudnn", would_run)
+    monkeypatch.setattr(cudnn_sdpa, "native_gqa", lambda device, dtype: True)
+    monkeypatch.setattr(cudnn_sdpa, "_TAKES", {})
+    ran = []
+    monkeypatch.setattr(cudnn_sdpa, "_forward_op", lambda q, k, v, causal, scale: (
+        ran.append("cudnn") or (torch.zeros_like(q), torch.zeros(*q.shape[:3], 1))))
+    monkeypatch.setattr(cuda_flash, "forward", lambda q, k, v, kind, block, scale: (
+        ran.append("flash") or (torch.zeros_like(q), torch.zeros(q.shape[:3]))))
+    monkeypatch.setattr(cuda_flash, "backward", lambda dout, q, k, v, D, lse, kind, block, scale, out=None: (
+        ran.append("flash_bwd") or (q, k, v)))
+    for sq in (128, 80, 128, 80):
+        q, k = torch.zeros(1, 4, sq, 16), torch.zeros(1, 2, sq, 16)
+        out, lse = cudnn_sdpa.forward(q, k, k, "causal", 1, 0.25)
+        assert out.shape == q.shape and lse.shape == q.shape[:3]
+    assert ran == ["cudnn", "flash", "cudnn", "flash"]
+    assert asked == [((1, 4, 128, 16), True), ((1, 4, 80, 16), True)]  # once per signature
+    q = torch.zeros(1, 4, 80, 16)
+    assert cudnn_sdpa.backward(q, q, torch.zeros(1, 2, 80, 16), torch.zeros(1, 2, 80, 16), None,
+                               torch.zeros(1, 4, 80), "causal", 1, 0.25, out=q)[0] is q
+    assert ran[-1] == "flash_bwd"
+
+
+def test_cudnn_gate_asks_torch_and_restores_its_switch():
+    """The gate evaluates torch's own test with cuDNN's runtime switch on, then restores the switch."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        q, k = torch.zeros(1, 4, 64, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
+        assert cudnn_sdpa._torch_would_run_cudnn(q, k, k, True) is False  # CPU tensors: never cuDNN
+        assert torch.backends.cuda.cudnn_sdp_enabled() is False
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

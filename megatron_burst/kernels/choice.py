@@ -143,11 +143,13 @@ _LOGGED: dict[tuple, KernelChoice] = {}
 
 
 def _self_check_cases(kind: str) -> list[dict]:
-    """Small blocks exercising ``kind``: GQA 4/2, odd lengths, unequal q/kv lengths where the kind allows."""
+    """Small blocks exercising ``kind``: GQA 4/2, odd lengths, unequal q/kv lengths where the kind allows,
+    and lengths in multiples of 64 (kernels that route odd shapes elsewhere, as cuDNN's adapter does,
+    run their own path there)."""
     if kind == "full":
-        return [dict(sq=48, sk=80)]
+        return [dict(sq=48, sk=80), dict(sq=128, sk=192)]
     if kind == "causal":
-        return [dict(sq=80, sk=80)]
+        return [dict(sq=80, sk=80), dict(sq=128, sk=128)]
     if kind == "block_causal":
         return [dict(sq=80, sk=80, block=16)]
     pos = torch.arange(80)

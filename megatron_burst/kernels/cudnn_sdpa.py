@@ -5,6 +5,16 @@ The fastest dense kernel torch ships on Hopper: 1.7x its flash op at 32K tokens 
 :mod:`megatron_burst.kernels.cuda_flash` ("full" and square "causal" blocks; the same schema-bound
 calls and forward-returned placeholders). The op returns lse as [b, h, s, 1]; this adapter hands
 [b, h, s] to the engine and reshapes it back for the backward.
+
+Per-block gate. The private op has none of the shape and layout checks that
+``F.scaled_dot_product_attention`` runs before it picks cuDNN, and a block outside cuDNN's support
+can crash the process in the backward (a segfault on an H100, torch 2.11, cuDNN 9.19, in the GPU
+suite's small odd-length blocks) instead of raising. So every block first asks torch's own public
+eligibility test, ``torch.backends.cuda.can_use_cudnn_attention`` on the block's exact tensors (with
+cuDNN's runtime switch treated as on: a user disabling cuDNN for their own SDPA calls does not
+change ours), cached per (shapes, strides, dtype, causal); a block it refuses runs torch's flash op
+(:mod:`megatron_burst.kernels.cuda_flash`, the same kinds and conventions), logged once per shape
+class. A torch without that test sends every block to flash.
 """
 from __future__ import annotations
 
@@ -15,6 +25,7 @@ import torch
 
 from megatron_burst.kernels import torch_ops
 from megatron_burst.kernels.cpu_flash import stand_in_output
+from megatron_burst.kernels import cuda_flash
 from megatron_burst.kernels.cuda_flash import _rows
 from megatron_burst.kernels.reference import expand_kv, reduce_kv
 
@@ -36,7 +47,9 @@ def unavailable() -> Optional[str]:
     """Why this kernel cannot run in this process (None: it can, on a CUDA device)."""
     if torch.cuda.is_available() and not torch.backends.cudnn.is_available():
         return "torch was built without cuDNN"
-    return torch_ops.fused_op_unavailable(_FWD, _FWD_ARGS, _BWD, _BWD_ARGS)
+    why = torch_ops.fused_op_unavailable(_FWD, _FWD_ARGS, _BWD, _BWD_ARGS)
+    flash = cuda_flash.unavailable()
+    return why or (None if flash is None else f"its flash op for blocks cuDNN does not take is missing: {flash}")
 
 
 def supports(dtype: torch.dtype, head_dim: int, kind: str) -> Optional[str]:
@@ -82,17 +95,61 @@ def _kv(t: torch.Tensor, hq: int) -> torch.Tensor:
     return t if t.shape[1] == hq or native_gqa(t.device, t.dtype) else expand_kv(t, hq)
 
 
+_TAKES: dict[tuple, bool] = {}
+
+
+def takes_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
+    """Whether torch would run cuDNN attention on these exact tensors (q [b, hq, sq, d], k/v
+    [b, hkv, sk, d] as this adapter passes them): torch's public eligibility test, cached."""
+    if torch_ops.fake_mode_active():
+        return True  # schema checks on fake tensors (CPU tests): nothing to ask a device
+    key = (tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(), q.dtype, causal,
+           q.device)
+    hit = _TAKES.get(key)
+    if hit is None:
+        hit = _TAKES[key] = _torch_would_run_cudnn(q, k, v, causal)
+        if not hit:
+            logger.info("megatron-burst: cuDNN attention does not take a %s block q %s k %s (strides %s / %s); "
+                        "torch's flash op runs it", "causal" if causal else "full", tuple(q.shape), tuple(k.shape),
+                        q.stride(), k.stride())
+    return hit
+
+
+def _torch_would_run_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
+    cuda_backends = torch.backends.cuda
+    if not hasattr(cuda_backends, "can_use_cudnn_attention") or not hasattr(cuda_backends, "SDPAParams"):
+        return False
+    gqa = q.shape[1] != k.shape[1]
+    try:
+        params = cuda_backends.SDPAParams(q, k, v, None, 0.0, causal, gqa)
+    except TypeError:  # torch before enable_gqa: the 6-argument form (and no GQA)
+        if gqa:
+            return False
+        params = cuda_backends.SDPAParams(q, k, v, None, 0.0, causal)
+    enabled = cuda_backends.cudnn_sdp_enabled()
+    cuda_backends.enable_cudnn_sdp(True)  # ask about shapes and layouts, not the user's SDPA switch
+    try:
+        return bool(cuda_backends.can_use_cudnn_attention(params, False))
+    finally:
+        cuda_backends.enable_cudnn_sdp(enabled)
+
+
 def forward(q, k, v, kind="full", block=1, scale=1.0):
-    """(out [b, hq, sq, d] in q's dtype, lse [b, hq, sq] fp32)."""
+    """(out [b, hq, sq, d] in q's dtype, lse [b, hq, sq] fp32); blocks cuDNN does not take run flash."""
     hq, sq = q.shape[1], q.shape[2]
+    if not takes_block(q, _kv(k, hq), _kv(v, hq), kind == "causal"):
+        return cuda_flash.forward(q, k, v, kind, block, scale)
     res = _forward_op(q, _kv(k, hq), _kv(v, hq), kind == "causal", scale)
     lse = res[1]
     return res[0], _rows(lse.reshape(lse.shape[0], lse.shape[1], -1), sq)
 
 
 def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0, out: Optional[torch.Tensor] = None):
-    """(dq [b, hq, sq, d], dk, dv [b, hkv, sk, d]) in the input dtype (see cuda_flash.backward)."""
+    """(dq [b, hq, sq, d], dk, dv [b, hkv, sk, d]) in the input dtype (see cuda_flash.backward); blocks
+    cuDNN does not take run flash."""
     hq, hkv = q.shape[1], k.shape[1]
+    if not takes_block(q, _kv(k, hq), _kv(v, hq), kind == "causal"):
+        return cuda_flash.backward(dout, q, k, v, D, lse, kind, block, scale, out=out)
     cum_q, cum_k, seed, offset, lse_rank = _placeholders(q.device, q.dtype)
     o = stand_in_output(dout, D) if out is None else out.to(q.dtype)
     dout = dout.contiguous()

@@ -8,6 +8,9 @@
 * fp32 references run in real fp32 (TF32 matmuls off).
 * ``MEGATRON_BURST_GPU_TESTS_ON_CPU=1``: the dry run on CPU (see gpu/common.py), nothing skipped
   except the CUDA-only assertions.
+* ``GPU_TEST_FAILLOG=<file>``: each failure's report is appended to the file the moment it happens
+  (a device call that runs out of time keeps the reasons; pytest prints them only at the end), with
+  xdist workers too (the controller gets every report, a crashed worker's included).
 """
 from __future__ import annotations
 
@@ -44,6 +47,17 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.filterwarnings("error::megatron_burst.kernels.choice.SlowKernelWarning"))
         if not run:
             item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("GPU_TEST_FAILLOG")
+    if not path or not report.failed:
+        return
+    text = report.longreprtext
+    if len(text) > 8000:  # the assertion message is at the end of a long traceback
+        text = text[:2000] + "\n[...]\n" + text[-6000:]
+    with open(path, "a") as f:
+        f.write(f"===== {report.nodeid} ({report.when}) FAILED\n{text}\n")
 
 
 @pytest.fixture(autouse=True)
