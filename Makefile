@@ -43,8 +43,11 @@ test: env
 # The GPU suite (every test skipped without CUDA). On a GPU machine whose python already has a CUDA
 # torch and no network for `make env`: make gpu-test GPU_PY=python3 (that python runs it, env is skipped).
 GPU_PY ?=
+# pytest-xdist, when installed, runs it in 8 workers sharing the GPU (Triton compiles and rank
+# start-ups dominate, not GPU time); GPU_TEST_FAILLOG=<file> records each failure as it happens.
+GPU_XDIST = $(shell $(or $(GPU_PY),$(PY)) -c "import xdist" 2>/dev/null && echo "-n 8")
 gpu-test: $(if $(GPU_PY),,env)
-	$(or $(GPU_PY),$(PY)) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS) tests/gpu
+	$(or $(GPU_PY),$(PY)) -m pytest -q -p no:cacheprovider --durations=15 $(GPU_XDIST) $(PYTEST_ARGS) tests/gpu
 
 # Every case under tests/functional_tests/test_cases/gpt (make test runs a CI subset of them).
 functional-test: env
