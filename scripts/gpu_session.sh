@@ -14,7 +14,7 @@
 #   pip download --no-deps -d .whl flash-linear-attention fla-core einops liger-kernel cut-cross-entropy
 #   pip download --no-deps -d .whl --python-version 3.12 --only-binary=:all: megatron-core==0.16.1
 # Outputs: OUT_DIR/session.log (versions; each part's start, exit status and seconds), gpu_test.log,
-# gpu_failures.log (each failure as it happens),
+# gpu_test_multi.log, gpu_failures.log (each failure as it happens),
 # bench_gpu.{jsonl,log}, bench_loss.log, bench_linear.{jsonl,log} (8 files: what a device call returns;
 # bench gpu / linear can redraw their plots here from the JSON lines).
 # scripts/gpu_check.sh and scripts/gpu_linear.sh run one family alone with a larger share.
@@ -56,5 +56,9 @@ part masked-tune $(share ${TUNE_SHARE:-0}) bash -o pipefail -c "$PY scripts/gpu_
 part loss-bench $(share ${LOSS_BENCH_SHARE:-15}) bash -o pipefail -c "$PY -m megatron_burst.bench loss --quick --plot '' ${LOSS_BENCH_ARGS:-} 2>&1 | tee '$OUT_DIR/bench_loss.log'"
 part linear-bench $(share ${LINEAR_BENCH_SHARE:-15}) bash -o pipefail -c "$PY -m megatron_burst.bench linear --gpu --out '$OUT_DIR/bench_linear.jsonl' \
   ${LINEAR_BENCH_ARGS:---seq 32768 --heads 16 --head-dim 128 --worlds 2 --repeats 5 --warmup 2 --max-seconds 2} 2>&1 | tee '$OUT_DIR/bench_linear.log'"
-part gpu-suite $(share ${SUITE_SHARE:-40}) bash -o pipefail -c "env GPU_TEST_FAILLOG='$OUT_DIR/gpu_failures.log' $PY -m pytest -q -p no:cacheprovider $XDIST --timeout=240 --durations=15 ${GPU_TEST_ARGS:-} tests/gpu 2>&1 | tee '$OUT_DIR/gpu_test.log'"
+# the multi-rank tests (W processes per test sharing the GPU) run serially beside the xdist run of
+# the rest: rank pools and xdist workers are kept apart
+part gpu-suite $(share ${SUITE_SHARE:-40}) bash -c "export GPU_TEST_FAILLOG='$OUT_DIR/gpu_failures.log'
+  $PY -m pytest -q -p no:cacheprovider --timeout=240 ${GPU_TEST_ARGS:-} tests/gpu/test_gpu_cp_multi.py > '$OUT_DIR/gpu_test_multi.log' 2>&1 &
+  $PY -m pytest -q -p no:cacheprovider $XDIST --timeout=240 --durations=15 ${GPU_TEST_ARGS:-} tests/gpu --ignore=tests/gpu/test_gpu_cp_multi.py 2>&1 | tee '$OUT_DIR/gpu_test.log'; wait"
 echo "session: $(( $(date +%s) - START ))s of ${BUDGET}s" | tee -a "$OUT_DIR/session.log"
