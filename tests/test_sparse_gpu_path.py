@@ -48,3 +48,25 @@ def test_cuda_kinds_choose_the_triton_kernel_without_a_slow_warning(monkeypatch)
         warnings.simplefilter("error")
         choice.choose(torch.device("cpu"), torch.bfloat16, 128, _config(_pattern(256, 2, "meta")).mask_kinds)
     assert asked == ["sparse"]
+
+
+def _pack_bits_per_bit(mask: torch.Tensor) -> torch.Tensor:
+    """The definition, bit by bit: column c at bit c % 32 of word c // 32 (two's complement int32)."""
+    n = mask.shape[-1]
+    words = -(-n // 32)
+    out = torch.zeros(*mask.shape[:-1], words, dtype=torch.int64)
+    for c in range(n):
+        out[..., c // 32] |= mask[..., c].long() << (c % 32)
+    return torch.where(out >= 2 ** 31, out - 2 ** 32, out).to(torch.int32)
+
+
+def test_pack_bits_matches_the_bit_by_bit_definition():
+    """pack_bits (weighted sums of 16-bit halves) equals the per-bit definition, the sign bit and a
+    partial last word included, and unpack_bits inverts it."""
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 31, 32, 33, 70):
+        mask = torch.rand(3, 5, n, generator=g) < 0.5
+        mask[0, 0] = True  # every bit set: words of -1
+        got = sparse.pack_bits(mask)
+        assert got.dtype == torch.int32 and torch.equal(got, _pack_bits_per_bit(mask)), n
+        assert torch.equal(sparse.unpack_bits(got, n), mask)
