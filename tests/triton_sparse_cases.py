@@ -131,16 +131,19 @@ def cp_rank(kernel: str) -> dict:
 
 
 def compile_for_gpu(direction: str, dtype: torch.dtype, d: int, capability: int = 90) -> dict:
-    """Compile a kernel for a CUDA GPU of ``capability`` without one, with the launch options the
-    module uses there (64-row tiles). Returns its shared memory (bytes) and the compiled stages."""
+    """Compile a kernel (``direction``: "forward", "dq" or "dkdv", the backward's two) for a CUDA GPU of
+    ``capability`` without one, with the launch options the module uses there (64-row tiles).
+    Returns its shared memory (bytes) and the compiled stages."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from megatron_burst.kernels import _triton_block_sparse_src as src
 
-    fn = triton.jit(src.sparse_fwd_kernel if direction == "forward" else src.sparse_bwd_kernel)
-    opts = triton_block_sparse.launch_options(direction, {dtype}, d, d, 64, interpret=False)
+    source = {"forward": src.sparse_fwd_kernel, "dq": src.sparse_bwd_dq_kernel, "dkdv": src.sparse_bwd_dkdv_kernel}
+    fn = triton.jit(source[direction])
+    opts = triton_block_sparse.launch_options("forward" if direction == "forward" else "backward", {dtype}, d, d, 64,
+                                              interpret=False)
     warps = opts.pop("num_warps")
     elem = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     typed = {"Q": elem, "K": elem, "V": elem, "DO": elem, "TILE_Q0": "i32", "TILE_Q1": "i32", "COL_START": "i64",
@@ -151,7 +154,8 @@ def compile_for_gpu(direction: str, dtype: torch.dtype, d: int, capability: int 
                  else "fp32" if n == "scale" else "i32" for n in fn.arg_names}
     kernel = triton.compile(ASTSource(fn, signature, opts), target=GPUTarget("cuda", capability, 32),
                             options={"num_warps": warps, "enable_fp_fusion": True})
-    return {"shared": kernel.metadata.shared, "stages": sorted(kernel.asm)}
+    return {"shared": kernel.metadata.shared, "stages": sorted(kernel.asm), "regs": getattr(kernel, "n_regs", None),
+            "spills": getattr(kernel, "n_spills", None)}
 
 
 def main() -> None:

@@ -53,6 +53,7 @@ from megatron_burst.comm import PendingExchange
 from megatron_burst.masks.block import BlockMask
 from megatron_burst.masks.dispatch import balanced_pair_table
 from megatron_burst.masks.documents import Documents
+from megatron_burst.masks import vertical_slash
 from megatron_burst.masks.vertical_slash import VerticalSlash, pattern_blocks
 from megatron_burst.masks.visible import visible_blocks
 from megatron_burst.topology import CPTopology, Ring
@@ -115,7 +116,10 @@ class CPConfig:
         """Every BlockMask kind :meth:`blocks` can yield for this configuration, on any rank (the same
         tuple everywhere: ranks agree on one kernel per kind before the first block runs)."""
         if self.pattern is not None:
-            return ("sparse", "gather")
+            # the planner splits a plan by dense_column_for(pattern device) (through the module: tests patch it): at 0 (CUDA) every
+            # visible pair is a tile column and no "gather" block exists, so asking for its kernel
+            # would only choose (and warn about) the plain-torch row gather that never runs
+            return ("sparse",) if vertical_slash.dense_column_for(self.pattern.device) == 0 else ("sparse", "gather")
         striped_blocks = ("block_causal",) if self.layout == "striped" and self.stripe > 1 else ()
         if self.documents is not None or self.window is not None:
             return ("full", "causal") + striped_blocks + ("positions",)

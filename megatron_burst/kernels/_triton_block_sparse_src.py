@@ -3,11 +3,21 @@
 Plain functions: triton_block_sparse applies ``triton.jit`` on first use. See that module for the
 packed plan, the grid and the precision policy.
 
-Both kernels run one program per (batch * query head, tile) and share the same column walk: the
-tile's key columns ``COLS[COL_START[t]:COL_END[t]]`` in chunks of BLOCK_N, each chunk's K/V rows
-gathered by column index, and the visibility bits of the chunk read from the tile's bitmask (head
-h's rows from word VIS_START[t] + h * VIS_HEAD[t], VIS_WORDS[t] int32 words per row, bit c % 32 of
-word c // 32 for the tile's c-th column).
+The kernels share one column walk: the tile's key columns ``COLS[COL_START[t]:COL_END[t]]`` in
+chunks of BLOCK_N, the visibility bits of the chunk read from the tile's bitmask first (head h's
+rows from word VIS_START[t] + h * VIS_HEAD[t], VIS_WORDS[t] int32 words per row, bit c % 32 of
+word c // 32 for the tile's c-th column), and only a chunk with a visible bit for the head loads
+its K/V rows (gathered by column index) and runs its products: a tile's columns are the union
+over heads, so a head skips the chunks that only other heads see.
+
+* ``sparse_fwd_kernel`` and ``sparse_bwd_dq_kernel``: one program per (batch * query head, tile);
+* ``sparse_bwd_dkdv_kernel``: one program per (batch * kv head, tile); per chunk it sums the
+  dK/dV of the GROUP query heads sharing the kv head in registers and adds them with one
+  ``tl.atomic_add`` (GROUP times fewer atomics than a per-query-head program).
+
+``LOWP`` (16-bit inputs on the GPU): the products with a computed operand (P.V, P^T.dO, dS.K,
+dS^T.Q) take P and dS rounded to the input dtype, FlashAttention's choice (fp32 accumulation);
+otherwise every product runs on the fp32 operands at ``PRECISION``.
 """
 from __future__ import annotations
 
@@ -20,7 +30,8 @@ def sparse_fwd_kernel(Q, K, V, OUT, LSE,
                       sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
                       sob, soh, sos, slb, slh,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_DV: tl.constexpr, WIDEN: tl.constexpr, PRECISION: tl.constexpr):
+                      BLOCK_DV: tl.constexpr, WIDEN: tl.constexpr, PRECISION: tl.constexpr,
+                      LOWP: tl.constexpr):
     """Online softmax over the tile's visible columns: OUT rows (fp32, 0 if nothing seen), LSE (-inf)."""
     pid_bh = tl.program_id(0)
     tile = tl.program_id(1)
@@ -51,27 +62,32 @@ def sparse_fwd_kernel(Q, K, V, OUT, LSE,
     for c0 in range(c_start, c_end, BLOCK_N):
         offs_c = c0 + tl.arange(0, BLOCK_N)
         c_ok = offs_c < c_end
-        cols = tl.load(COLS + offs_c, mask=c_ok, other=0).to(tl.int64)
-        k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :] * skd,
-                    mask=c_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + offs_dv[None, :] * svd,
-                    mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
-        if WIDEN:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        local = offs_c - c_start
-        words = tl.load(vis_row[:, None] + (local // 32)[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0)
-        seen = ((words >> (local % 32)[None, :]) & 1) != 0
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # rows with nothing seen yet keep m = -inf; shift them by 0 so that exp gives 0, not NaN
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_shift)
-        p = tl.exp(s - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
+        local = offs_c - c_start  # the chunk's bits: bit c % 32 of word c // 32 of each row
+        words = tl.load(vis_row[:, None] + (local // 32)[None, :], mask=row_ok[:, None] & c_ok[None, :],
+                        other=0)
+        seen = (((words >> (local % 32)[None, :]) & 1) != 0)
+        if tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0:  # another head's columns: skipped
+            cols = tl.load(COLS + offs_c, mask=c_ok, other=0).to(tl.int64)
+            k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :] * skd,
+                        mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + offs_dv[None, :] * svd,
+                        mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
+            if WIDEN:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # rows with nothing seen yet keep m = -inf; shift them by 0 so that exp gives 0, not NaN
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_shift)
+            p = tl.exp(s - m_shift[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if LOWP:
+                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            else:
+                acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision=PRECISION)
+            m_i = m_new
     seen_any = l_i > 0.0
     out = acc / tl.where(seen_any, l_i, 1.0)[:, None]
     lse = tl.where(seen_any, tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log(tl.where(seen_any, l_i, 1.0)),
@@ -81,19 +97,17 @@ def sparse_fwd_kernel(Q, K, V, OUT, LSE,
     tl.store(LSE + b * slb + h * slh + rows, lse, mask=row_ok)
 
 
-def sparse_bwd_kernel(Q, K, V, DO, DELTA, LSE, DQ, DK, DV_,
-                      TILE_Q0, TILE_Q1, COL_START, COL_END, COLS, VIS_START, VIS_HEAD, VIS_WORDS, VIS,
-                      scale, HQ, GROUP, D, DV,
-                      sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
-                      sdob, sdoh, sdos, sdod, slb, slh, sdqb, sdqh, sdqs,
-                      sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_DV: tl.constexpr, WIDEN: tl.constexpr, PRECISION: tl.constexpr):
-    """Recompute P = vis * exp(s - lse) per column chunk; DQ rows stored, DK/DV rows atomically added.
-
-    DELTA and LSE share strides (both [b, hq, sq] fp32); DK/DV are fp32 [b, hkv, sk, *], so the
-    query heads of a group add into the same kv head.
-    """
+def sparse_bwd_dq_kernel(Q, K, V, DO, DELTA, LSE, DQ,
+                         TILE_Q0, TILE_Q1, COL_START, COL_END, COLS, VIS_START, VIS_HEAD, VIS_WORDS, VIS,
+                         scale, HQ, GROUP, D, DV,
+                         sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
+                         sdob, sdoh, sdos, sdod, slb, slh, sdqb, sdqh, sdqs,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_DV: tl.constexpr, WIDEN: tl.constexpr, PRECISION: tl.constexpr,
+                         LOWP: tl.constexpr):
+    """DQ rows of a (batch * query head, tile): P = vis * exp(s - lse) recomputed per column chunk,
+    dS = P * (dO.V^T - delta), DQ = scale * dS.K, stored once (tiles' rows are disjoint: no atomics).
+    DELTA and LSE share strides (both [b, hq, sq] fp32)."""
     pid_bh = tl.program_id(0)
     tile = tl.program_id(1)
     b = (pid_bh // HQ).to(tl.int64)
@@ -128,6 +142,64 @@ def sparse_bwd_kernel(Q, K, V, DO, DELTA, LSE, DQ, DK, DV_,
     for c0 in range(c_start, c_end, BLOCK_N):
         offs_c = c0 + tl.arange(0, BLOCK_N)
         c_ok = offs_c < c_end
+        local = offs_c - c_start  # the chunk's bits: bit c % 32 of word c // 32 of each row
+        words = tl.load(vis_row[:, None] + (local // 32)[None, :], mask=row_ok[:, None] & c_ok[None, :],
+                        other=0)
+        seen = (((words >> (local % 32)[None, :]) & 1) != 0) & row_live[:, None]
+        if tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0:  # another head's columns: skipped
+            cols = tl.load(COLS + offs_c, mask=c_ok, other=0).to(tl.int64)
+            k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :] * skd,
+                        mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + offs_dv[None, :] * svd,
+                        mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
+            if WIDEN:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            p = tl.where(seen, tl.exp(s - lse[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            if LOWP:
+                dq = tl.dot(ds.to(k.dtype), k, dq)
+            else:
+                dq = tl.dot(ds, k.to(tl.float32), dq, input_precision=PRECISION)
+    tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqs + offs_d[None, :], dq * scale,
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+def sparse_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_,
+                           TILE_Q0, TILE_Q1, COL_START, COL_END, COLS, VIS_START, VIS_HEAD, VIS_WORDS, VIS,
+                           scale, HKV, GROUP, D, DV,
+                           sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
+                           sdob, sdoh, sdos, sdod, slb, slh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_DV: tl.constexpr, WIDEN: tl.constexpr, PRECISION: tl.constexpr,
+                           LOWP: tl.constexpr):
+    """DK/DV of a (batch * kv head, tile): per column chunk, the GROUP query heads of the kv head
+    recompute P and dS over the tile's rows and their dK = scale * dS^T.Q, dV = P^T.dO are summed
+    in registers, then added to the fp32 [b, hkv, sk, *] buffers with one atomic add (columns
+    repeat across tiles). The query heads' rows are re-read per chunk (cache hits: one tile)."""
+    pid_bk = tl.program_id(0)
+    tile = tl.program_id(1)
+    b = (pid_bk // HKV).to(tl.int64)
+    hk = pid_bk % HKV
+    q0 = tl.load(TILE_Q0 + tile)
+    tq = tl.load(TILE_Q1 + tile) - q0
+    c_start = tl.load(COL_START + tile)
+    c_end = tl.load(COL_END + tile)
+    n_words = tl.load(VIS_WORDS + tile)
+    vis_tile = VIS + tl.load(VIS_START + tile)
+    vis_head = tl.load(VIS_HEAD + tile)
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < tq
+    rows = (q0 + offs_m).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < D
+    dv_ok = offs_dv < DV
+    for c0 in range(c_start, c_end, BLOCK_N):
+        offs_c = c0 + tl.arange(0, BLOCK_N)
+        c_ok = offs_c < c_end
         cols = tl.load(COLS + offs_c, mask=c_ok, other=0).to(tl.int64)
         k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :] * skd,
                     mask=c_ok[:, None] & d_ok[None, :], other=0.0)
@@ -136,19 +208,41 @@ def sparse_bwd_kernel(Q, K, V, DO, DELTA, LSE, DQ, DK, DV_,
         if WIDEN:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        local = offs_c - c_start
-        words = tl.load(vis_row[:, None] + (local // 32)[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0)
-        seen = (((words >> (local % 32)[None, :]) & 1) != 0) & row_live[:, None]
-        p = tl.where(seen, tl.exp(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds, k.to(tl.float32), dq, input_precision=PRECISION)
-        dv_part = tl.dot(tl.trans(p), do.to(tl.float32), input_precision=PRECISION)
-        dk_part = tl.dot(tl.trans(ds), q.to(tl.float32), input_precision=PRECISION) * scale
-        tl.atomic_add(DK + b * sdkb + hk * sdkh + cols[:, None] * sdks + offs_d[None, :], dk_part,
-                      mask=c_ok[:, None] & d_ok[None, :])
-        tl.atomic_add(DV_ + b * sdvb + hk * sdvh + cols[:, None] * sdvs + offs_dv[None, :], dv_part,
-                      mask=c_ok[:, None] & dv_ok[None, :])
-    tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqs + offs_d[None, :], dq * scale,
-             mask=row_ok[:, None] & d_ok[None, :])
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+        any_seen = 0
+        for g in range(0, GROUP):
+            h = hk * GROUP + g
+            vis_row = vis_tile + h * vis_head + offs_m.to(tl.int64) * n_words
+            lse = tl.load(LSE + b * slb + h * slh + rows, mask=row_ok, other=float("-inf"))
+            row_live = lse > float("-inf")
+            local = offs_c - c_start  # the chunk's bits: bit c % 32 of word c // 32 of each row
+            words = tl.load(vis_row[:, None] + (local // 32)[None, :], mask=row_ok[:, None] & c_ok[None, :],
+                            other=0)
+            seen = (((words >> (local % 32)[None, :]) & 1) != 0) & row_live[:, None]
+            if tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0:  # this head sees none of the chunk
+                any_seen = 1
+                q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + offs_d[None, :] * sqd,
+                            mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdos + offs_dv[None, :] * sdod,
+                             mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+                if WIDEN:
+                    q = q.to(tl.float32)
+                    do = do.to(tl.float32)
+                delta = tl.load(DELTA + b * slb + h * slh + rows, mask=row_ok, other=0.0)
+                lse = tl.where(row_live, lse, 0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+                p = tl.where(seen, tl.exp(s - lse[:, None]), 0.0)
+                dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+                ds = p * (dp - delta[:, None])
+                if LOWP:
+                    dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv)
+                    dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk)
+                else:
+                    dv = tl.dot(tl.trans(p), do.to(tl.float32), dv, input_precision=PRECISION)
+                    dk = tl.dot(tl.trans(ds), q.to(tl.float32), dk, input_precision=PRECISION)
+        if any_seen > 0:
+            tl.atomic_add(DK + b * sdkb + hk * sdkh + cols[:, None] * sdks + offs_d[None, :], dk * scale,
+                          mask=c_ok[:, None] & d_ok[None, :])
+            tl.atomic_add(DV_ + b * sdvb + hk * sdvh + cols[:, None] * sdvs + offs_dv[None, :], dv,
+                          mask=c_ok[:, None] & dv_ok[None, :])

@@ -19,18 +19,22 @@ the plan. A plain tuple's packed form is cached by ``id(plan)`` together with a 
 plan (the id cannot be reused while it is held) in a bounded LRU (PACK_CACHE entries and
 PACK_CACHE_BYTES of packed tensors).
 
-Grid: one program per (batch * query head, tile). Forward: the program holds its tile's query rows
-(BLOCK_M >= rows) and walks the tile's columns in chunks of BLOCK_N: gathers the K/V rows by
-column index, ``tl.dot`` scores (fp32 accumulation), masks them by the bitmask and keeps an online
-softmax; writes out (fp32; 0 where a row sees nothing) and lse (fp32; -inf there). Backward:
-the same walk recomputes P from the given lse, stores dq for the tile's rows (tiles' rows are
-disjoint) and adds dk/dv per column with ``tl.atomic_add`` into fp32 [b, hkv, sk, *] buffers (the
-query heads of a GQA group add into their kv head; columns repeat across tiles).
+Grids. Forward: one program per (batch * query head, tile); it holds its tile's query rows
+(BLOCK_M >= rows) and walks the tile's columns in chunks of BLOCK_N: reads the chunk's bits first
+and skips a chunk the head sees nothing of (a tile's columns are the union over heads), else
+gathers the K/V rows by column index, ``tl.dot`` scores (fp32 accumulation), masks them by the
+bitmask and keeps an online softmax; writes out (fp32; 0 where a row sees nothing) and lse (fp32;
+-inf there). Backward, two kernels recomputing P from the given lse: dq per (batch * query head,
+tile), stored for the tile's rows (tiles' rows are disjoint); dk/dv per (batch * kv head, tile),
+summing the chunk's dk/dv over the GQA group's query heads in registers and adding them with one
+``tl.atomic_add`` into fp32 [b, hkv, sk, *] buffers (columns repeat across tiles): GROUP times
+fewer atomics than one program per query head adding its own, for two more products per chunk.
 
 Precision: fp32 inputs run every product in IEEE fp32. 16-bit inputs multiply q.k^T and do.v^T
-in the input dtype (products exact in fp32, fp32 accumulation) and the products with a computed
-fp32 operand (P.V, P^T.dO, dS.K, dS^T.Q) in TF32 with fp32 accumulation. Mixed input dtypes are
-widened to fp32 on load and run as fp32. Head dims up to 128, padded to a power of two with masks.
+in the input dtype (fp32 accumulation) and round P and dS to the input dtype for P.V, P^T.dO,
+dS.K and dS^T.Q (fp32 accumulation), as FlashAttention does. Under the interpreter (whose
+``tl.dot`` mishandles 16-bit operands) and for mixed input dtypes the tiles are widened to fp32 and
+every product runs in fp32. Head dims up to 128, padded to a power of two with masks.
 
 Triton is imported on first use (the kernel source is :mod:`._triton_block_sparse_src`), so
 TRITON_INTERPRET=1 works when set before the process first imports triton; see
@@ -108,10 +112,11 @@ def pack(plan, heads: int, device: torch.device) -> PackedTiles:
     return packed
 
 
-_jitted: dict[bool, tuple[Any, Any]] = {}
+_jitted: dict[bool, tuple[Any, tuple[Any, Any]]] = {}
 
 
-def _kernels() -> tuple[Any, Any]:
+def _kernels() -> tuple[Any, tuple[Any, Any]]:
+    """(forward, (backward dq, backward dk/dv)) jitted for the current interpreter mode."""
     if not AVAILABLE:
         raise RuntimeError("the triton block-sparse kernel needs the triton package: pip install triton, or set "
                            "MEGATRON_BURST_SPARSE_KERNEL=torch")
@@ -121,7 +126,8 @@ def _kernels() -> tuple[Any, Any]:
 
     mode = interpreting()
     if mode not in _jitted:
-        _jitted[mode] = (triton.jit(src.sparse_fwd_kernel), triton.jit(src.sparse_bwd_kernel))
+        _jitted[mode] = (triton.jit(src.sparse_fwd_kernel), (triton.jit(src.sparse_bwd_dq_kernel),
+                                                             triton.jit(src.sparse_bwd_dkdv_kernel)))
     return _jitted[mode]
 
 
@@ -153,8 +159,10 @@ def launch_options(direction: str, dtypes: set, d: int, dv: int, block_m: int, i
     block_n, warps = GPU_CONFIG[(direction, 32 if wide else 16)]
     if interpret:
         block_n = INTERPRET_BLOCK_N
+    # LOWP: P and dS rounded to the 16-bit input dtype for their products (full-rate tensor cores,
+    # half the registers of fp32 operands); never under the interpreter (16-bit dots widened there)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_next_pow2(d), BLOCK_DV=_next_pow2(dv), WIDEN=widen,
-                PRECISION="ieee" if wide else "tf32", num_warps=warps)
+                PRECISION="ieee" if wide else "tf32", LOWP=not wide, num_warps=warps)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str = "sparse", block: int = 1,
@@ -197,19 +205,21 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     _check(q, k, v)
     p = pack(plan, hq, q.device)
     _fits(p, q, k)
-    _, bwd = _kernels()
+    _, (bwd_dq, bwd_dkdv) = _kernels()
     # one stride set serves both row statistics, rows adjacent
     D, lse = D.float(), lse.float()
     if D.stride() != lse.stride() or lse.stride(-1) != 1:
         D, lse = D.contiguous(), lse.contiguous()
-    bwd[(b * hq, p.tiles)](
-        q, k, v, dout, D, lse, dq, dk, dv, p.q0, p.q1, p.col_start, p.col_end, p.cols, p.vis_start, p.vis_head,
-        p.vis_words, p.vis,
-        float(scale), hq, hq // hkv, d, v.shape[-1],
-        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride()[:2], *dq.stride()[:3],
-        *dk.stride()[:3], *dv.stride()[:3],
-        **launch_options("backward", {q.dtype, k.dtype, v.dtype, dout.dtype}, d, v.shape[-1], p.block_m,
-                         interpreting()))
+    plan_args = (p.q0, p.q1, p.col_start, p.col_end, p.cols, p.vis_start, p.vis_head, p.vis_words, p.vis)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride()[:2])
+    opts = launch_options("backward", {q.dtype, k.dtype, v.dtype, dout.dtype}, d, v.shape[-1], p.block_m,
+                          interpreting())
+    # dq per (batch * query head, tile), stored; dk/dv per (batch * kv head, tile), the GQA group's
+    # query heads summed before one atomic add per column chunk
+    bwd_dq[(b * hq, p.tiles)](q, k, v, dout, D, lse, dq, *plan_args, float(scale), hq, hq // hkv, d, v.shape[-1],
+                              *strides, *dq.stride()[:3], **opts)
+    bwd_dkdv[(b * hkv, p.tiles)](q, k, v, dout, D, lse, dk, dv, *plan_args, float(scale), hkv, hq // hkv, d,
+                                 v.shape[-1], *strides, *dk.stride()[:3], *dv.stride()[:3], **opts)
     return dq, dk, dv
 
 

@@ -234,16 +234,18 @@ def _visible(is_v: torch.Tensor, is_s: torch.Tensor, q_pos: torch.Tensor, kv_pos
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """Bool [..., n] -> int32 [..., ceil(n / 32)]: column c at bit c % 32 of word c // 32 (bit 31 is
-    the sign bit: two's complement, as the kernels read it)."""
+    the sign bit: two's complement, as the kernels read it). A few whole-tensor ops (weighted sums
+    of each 16-bit half; no per-bit loop: the planner packs a chunk of tiles per call)."""
     n = mask.shape[-1]
     words = -(-n // 32)
-    padded = torch.zeros(*mask.shape[:-1], words * 32, dtype=torch.bool, device=mask.device)
-    padded[..., :n] = mask
-    padded = padded.view(*mask.shape[:-1], words, 32)
-    packed = torch.zeros(*mask.shape[:-1], words, dtype=torch.int32, device=mask.device)
-    for bit in range(32):
-        packed |= padded[..., bit].to(torch.int32) << bit
-    return packed
+    if n % 32:
+        mask = torch.nn.functional.pad(mask, (0, words * 32 - n))
+    halves = mask.reshape(*mask.shape[:-1], words, 2, 16).to(torch.int32)
+    weights = torch.ones(16, dtype=torch.int32, device=mask.device).bitwise_left_shift_(
+        torch.arange(16, dtype=torch.int32, device=mask.device))
+    half = (halves * weights).sum(-1, dtype=torch.int32)  # [..., words, 2], each < 2**16: no overflow
+    # the high half shifted into bits 16..31 (bit 31 wraps to the sign, as two's complement wants)
+    return half[..., 0] | (half[..., 1] << 16)
 
 
 def unpack_bits(words: torch.Tensor, n: int) -> torch.Tensor:
