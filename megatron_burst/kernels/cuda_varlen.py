@@ -246,7 +246,13 @@ def cached_plan(positions: tuple, sq: int, sk: int) -> Union[VarlenPlan, str]:
     if hit is not None:
         _PLANS.move_to_end(key)
         return hit[1]
-    plan = block_plan(positions, sq, sk)
+    if torch_ops.fake_mode_active():  # tracing / schema tests: the plan reads the real CPU vectors
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            plan = block_plan(positions, sq, sk)
+    else:
+        plan = block_plan(positions, sq, sk)
     _PLANS[key] = (vectors, plan)
     if len(_PLANS) > PLAN_CACHE:
         _PLANS.popitem(last=False)
@@ -259,7 +265,7 @@ def cached_plan(positions: tuple, sq: int, sk: int) -> Union[VarlenPlan, str]:
 def unavailable() -> Optional[str]:
     """Why this kernel cannot run in this process (None: it can, on a CUDA device)."""
     if torch_ops.schema_arguments(_BWD) is not None and _rng_names() is None:
-        return (f"aten::{_BWD} in torch {torch.__version__} takes neither {_RNG_NAMES[0]} nor {_RNG_NAMES[1]}; its "
+        return (f"aten::{_BWD} in torch {torch.__version__} takes none of the RNG argument pairs {list(_RNG_NAMES)}; its "
                 f"schema: {torch_ops.op_packet(_BWD).default._schema}")
     return torch_ops.fused_op_unavailable(_FWD, _FWD_ARGS, _BWD, _BWD_ARGS + (_rng_names() or ()))
 
@@ -332,7 +338,7 @@ def _segment_index(plan: VarlenPlan, device: torch.device) -> tuple[torch.Tensor
 def _lse_rows(lse: torch.Tensor, plan: VarlenPlan, hq: int, sq: int) -> torch.Tensor:
     """The op's lse as [hq, sq] fp32: [h, total_q] (recent builds) or [segments, h, max_q] (older)."""
     if lse.dim() == 2 and lse.shape[0] == hq and lse.shape[1] >= sq:
-        return lse[:, :sq]
+        return lse.narrow(1, 0, sq)
     if lse.dim() == 3 and lse.shape[0] == len(plan.cu_q) - 1 and lse.shape[1] == hq:
         seg, row = _segment_index(plan, lse.device)
         return lse.permute(1, 0, 2)[:, seg, row]
@@ -363,7 +369,7 @@ def _placeholders(device: torch.device, dtype: torch.dtype) -> tuple:
     """(the forward's 3rd and 4th outputs, its lse rank) for a tiny call: what the backward's RNG
     arguments take (dropout is 0: they are not read, but their type and shape are the build's)."""
     def run(x: torch.Tensor) -> tuple:
-        seq = x[0].transpose(0, 1)  # [16, 1, 8]
+        seq = _seq(x, 0)  # [16, 1, 8]
         cu = torch.tensor([0, seq.shape[0]], dtype=torch.int32, device=x.device)
         return _forward_op(seq, seq, seq, cu, cu, seq.shape[0], seq.shape[0], -1, -1, None)
 
@@ -378,7 +384,7 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 def _seq(t: torch.Tensor, i: int) -> torch.Tensor:
     """Sample i of t [b, h, s, d] as the op's packed [s, h, d] (a view when the last dim is unit-stride)."""
-    return _unit_last(t[i].transpose(0, 1))
+    return _unit_last(t.select(0, i).transpose(0, 1))  # select, not t[i]: fake CUDA tensors on CPU builds
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str) -> None:
@@ -434,7 +440,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     for i in range(b):
         grads.append(torch_ops.call(
             _BWD, grad_out=_seq(dout, i), query=_seq(q, i), key=_seq(k, i), value=_seq(v, i),
-            out=_seq(out, i), logsumexp=_lse_op(lse[i], plan, lse_rank), cum_seq_q=cu_q, cum_seq_k=cu_k,
+            out=_seq(out, i), logsumexp=_lse_op(lse.select(0, i), plan, lse_rank), cum_seq_q=cu_q, cum_seq_k=cu_k,
             max_q=plan.max_q, max_k=plan.max_k, dropout_p=0.0, is_causal=plan.causal,
             **{names[0]: seed, names[1]: offset}, scale=scale, window_size_left=plan.left,
             window_size_right=plan.right))
