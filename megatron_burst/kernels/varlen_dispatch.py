@@ -73,7 +73,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if D is None:
         if out is None:
             raise ValueError("varlen_or_triton.backward needs D or the final output (out=)")
-        from megatron_burst.kernels import row_dot  # the package imports this module lazily: no cycle
-
-        D = row_dot(dout, out)  # the Triton kernel reads D, the caller handed the output instead
+        # the Triton kernel reads D; the caller handed the output instead. fp32 copies of these rows
+        # (the size of the fp32 dq the kernel allocates anyway); kernels.row_dot would import the package
+        D = (dout.float() * out.float()).sum(-1)
     return triton_masked.backward(dout, q, k, v, D, lse, kind, block, scale, positions=positions)
