@@ -372,3 +372,34 @@ def test_positions_candidates_on_cuda():
     q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
     pos = torch.arange(8)
     assert not cv.supports_block(q, q[:, :2], (pos, pos, None, None, (None, 0)))  # CPU tensors: not the op's
+
+
+def test_merge_policy_runs_of_small_documents_are_one_block():
+    """masks.documents.merges: documents below MERGE_ROWS (8192) rows and columns merge into one
+    positions block however many there are (one varlen call); larger ones keep their own causal
+    call; the union stays the exact document mask."""
+    from megatron_burst.masks.documents import MERGE_ROWS, dense_document_mask
+
+    assert MERGE_ROWS == 8192
+    pos = torch.arange(4096)
+    (block,) = document_blocks(pos, pos, list(range(0, 4097, 64)), True)
+    assert block.kind == "positions" and cv.block_plan(block.mask_data, 4096, 4096).cu_q == tuple(range(0, 4097, 64))
+    n = 8192 + 300
+    pos = torch.arange(n)
+    bounds = [0, 100, 200, 8392, 8442, n]
+    blocks = document_blocks(pos, pos, bounds, True)
+    assert [(m.kind, m.q_start, m.q_stop) for m in blocks] == [("positions", 0, 200), ("causal", 200, 8392),
+                                                               ("positions", 8392, n)]
+    assert len(document_blocks(pos, pos, bounds, True, merge_rows=0)) == 5
+    seq = 96
+    dense = dense_document_mask([0, 1, 5, 30, 31, 64, seq], seq)
+    for W, layout in ((2, "contiguous"), (2, "zigzag"), (3, "striped")):
+        local = seq // W
+        for i in range(W):
+            qp = layout_indices(seq, i, W, layout, 1)
+            for j in range(W):
+                kp = layout_indices(seq, j, W, layout, 1)
+                covered = torch.zeros(local, local, dtype=torch.long)
+                for m in document_blocks(qp, kp, [0, 1, 5, 30, 31, 64, seq], True):
+                    covered += m.dense(local, local).long()
+                assert torch.equal(covered, dense[qp][:, kp].long()), (layout, i, j)
