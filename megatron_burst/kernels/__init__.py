@@ -2,7 +2,8 @@
 
 Kernels (see each module): ``reference`` (naive, tests only), ``tiled`` (plain torch, any device),
 ``cpu_flash`` (torch's fused CPU op), ``cuda_flash`` and ``cudnn`` (torch's fused CUDA ops, 16-bit
-"full"/"causal"), ``triton_masked`` (Triton: every dense kind, masks as per-row/column data),
+"full"/"causal"), ``cuda_varlen`` (torch's varlen flash op, the "positions" blocks it expresses
+exactly; ``varlen_or_triton`` routes each "positions" block to it or to Triton), ``triton_masked`` (Triton: every dense kind, masks as per-row/column data),
 ``block_sparse`` / ``triton_block_sparse`` (vertical-slash tiles) and ``row_gather`` (gathered
 rows). Which one runs, and what happens when none fused fits, is :mod:`megatron_burst.kernels.choice`:
 a CP call resolves a :class:`~megatron_burst.kernels.choice.KernelChoice` for the mask kinds it
@@ -15,7 +16,8 @@ from typing import Optional, Union
 
 import torch
 
-from megatron_burst.kernels import cpu_flash, cuda_flash, cudnn_sdpa, reference, tiled, triton_masked
+from megatron_burst.kernels import (cpu_flash, cuda_flash, cuda_varlen, cudnn_sdpa, reference, tiled, triton_masked,
+                                    varlen_dispatch)
 from megatron_burst.kernels import choice as selection
 from megatron_burst.kernels.choice import (KernelChoice, KernelPolicy, KernelSelfCheckError, SlowKernelError,
                                            SlowKernelWarning, choose, report)
@@ -23,7 +25,7 @@ from megatron_burst.masks.block import BlockMask
 
 BACKENDS: dict[str, ModuleType] = {
     "reference": reference, "tiled": tiled, "cpu_flash": cpu_flash, "cuda_flash": cuda_flash, "cudnn": cudnn_sdpa,
-    "triton_masked": triton_masked,
+    "triton_masked": triton_masked, "cuda_varlen": cuda_varlen, "varlen_or_triton": varlen_dispatch,
 }
 _VERIFIED = selection._VERIFIED  # self-check verdicts, per process (test harnesses clear it)
 

@@ -2,7 +2,9 @@
 per (device, dtype, head dim) shared by every rank of a CP group, and a line saying what runs.
 
 On CUDA each mask kind has fused candidates in order of measured speed (:data:`GPU_CANDIDATES`):
-torch's cuDNN and flash ops for "full" and "causal" blocks, this package's Triton kernels for the
+torch's cuDNN and flash ops for "full" and "causal" blocks; for "positions" blocks torch's varlen
+flash op where it computes the block exactly, else this package's Triton kernel (decided per block
+by ``varlen_or_triton``, :mod:`megatron_burst.kernels.varlen_dispatch`); Triton kernels for the
 rest. The first candidate that is installed (``unavailable()`` is None) and covers the dtype and
 head dim (``supports(...)`` is None) must pass a self-check against the fp32 reference on the
 device, forward and backward, for every kind it will run. A candidate that fails raises
@@ -50,7 +52,8 @@ GPU_CANDIDATES: dict[str, tuple[str, ...]] = {
     "full": ("cudnn", "cuda_flash", "triton_masked"),
     "causal": ("cudnn", "cuda_flash", "triton_masked"),
     "block_causal": ("triton_masked",),
-    "positions": ("triton_masked",),
+    # per block: torch's varlen flash op where it is exact, else Triton (megatron_burst.kernels.varlen_dispatch)
+    "positions": ("varlen_or_triton", "triton_masked"),
     "sparse": ("triton_block_sparse",),
     "gather": (),  # CUDA plans put every visible column in the Triton tiles (megatron_burst.masks.vertical_slash)
 }
@@ -60,9 +63,11 @@ PLAIN: dict[str, str] = {"full": "tiled", "causal": "tiled", "block_causal": "ti
 MODULES: dict[str, str] = {
     "reference": "reference", "tiled": "tiled", "cpu_flash": "cpu_flash", "cuda_flash": "cuda_flash",
     "cudnn": "cudnn_sdpa", "triton_masked": "triton_masked", "block_sparse": "block_sparse",
-    "row_gather": "row_gather", "triton_block_sparse": "triton_block_sparse",
+    "row_gather": "row_gather", "triton_block_sparse": "triton_block_sparse", "cuda_varlen": "cuda_varlen",
+    "varlen_or_triton": "varlen_dispatch",
 }
-DENSE_NAMES = ("reference", "tiled", "cpu_flash", "cuda_flash", "cudnn", "triton_masked")
+DENSE_NAMES = ("reference", "tiled", "cpu_flash", "cuda_flash", "cudnn", "triton_masked", "cuda_varlen",
+               "varlen_or_triton")
 PLAIN_NAMES = ("reference", "tiled", "cpu_flash", "block_sparse", "row_gather")
 SPARSE_NAMES = {"torch": "block_sparse", "triton": "triton_block_sparse"}
 
@@ -154,8 +159,12 @@ def _self_check_cases(kind: str) -> list[dict]:
         return [dict(sq=80, sk=80, block=16)]
     pos = torch.arange(80)
     doc = (pos >= 30).long()
+    striped = torch.arange(0, 96, 2)
+    # documents + window on a diagonal block and an offset contiguous block: the varlen op's route
+    # of varlen_or_triton; striped positions (no single diagonal): its Triton route (both checked)
     return [dict(sq=80, sk=80, positions=(pos, pos, doc, doc, (20, 0))),
-            dict(sq=40, sk=40, positions=(pos[40:], pos[:40], None, None, (None, 0)))]
+            dict(sq=40, sk=40, positions=(pos[40:], pos[:40], None, None, (None, 0))),
+            dict(sq=48, sk=48, positions=(striped, striped, None, None, (None, 0)))]
 
 
 def _compare(name: str, what: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> Optional[str]:

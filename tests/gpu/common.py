@@ -30,7 +30,7 @@ CPU_FP32_BOUND = 1e-5  # the dry run's absolute bound (fp32)
 
 # which kernel the choice must pick per mask kind (bf16 / fp16 on CUDA)
 EXPECTED_KERNELS = {"full": {"cudnn", "cuda_flash"}, "causal": {"cudnn", "cuda_flash"},
-                    "block_causal": {"triton_masked"}, "positions": {"triton_masked"},
+                    "block_causal": {"triton_masked"}, "positions": {"varlen_or_triton"},
                     "sparse": {"triton_block_sparse"}}
 
 

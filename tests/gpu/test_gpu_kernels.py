@@ -65,7 +65,8 @@ def test_block_kernel_against_fp32(case, d):
     window, both, striped positions, documents without causality) at head dim 64 and 128, GQA 8/2,
     bf16: forward (output rounded to bf16, as the engine does) and backward against the fp32
     reference on the rectangle, within 1.5x torch's bf16 SDPA error; the kernel the choice picks
-    for the mask kind is the fused one (cudnn/cuda_flash for full and causal, triton_masked else)."""
+    for the mask kind is the fused one (cudnn/cuda_flash for full and causal, varlen_or_triton for
+    positions, triton_masked else)."""
     sq, sk, build = CASES[case]
     mask = build(sq, sk)
     g = torch.Generator().manual_seed(zlib.crc32(f"{case} {d}".encode()))
@@ -102,7 +103,7 @@ def test_block_kernel_against_fp32(case, d):
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_choice_picks_fused_kernels_for_every_dense_kind(d):
     """choose() over all dense mask kinds at once, bf16: full/causal on cudnn or cuda_flash,
-    block_causal/positions on triton_masked (never the plain-torch kernel)."""
+    block_causal on triton_masked, positions on varlen_or_triton (never the plain-torch kernel)."""
     if ON_CPU:
         pytest.skip("CUDA kernel choice (dry run on CPU)")
     choice = choose(DEV, DTYPE, d, ("full", "causal", "block_causal", "positions"))
