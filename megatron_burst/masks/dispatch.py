@@ -322,44 +322,69 @@ class _Filler:
         self.rho = -1.0
         self.since = 0
 
-    def _build(self, length: int) -> None:
-        self.since = 0
-        self.rho = self.pool_w / self.pool_t if self.pool_t else 0.0
-        tok, load, C, rho = self.tok, self.load, self.C, self.rho
-        self.heap = [(load[r] + (C - tok[r]) * rho, r) for r in self.ranks if C - tok[r] >= length]
-        self.waiting = [(tok[r] - C, r) for r in self.ranks if 0 < C - tok[r] < length]
-        heapq.heapify(self.heap)
-        heapq.heapify(self.waiting)
-
     def place(self, length: int, work: float, pool_work: Optional[float] = None,
               pool_tokens: Optional[int] = None) -> Optional[int]:
         """The rank for a document (its work and tokens added), or None if no rank has room. ``pool_work``,
         ``pool_tokens``: what to take off the pool if not ``work``, ``length`` (split documents: the
         unit is one coset member)."""
-        self.since += 1
-        self.pool_w -= work if pool_work is None else pool_work
-        self.pool_t -= length if pool_tokens is None else pool_tokens
-        drift = abs(self.pool_w - self.rho * self.pool_t)
-        if self.rho < 0 or (self.since >= 8 and drift > 0.1 * self.rho * self.pool_t):
-            self._build(length)
-        heap, waiting, tok, load, C, rho = self.heap, self.waiting, self.tok, self.load, self.C, self.rho
-        push, pop = heapq.heappush, heapq.heappop
-        while waiting and -waiting[0][0] >= length:
-            r0 = pop(waiting)[1]
-            push(heap, (load[r0] + (C - tok[r0]) * rho, r0))
-        while heap:
-            r = heap[0][1]
-            if C - tok[r] >= length:
-                tok[r] += length
-                load[r] += work
-                if tok[r] < C:
-                    heapq.heapreplace(heap, (load[r] + (C - tok[r]) * rho, r))
-                else:
-                    pop(heap)
-                return r
-            pop(heap)
-            push(waiting, (tok[r] - C, r))
-        return None
+        return self.place_all((length,), (work,), (work if pool_work is None else pool_work,),
+                              (length if pool_tokens is None else pool_tokens,))[0]
+
+    def place_all(self, lengths: Sequence[int], works: Sequence[float], pool_works: Optional[Sequence[float]] = None,
+                  pool_tokens: Optional[Sequence[int]] = None) -> list:
+        """:meth:`place` for each document in turn (``pool_works`` / ``pool_tokens``: per document, None:
+        ``works`` / ``lengths``): the list of ranks (None where no rank had room).
+
+        One loop with the state in locals: the planner places ~2,500 documents per attempt (the
+        level-1 simulations of :func:`_promote` and the real placement), so attribute lookups and a
+        call per document were most of its time. Same arithmetic, same order, as one :meth:`place`
+        per document: the plan is bit-identical."""
+        heappush, heappop, heapreplace, heapify = heapq.heappush, heapq.heappop, heapq.heapreplace, heapq.heapify
+        ranks, tok, load, C = self.ranks, self.tok, self.load, self.C
+        heap, waiting = self.heap, self.waiting
+        pool_w, pool_t, rho, since = self.pool_w, self.pool_t, self.rho, self.since
+        out = []
+        for length, work, pw, pt in zip(lengths, works, works if pool_works is None else pool_works,
+                                        lengths if pool_tokens is None else pool_tokens):
+            since += 1
+            pool_w -= pw
+            pool_t -= pt
+            if rho < 0 or (since >= 8 and abs(pool_w - rho * pool_t) > 0.1 * rho * pool_t):
+                # refresh the density: every rank with room gets its projected work at the new rho
+                since = 0
+                rho = pool_w / pool_t if pool_t else 0.0
+                heap, waiting = [], []
+                for r in ranks:
+                    free = C - tok[r]
+                    if free >= length:
+                        heap.append((load[r] + free * rho, r))
+                    elif free > 0:
+                        waiting.append((-free, r))
+                heapify(heap)
+                heapify(waiting)
+            while waiting and -waiting[0][0] >= length:  # lengths came down to these ranks' room
+                r0 = heappop(waiting)[1]
+                heap_key = load[r0] + (C - tok[r0]) * rho
+                heappush(heap, (heap_key, r0))
+            placed = None
+            while heap:
+                r = heap[0][1]
+                free = C - tok[r]
+                if free >= length:
+                    tok[r] += length
+                    load[r] += work
+                    if free > length:
+                        heapreplace(heap, (load[r] + (free - length) * rho, r))
+                    else:
+                        heappop(heap)
+                    placed = r
+                    break
+                heappop(heap)
+                heappush(waiting, (-free, r))
+            out.append(placed)
+        self.heap, self.waiting = heap, waiting
+        self.pool_w, self.pool_t, self.rho, self.since = pool_w, pool_t, rho, since
+        return out
 
 
 def _subset_moves(pos: list, neg: list, target: int) -> Optional[tuple]:
@@ -423,7 +448,7 @@ def _attempt(b: list, L: list, w: list, W: int, alpha: float, allow_w: bool, all
     group, left = _groups(lev, L, w, C, G, top, by_work, dp_items, desc)
 
     tok, load = [0] * W, [0.0] * W
-    home, share = {}, {}
+    home = {}  # split documents: (coset size, anchor rank)
     rem_w, rem_t = [0.0] * G, [0] * G  # per group: work and tokens not placed yet
     buckets: dict = {}
     for d in by_work:
@@ -433,7 +458,7 @@ def _attempt(b: list, L: list, w: list, W: int, alpha: float, allow_w: bool, all
             buckets.setdefault((lev[d], group[d]), []).append(d)
 
     def put(d: int, k: int, a: int, sh: list) -> None:
-        lev[d], share[d], home[d] = k, sh, (k, a)
+        lev[d], home[d] = k, (k, a)
         stride = W // k
         for j in range(k):
             r = a + j * stride
@@ -480,27 +505,14 @@ def _attempt(b: list, L: list, w: list, W: int, alpha: float, allow_w: bool, all
     for A in range(G):  # whole documents, by projected work
         pool = [d for d in desc if lev[d] == 1 and group[d] == A]
         filler = _Filler(list(range(A, W, G)), tok, load, C, sum(w[d] for d in pool), sum(L[d] for d in pool))
-        place = filler.place
-        for d in pool:
-            r = place(L[d], w[d])
+        for d, r in zip(pool, filler.place_all([L[d] for d in pool], [w[d] for d in pool])):
             if r is None:
                 rest.append(d)
             else:
                 whole[d] = r
     rest += [d for d in left if whole[d] < 0 and d not in home and d not in rest]
 
-    pieces = {}  # documents in several pieces: [[offset, size, rank], ...] by offset
-    for d, (k, a) in home.items():
-        sh, stride, ps, off = share[d], W // k, [], 0
-        sizes = [0] * (2 * k)
-        for j in range(k):
-            sizes[j] = sh[j] - sh[j] // 2
-            sizes[2 * k - 1 - j] = sh[j] // 2
-        for c in range(2 * k):
-            if sizes[c]:
-                ps.append([off, sizes[c], a + (c if c < k else 2 * k - 1 - c) * stride])
-            off += sizes[c]
-        pieces[d] = ps
+    cut = {}  # documents cut into holes: [[offset, size, rank], ...] by offset
     for d in sorted(rest, key=lambda d: (-L[d], d)):  # cut into holes: own group, least work first
         A = group[d] if group[d] >= 0 else None
         holes = [r for r in range(W) if tok[r] < C]
@@ -524,11 +536,56 @@ def _attempt(b: list, L: list, w: list, W: int, alpha: float, allow_w: bool, all
             off += m
         if off != L[d]:
             raise AssertionError("dispatch planner lost tokens")  # cannot happen: holes sum to the rest
-        pieces[d] = ps
+        cut[d] = ps
         lev[d] = 0
     if any(t != C for t in tok):
         raise AssertionError(f"dispatch planner filled ranks unevenly: {tok}")
-    return whole, pieces, lev, max(max(lev), 1)
+    return whole, _split_pieces(home, L, W) + _cut_pieces(cut), lev, max(max(lev), 1)
+
+
+# A document in pieces is one row of a *piece block* (docs, offset, size, rank): int64 arrays [n] and
+# [n, m], every row m pieces by increasing offset (size-0 pieces allowed: they hold no token and add
+# no work, and let all documents split over cosets of one size share a block, so the pieces of a
+# plan are a few array operations rather than a Python loop over ~1000 chunks).
+PieceBlock = tuple
+
+
+def _split_pieces(home: dict, L: list, W: int) -> list:
+    """Piece blocks of the documents split over cosets, ``home[d] = (k, a)``: one block per k. Zigzag
+    within the coset: member j of the coset {a + j W/k} holds chunks j and 2k-1-j of the 2k chunks;
+    member j's share L(j+1)//k - Lj//k is cut into its first chunk (the larger half) and its second."""
+    by_k: dict = {}
+    for d, (k, a) in home.items():
+        by_k.setdefault(k, ([], []))
+        by_k[k][0].append(d)
+        by_k[k][1].append(a)
+    blocks = []
+    for k, (docs, anchors) in by_k.items():
+        docs_np = np.asarray(docs, dtype=np.int64)
+        length = np.asarray(L, dtype=np.int64)[docs_np][:, None]
+        j = np.arange(k, dtype=np.int64)
+        share = length * (j + 1) // k - length * j // k  # [n, k]: what put() gave each member
+        size = np.concatenate([share - share // 2, (share // 2)[:, ::-1]], axis=1)  # chunk c: member c or 2k-1-c
+        member = np.concatenate([j, j[::-1]])
+        rank = np.asarray(anchors, dtype=np.int64)[:, None] + member[None, :] * (W // k)
+        off = np.cumsum(size, axis=1) - size
+        blocks.append((docs_np, off, size, rank))
+    return blocks
+
+
+def _cut_pieces(cut: dict) -> list:
+    """Piece blocks of the documents cut into holes (``cut[d]`` = [[offset, size, rank], ...]), one block
+    per piece count."""
+    by_m: dict = {}
+    for d, ps in cut.items():
+        by_m.setdefault(len(ps), ([], []))
+        by_m[len(ps)][0].append(d)
+        by_m[len(ps)][1].append(ps)
+    blocks = []
+    for docs, rows in by_m.values():
+        arr = np.asarray(rows, dtype=np.int64).reshape(len(docs), -1, 3)
+        blocks.append((np.asarray(docs, dtype=np.int64), arr[:, :, 0], arr[:, :, 1], arr[:, :, 2]))
+    return blocks
 
 
 def _promote(lev, L, w, W, C, F, allowed, nxt, tol, desc) -> None:
@@ -564,7 +621,8 @@ def _promote(lev, L, w, W, C, F, allowed, nxt, tol, desc) -> None:
                     small_w, small_t = sum(w[d] for d in small), sum(L[d] for d in small)
                     filler = _Filler(list(range(W)), tok, load, C, sum(w[d] for d in big) + small_w,
                                      sum(L[d] for d in big) + small_t)
-                    lost = [w[d] for d in big if filler.place(L[d], w[d]) is None]
+                    big_w = [w[d] for d in big]
+                    lost = [x for x, r in zip(big_w, filler.place_all([L[d] for d in big], big_w)) if r is None]
                     rho = small_w / small_t if small_t else 0.0
                     load = [x + (C - t) * rho for x, t in zip(load, tok)]
                     if lost:  # cut into the holes later: modelled as landing on the least loaded ranks
@@ -692,20 +750,17 @@ def _groups(lev, L, w, C, G, top, by_work, dp_items, desc) -> tuple:
 # exact work of a plan
 
 
-def _plan_work(whole: list, pieces: dict, w: list, W: int, causal: bool) -> np.ndarray:
-    """[W, W] visible pairs of rank r at ring step t, exactly, from the documents' placement (a piece
-    sees every earlier piece of its document entirely)."""
+def _plan_work(whole: list, blocks: list, w: list, W: int, causal: bool) -> np.ndarray:
+    """[W, W] visible pairs of rank r at ring step t, exactly, from the documents' placement (``blocks``:
+    piece blocks; a piece sees every earlier piece of its document entirely). Every count is an
+    integer below 2^53 held in float64, so the sums are exact whatever their order."""
     r = np.asarray(whole, dtype=np.int64)
     keep = r >= 0
     work = np.zeros(W * W, dtype=np.float64)
     work += np.bincount(r[keep] * W, weights=np.asarray(w, dtype=np.float64)[keep], minlength=W * W)
-    by_m: dict = {}
-    for ps in pieces.values():
-        by_m.setdefault(len(ps), []).append(ps)
-    for m, group in by_m.items():
-        arr = np.asarray(group, dtype=np.int64)  # [docs, m, 3]
-        size = arr[:, :, 1].astype(np.float64)
-        rank = arr[:, :, 2]
+    for _, _, size_i, rank in blocks:
+        m = size_i.shape[1]
+        size = size_i.astype(np.float64)
         inner = size * (size + 1) / 2 if causal else size * size
         work += np.bincount((rank * W).ravel(), weights=inner.ravel(), minlength=W * W)
         if m == 1:
@@ -715,6 +770,24 @@ def _plan_work(whole: list, pieces: dict, w: list, W: int, causal: bool) -> np.n
         step = (rank[:, qi] - rank[:, kj]) % W
         work += np.bincount((rank[:, qi] * W + step).ravel(), weights=pairs.ravel(), minlength=W * W)
     return work.reshape(W, W)
+
+
+def _runs(b: list, whole: list, blocks: list, order: tuple) -> tuple:
+    """The plan's runs (start, length, physical rank), sorted by start, from plan positions: the whole
+    documents and every non-empty piece."""
+    bn = np.asarray(b, dtype=np.int64)
+    pos = np.asarray(whole, dtype=np.int64)
+    keep = pos >= 0
+    starts, lengths, ranks = [bn[:-1][keep]], [(bn[1:] - bn[:-1])[keep]], [pos[keep]]
+    for docs, off, size, rank in blocks:
+        full = size > 0
+        starts.append((bn[docs][:, None] + off)[full])
+        lengths.append(size[full])
+        ranks.append(rank[full])
+    start = np.concatenate(starts)
+    by_start = np.argsort(start, kind="stable")  # starts are distinct: runs tile [0, S)
+    phys = np.asarray(order, dtype=np.int64)[np.concatenate(ranks)[by_start]]
+    return tuple(zip(start[by_start].tolist(), np.concatenate(lengths)[by_start].tolist(), phys.tolist()))
 
 
 def _senders(plan: DispatchPlan) -> list:
@@ -773,10 +846,8 @@ def plan_dispatch(cu_seqlens: CuSeqlens, world_size: int, *, ranks_per_node: Opt
             break
     _, i, whole, pieces, lev, gsize, work = best
     # whole / pieces name plan positions; runs name the physical rank each position is placed on
-    runs = [(b[d], L[d], order[p]) for d, p in enumerate(whole) if p >= 0]
-    runs += [(b[d] + off, size, order[p]) for d, ps in pieces.items() for off, size, p in ps]
-    runs.sort()
-    return DispatchPlan(S, W, tuple(b), tuple(runs), tuple(lev), gsize, causal, i, work, ranks_per_node)
+    runs = _runs(b, whole, pieces, order)
+    return DispatchPlan(S, W, tuple(b), runs, tuple(lev), gsize, causal, i, work, ranks_per_node)
 
 
 # --------------------------------------------------------------------------------------------- #
