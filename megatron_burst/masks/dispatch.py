@@ -417,45 +417,68 @@ def _subset_moves(pos: list, neg: list, target: int) -> Optional[tuple]:
 # one planning attempt
 
 
-def _attempt(b: list, L: list, w: list, W: int, alpha: float, allow_w: bool, all_w: bool,
-             tol: float = 0.03, pull_tol: float = 0.01, dp_items: int = 32, desc: Optional[list] = None) -> tuple:
+class _Batch:
+    """What every attempt reads of one batch, computed once per :func:`plan_dispatch`: boundaries ``b``,
+    lengths ``L`` and work ``w`` (Python ints, as the greedy loops index them), the same as int64
+    arrays (``Ln``, ``wn``) for the vectorized selections, and ``desc``: the documents by decreasing
+    work, ties by index (list and array)."""
+
+    def __init__(self, b: list, causal: bool):
+        self.b = b
+        self.L = [y - x for x, y in zip(b, b[1:])]
+        self.w = [l * (l + 1) // 2 for l in self.L] if causal else [l * l for l in self.L]
+        self.n = len(self.L)
+        self.Ln = np.asarray(self.L, dtype=np.int64)
+        self.wn = np.asarray(self.w, dtype=np.int64)
+        # stable argsort of -w: decreasing work, ties by index (the planner's determinism)
+        self.desc_np = np.argsort(-self.wn, kind="stable")
+        self.desc = self.desc_np.tolist()
+        self.T = sum(self.w)
+
+
+def _attempt(batch: _Batch, W: int, alpha: float, allow_w: bool, all_w: bool,
+             tol: float = 0.03, pull_tol: float = 0.01, dp_items: int = 32) -> tuple:
     """One configuration: returns (whole, pieces, levels, group_size): whole[d] = the rank of a document kept
-    whole (-1: in pieces), pieces[d] = [[offset, size, rank], ...] by offset for the others.
-    ``desc``: the documents by decreasing work (ties by index)."""
-    n = len(L)
+    whole (-1: in pieces), pieces: piece blocks (:data:`PieceBlock`) of the others."""
+    b, L, w, n, desc = batch.b, batch.L, batch.w, batch.n, batch.desc
     S = b[-1]
     C = S // W
-    T = sum(w)
+    T = batch.T
     F = T / W if T else 1.0
     ks = level_chain(W)
     top = ks[-2] if len(ks) > 1 else 1
-    if all_w or (W > 1 and (allow_w or any(w[d] / top > F or L[d] > top * C for d in range(n)))):
+    # some document too heavy or too long for the top level: w / top and L are monotone, so the
+    # heaviest and the longest decide
+    if all_w or (W > 1 and (allow_w or w[desc[0]] / top > F or max(L) > top * C)):
         top = W
     allowed = [k for k in ks if k <= top]
     nxt = {k: allowed[i + 1] for i, k in enumerate(allowed[:-1])}
-    if desc is None:
-        desc = sorted(range(n), key=lambda d: (-w[d], d))
     if all_w:
         lev = [W] * n
     else:  # the smallest allowed level with work / k <= alpha F and L / k <= C
-        need = np.maximum(np.asarray(w, dtype=np.float64) / max(alpha * F, 1e-300), np.asarray(L) / C)
+        need = np.maximum(batch.wn.astype(np.float64) / max(alpha * F, 1e-300), batch.Ln / C)
         pick = np.searchsorted(np.asarray(allowed, dtype=np.float64), need * (1 - 1e-12), side="left")
-        lev = np.asarray(allowed + [top])[np.minimum(pick, len(allowed))].tolist()
-        _promote(lev, L, w, W, C, F, allowed, nxt, tol, desc)
-        _pull(lev, L, w, W, C, F, allowed, pull_tol, desc)
+        lev_np = np.asarray(allowed + [top])[np.minimum(pick, len(allowed))]
+        _promote(lev_np, batch, W, C, F, allowed, nxt, tol)
+        _pull(lev_np, batch, W, C, F, allowed, pull_tol)
+        lev = lev_np.tolist()
     G = W // top  # groups: rank r is in group r % G; no document spans two groups
-    by_work = sorted(desc, key=lev.__getitem__, reverse=True)  # stable: level desc, then work desc
+    lev_np = np.asarray(lev, dtype=np.int64)
+    by_work_np = batch.desc_np[np.argsort(-lev_np[batch.desc_np], kind="stable")]  # level desc, then work desc
+    by_work = by_work_np.tolist()
     group, left = _groups(lev, L, w, C, G, top, by_work, dp_items, desc)
+    group_np = np.asarray(group, dtype=np.int64)
 
     tok, load = [0] * W, [0.0] * W
     home = {}  # split documents: (coset size, anchor rank)
-    rem_w, rem_t = [0.0] * G, [0] * G  # per group: work and tokens not placed yet
+    # per group: work and tokens not placed yet (rem_w a float, as the fillers take it: a float sum of
+    # integers below 2^53 is exact in any order), and the split documents per (level, group) in
+    # by_work order
+    rem_w = [float(sum(batch.wn[group_np == A].tolist())) for A in range(G)]
+    rem_t = [sum(batch.Ln[group_np == A].tolist()) for A in range(G)]
     buckets: dict = {}
-    for d in by_work:
-        if group[d] >= 0:
-            rem_w[group[d]] += w[d]
-            rem_t[group[d]] += L[d]
-            buckets.setdefault((lev[d], group[d]), []).append(d)
+    for d in by_work_np[(lev_np[by_work_np] > 1) & (group_np[by_work_np] >= 0)].tolist():
+        buckets.setdefault((lev[d], group[d]), []).append(d)
 
     def put(d: int, k: int, a: int, sh: list) -> None:
         lev[d], home[d] = k, (k, a)
@@ -502,10 +525,13 @@ def _attempt(b: list, L: list, w: list, W: int, alpha: float, allow_w: bool, all
 
     rest = []
     whole = [-1] * n  # the rank of each document kept whole
+    lev_np = np.asarray(lev, dtype=np.int64)  # the split loop may have sent documents back to level 1
+    whole_desc = batch.desc_np[lev_np[batch.desc_np] == 1]
     for A in range(G):  # whole documents, by projected work
-        pool = [d for d in desc if lev[d] == 1 and group[d] == A]
-        filler = _Filler(list(range(A, W, G)), tok, load, C, sum(w[d] for d in pool), sum(L[d] for d in pool))
-        for d, r in zip(pool, filler.place_all([L[d] for d in pool], [w[d] for d in pool])):
+        pool = whole_desc[group_np[whole_desc] == A]
+        pool_L, pool_w = batch.Ln[pool].tolist(), batch.wn[pool].tolist()
+        filler = _Filler(list(range(A, W, G)), tok, load, C, sum(pool_w), sum(pool_L))
+        for d, r in zip(pool.tolist(), filler.place_all(pool_L, pool_w)):
             if r is None:
                 rest.append(d)
             else:
@@ -588,41 +614,51 @@ def _cut_pieces(cut: dict) -> list:
     return blocks
 
 
-def _promote(lev, L, w, W, C, F, allowed, nxt, tol, desc) -> None:
+def _promote(lev: np.ndarray, batch: _Batch, W: int, C: int, F: float, allowed: list, nxt: dict,
+             tol: float) -> None:
     """Bottom-up: a level whose documents a largest-first greedy cannot balance over its cosets sends its
     largest documents one level up: the p largest for the smallest p found that balances (at level 1
     first all documents above a quarter of a rank's share, then doubling, then two halvings back).
     Level 1 is simulated with the token capacity (:class:`_Filler`, the documents below tol x F / 2
-    modelled as filling the holes evenly); higher levels by work alone."""
-    n = len(L)
+    modelled as filling the holes evenly); higher levels by work alone. ``lev`` (int64 array) is
+    updated in place.
+
+    The selections are array operations and the sums over the p largest are prefix sums (Python
+    ints: exact), so a trial costs its simulation only. Float sums stay sequential Python sums in
+    the documents' order (the same rounding as ever: the plan is bit-identical)."""
+    Ln, wn = batch.Ln, batch.wn
     for k in allowed[:-1]:
         k2, bins = nxt[k], W // k
-        items = [d for d in desc if lev[d] == k]
-        if not items:
+        items_np = batch.desc_np[lev[batch.desc_np] == k]
+        if not items_np.size:
             continue
-        above = [d for d in range(n) if lev[d] > k]
-        above_total = sum(w[d] for d in above)  # their work summed over ranks
-        above_step = sum(w[d] / lev[d] for d in above) / W  # their mean per-rank work on one active step
-        above_t = sum(L[d] for d in above)
-        heavy = sum(1 for d in items if w[d] > F / 4) if k == 1 else 0
-        rest_w = [-w[d] for d in items]  # ascending, for bisect
+        above = lev > k
+        above_total = sum(wn[above].tolist())  # their work summed over ranks
+        # their mean per-rank work on one active step (w / k: true division of exact ints, as Python's)
+        above_step = sum((wn[above] / lev[above]).tolist()) / W
+        above_t = sum(Ln[above].tolist())
+        item_w, item_L = wn[items_np].tolist(), Ln[items_np].tolist()
+        n_items = len(item_w)
+        heavy = int((wn[items_np] > F / 4).sum()) if k == 1 else 0
+        if k == 1:
+            pre_w = [0, *itertools.accumulate(item_w)]  # pre_w[p] = work of the p largest
+            pre_L = [0, *itertools.accumulate(item_L)]
+            neg_w = -wn[items_np]  # ascending, for the split between big and small documents
         tried: dict = {}
 
         def fails(p: int) -> bool:
             """Whether the level stays unbalanced with its ``p`` largest documents promoted."""
             if p not in tried:
-                up, rest = items[:p], items[p:]
                 if k == 1:  # whole documents: tokens matter (exact capacity), simulate the real greedy
-                    tok = [(above_t + sum(L[d] for d in up)) / W] * W
-                    load = [(above_total + sum(w[d] for d in up)) / W] * W
+                    tok = [(above_t + pre_L[p]) / W] * W
+                    load = [(above_total + pre_w[p]) / W] * W
                     # documents below tol F / 2 are many and light: modelled as filling the holes evenly
-                    i = bisect.bisect_left(rest_w, -tol * F / 2, p)
-                    big, small = items[p:i], items[i:]
-                    small_w, small_t = sum(w[d] for d in small), sum(L[d] for d in small)
-                    filler = _Filler(list(range(W)), tok, load, C, sum(w[d] for d in big) + small_w,
-                                     sum(L[d] for d in big) + small_t)
-                    big_w = [w[d] for d in big]
-                    lost = [x for x, r in zip(big_w, filler.place_all([L[d] for d in big], big_w)) if r is None]
+                    i = max(p, int(np.searchsorted(neg_w, -tol * F / 2, side="left")))
+                    small_w, small_t = pre_w[n_items] - pre_w[i], pre_L[n_items] - pre_L[i]
+                    filler = _Filler(list(range(W)), tok, load, C, (pre_w[i] - pre_w[p]) + small_w,
+                                     (pre_L[i] - pre_L[p]) + small_t)
+                    big_w = item_w[p:i]
+                    lost = [x for x, r in zip(big_w, filler.place_all(item_L[p:i], big_w)) if r is None]
                     rho = small_w / small_t if small_t else 0.0
                     load = [x + (C - t) * rho for x, t in zip(load, tok)]
                     if lost:  # cut into the holes later: modelled as landing on the least loaded ranks
@@ -631,14 +667,14 @@ def _promote(lev, L, w, W, C, F, allowed, nxt, tol, desc) -> None:
                             heapq.heapreplace(load, load[0] + x)
                     tried[p] = max(load) - sum(load) / W > tol * F
                 else:
-                    mx, mean = _lpt_spread([w[d] / (k * k) for d in rest], bins)
-                    tried[p] = mx - mean > tol * (mean + above_step + sum(w[d] / k2 for d in up) / W)
+                    mx, mean = _lpt_spread([x / (k * k) for x in item_w[p:]], bins)
+                    tried[p] = mx - mean > tol * (mean + above_step + sum(x / k2 for x in item_w[:p]) / W)
             return tried[p]
 
         lo, p = -1, 0  # doubling search for a p that balances, then 2 halvings back towards lo
-        while p < len(items) and fails(p):
+        while p < n_items and fails(p):
             lo = p
-            p = heavy if p < heavy else min(len(items), max(1, 2 * p))
+            p = heavy if p < heavy else min(n_items, max(1, 2 * p))
         for _ in range(2):
             mid = (lo + p) // 2
             if mid <= lo or mid >= p:
@@ -647,20 +683,21 @@ def _promote(lev, L, w, W, C, F, allowed, nxt, tol, desc) -> None:
                 lo = mid
             else:
                 p = mid
-        for d in items[:p]:
-            lev[d] = k2
+        lev[items_np[:p]] = k2
 
 
-def _pull(lev, L, w, W, C, F, allowed, pull_tol, desc) -> None:
+def _pull(lev: np.ndarray, batch: _Batch, W: int, C: int, F: float, allowed: list, pull_tol: float) -> None:
     """Top-down: balance each level's cosets (largest-first, on per-member work including the levels above)
-    and fill light cosets by pulling the largest fitting smaller documents up to that level."""
+    and fill light cosets by pulling the largest fitting smaller documents up to that level. ``lev``
+    (int64 array) is updated in place."""
+    L, w = batch.L, batch.w
     prev_w = prev_t = None
     prev_c = 1
-    asc = desc[::-1]
+    asc_np = batch.desc_np[::-1]
     for k in reversed(allowed):
         if k == 1:
             break
-        items = [d for d in desc if lev[d] == k]
+        items = batch.desc_np[lev[batch.desc_np] == k].tolist()
         if not items and prev_w is None:
             continue
         c = W // k
@@ -673,11 +710,15 @@ def _pull(lev, L, w, W, C, F, allowed, pull_tol, desc) -> None:
             wk[a] += w[d] / k
             tk[a] += L[d] / k
             heapq.heappush(heap, (wk[a], a))
-        pool = [d for d in asc if lev[d] < k]  # increasing work
-        pw = [w[d] / k for d in pool]
         target = max(wk)
+        pool = pw = None  # the smaller documents by increasing work, built when a coset first needs them
         for a in sorted(range(c), key=lambda a: (wk[a], a)):
-            while target - wk[a] > pull_tol * F and pool:
+            while target - wk[a] > pull_tol * F:
+                if pool is None:
+                    pool_np = asc_np[lev[asc_np] < k]
+                    pool, pw = pool_np.tolist(), (batch.wn[pool_np] / k).tolist()
+                if not pool:
+                    break
                 i = bisect.bisect_right(pw, target - wk[a] + pull_tol * F) - 1
                 while i >= 0 and tk[a] + L[pool[i]] / k > C:
                     i -= 1
@@ -830,13 +871,11 @@ def plan_dispatch(cu_seqlens: CuSeqlens, world_size: int, *, ranks_per_node: Opt
     S, W = b[-1], world_size
     check_divisible(S, W)
     order = placement_order(W, ranks_per_node)
-    L = [y - x for x, y in zip(b, b[1:])]
-    w = [l * (l + 1) // 2 for l in L] if causal else [l * l for l in L]
-    desc = sorted(range(len(L)), key=lambda d: (-w[d], d))
+    batch = _Batch(b, causal)
     best = None
     for i, (alpha, allow_w, all_w) in enumerate(ATTEMPTS if W > 1 else ATTEMPTS[:1]):
-        whole, pieces, lev, gsize = _attempt(b, L, w, W, alpha, allow_w, all_w, desc=desc)
-        work = _plan_work(whole, pieces, w, W, causal)
+        whole, pieces, lev, gsize = _attempt(batch, W, alpha, allow_w, all_w)
+        work = _plan_work(whole, pieces, batch.wn, W, causal)
         m = _metrics(work)
         score = max(m["worker_total"] - 1, (m["worker"] - 1) / 3)
         if best is None or score < best[0] - 1e-12:
