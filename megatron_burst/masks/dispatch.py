@@ -353,13 +353,9 @@ class _Filler:
                 # refresh the density: every rank with room gets its projected work at the new rho
                 since = 0
                 rho = pool_w / pool_t if pool_t else 0.0
-                heap, waiting = [], []
-                for r in ranks:
-                    free = C - tok[r]
-                    if free >= length:
-                        heap.append((load[r] + free * rho, r))
-                    elif free > 0:
-                        waiting.append((-free, r))
+                # comprehensions, not a loop of appends: ~100 refreshes per plan, each over every rank
+                heap = [(load[r] + (C - tok[r]) * rho, r) for r in ranks if C - tok[r] >= length]
+                waiting = [(tok[r] - C, r) for r in ranks if 0 < C - tok[r] < length]
                 heapify(heap)
                 heapify(waiting)
             while waiting and -waiting[0][0] >= length:  # lengths came down to these ranks' room
@@ -743,10 +739,10 @@ def _groups(lev, L, w, C, G, top, by_work, dp_items, desc) -> tuple:
     asc = desc[::-1]
     group, gtok, gw, left = [-1] * n, [0] * G, [0.0] * G, []
     for d in by_work:
-        A, best, x = -1, None, L[d]
-        for g in range(G):
-            if gtok[g] + x <= budget and (best is None or (gw[g], gtok[g]) < best):
-                A, best = g, (gw[g], gtok[g])
+        A, x = -1, L[d]
+        for g in range(G):  # the least (work, tokens) with room, first on ties (no tuples: a hot loop)
+            if gtok[g] + x <= budget and (A < 0 or gw[g] < gw[A] or (gw[g] == gw[A] and gtok[g] < gtok[A])):
+                A = g
         if A < 0:
             left.append(d)
             continue
