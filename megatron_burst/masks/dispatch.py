@@ -421,11 +421,18 @@ class _Batch:
 
     def __init__(self, b: list, causal: bool):
         self.b = b
-        self.L = [y - x for x, y in zip(b, b[1:])]
-        self.w = [l * (l + 1) // 2 for l in self.L] if causal else [l * l for l in self.L]
+        if b[-1] < 2 ** 31:  # lengths below 2^31: every document's work fits int64 (< 2^62), exactly
+            self.bn = np.asarray(b, dtype=np.int64)
+            self.Ln = np.diff(self.bn)
+            self.wn = self.Ln * (self.Ln + 1) // 2 if causal else self.Ln * self.Ln
+            self.L, self.w = self.Ln.tolist(), self.wn.tolist()
+        else:  # Python ints first; the arrays then raise OverflowError where a work exceeds int64
+            self.L = [y - x for x, y in zip(b, b[1:])]
+            self.w = [l * (l + 1) // 2 for l in self.L] if causal else [l * l for l in self.L]
+            self.bn = np.asarray(b, dtype=np.int64)
+            self.Ln = np.asarray(self.L, dtype=np.int64)
+            self.wn = np.asarray(self.w, dtype=np.int64)
         self.n = len(self.L)
-        self.Ln = np.asarray(self.L, dtype=np.int64)
-        self.wn = np.asarray(self.w, dtype=np.int64)
         # stable argsort of -w: decreasing work, ties by index (the planner's determinism)
         self.desc_np = np.argsort(-self.wn, kind="stable")
         self.desc = self.desc_np.tolist()
@@ -562,7 +569,7 @@ def _attempt(batch: _Batch, W: int, alpha: float, allow_w: bool, all_w: bool,
         lev[d] = 0
     if any(t != C for t in tok):
         raise AssertionError(f"dispatch planner filled ranks unevenly: {tok}")
-    return whole, _split_pieces(home, L, W) + _cut_pieces(cut), lev, max(max(lev), 1)
+    return whole, _split_pieces(home, batch.Ln, W) + _cut_pieces(cut), lev, max(max(lev), 1)
 
 
 # A document in pieces is one row of a *piece block* (docs, offset, size, rank): int64 arrays [n] and
@@ -572,7 +579,7 @@ def _attempt(batch: _Batch, W: int, alpha: float, allow_w: bool, all_w: bool,
 PieceBlock = tuple
 
 
-def _split_pieces(home: dict, L: list, W: int) -> list:
+def _split_pieces(home: dict, Ln: np.ndarray, W: int) -> list:
     """Piece blocks of the documents split over cosets, ``home[d] = (k, a)``: one block per k. Zigzag
     within the coset: member j of the coset {a + j W/k} holds chunks j and 2k-1-j of the 2k chunks;
     member j's share L(j+1)//k - Lj//k is cut into its first chunk (the larger half) and its second."""
@@ -584,7 +591,7 @@ def _split_pieces(home: dict, L: list, W: int) -> list:
     blocks = []
     for k, (docs, anchors) in by_k.items():
         docs_np = np.asarray(docs, dtype=np.int64)
-        length = np.asarray(L, dtype=np.int64)[docs_np][:, None]
+        length = Ln[docs_np][:, None]
         j = np.arange(k, dtype=np.int64)
         share = length * (j + 1) // k - length * j // k  # [n, k]: what put() gave each member
         size = np.concatenate([share - share // 2, (share // 2)[:, ::-1]], axis=1)  # chunk c: member c or 2k-1-c
@@ -787,32 +794,38 @@ def _groups(lev, L, w, C, G, top, by_work, dp_items, desc) -> tuple:
 # exact work of a plan
 
 
-def _plan_work(whole: list, blocks: list, w: list, W: int, causal: bool) -> np.ndarray:
+@functools.lru_cache(maxsize=None)
+def _piece_pairs(m: int, causal: bool) -> tuple:
+    """(query piece, key piece) index arrays of the pairs of distinct pieces of an m-piece document that see
+    each other (causal: the later sees the earlier)."""
+    return np.tril_indices(m, -1) if causal else np.nonzero(~np.eye(m, dtype=bool))
+
+
+def _plan_work(whole: list, blocks: list, w: np.ndarray, W: int, causal: bool) -> np.ndarray:
     """[W, W] visible pairs of rank r at ring step t, exactly, from the documents' placement (``blocks``:
     piece blocks; a piece sees every earlier piece of its document entirely). Every count is an
-    integer below 2^53 held in float64, so the sums are exact whatever their order."""
+    integer below 2^53 held in float64, so the sums are exact whatever their order: one bincount
+    over all (cell, pairs) entries."""
     r = np.asarray(whole, dtype=np.int64)
     keep = r >= 0
-    work = np.zeros(W * W, dtype=np.float64)
-    work += np.bincount(r[keep] * W, weights=np.asarray(w, dtype=np.float64)[keep], minlength=W * W)
+    cells, weights = [r[keep] * W], [np.asarray(w, dtype=np.float64)[keep]]
     for _, _, size_i, rank in blocks:
         m = size_i.shape[1]
         size = size_i.astype(np.float64)
-        inner = size * (size + 1) / 2 if causal else size * size
-        work += np.bincount((rank * W).ravel(), weights=inner.ravel(), minlength=W * W)
+        cells.append((rank * W).ravel())
+        weights.append((size * (size + 1) / 2 if causal else size * size).ravel())
         if m == 1:
             continue
-        qi, kj = np.tril_indices(m, -1) if causal else np.nonzero(~np.eye(m, dtype=bool))
-        pairs = size[:, qi] * size[:, kj]
-        step = (rank[:, qi] - rank[:, kj]) % W
-        work += np.bincount((rank[:, qi] * W + step).ravel(), weights=pairs.ravel(), minlength=W * W)
-    return work.reshape(W, W)
+        qi, kj = _piece_pairs(m, causal)
+        cells.append((rank[:, qi] * W + (rank[:, qi] - rank[:, kj]) % W).ravel())
+        weights.append((size[:, qi] * size[:, kj]).ravel())
+    work = np.bincount(np.concatenate(cells), weights=np.concatenate(weights), minlength=W * W)
+    return work.astype(np.float64, copy=False).reshape(W, W)
 
 
-def _runs(b: list, whole: list, blocks: list, order: tuple) -> tuple:
-    """The plan's runs (start, length, physical rank), sorted by start, from plan positions: the whole
-    documents and every non-empty piece."""
-    bn = np.asarray(b, dtype=np.int64)
+def _runs(bn: np.ndarray, whole: list, blocks: list, order: tuple) -> tuple:
+    """The plan's runs (start, length, physical rank), sorted by start, from plan positions (``bn``: the
+    boundaries, int64): the whole documents and every non-empty piece."""
     pos = np.asarray(whole, dtype=np.int64)
     keep = pos >= 0
     starts, lengths, ranks = [bn[:-1][keep]], [(bn[1:] - bn[:-1])[keep]], [pos[keep]]
@@ -881,7 +894,7 @@ def plan_dispatch(cu_seqlens: CuSeqlens, world_size: int, *, ranks_per_node: Opt
             break
     _, i, whole, pieces, lev, gsize, work = best
     # whole / pieces name plan positions; runs name the physical rank each position is placed on
-    runs = _runs(b, whole, pieces, order)
+    runs = _runs(batch.bn, whole, pieces, order)
     return DispatchPlan(S, W, tuple(b), runs, tuple(lev), gsize, causal, i, work, ranks_per_node)
 
 
