@@ -6,11 +6,12 @@ burst backwards, MHA and GQA, documents with and without a sliding window, W = 2
 sent are exactly the needed blocks (derived from the dense mask); the recorded schedules replay
 under NCCL's rules. The layouts here are the fixed ones (the "balanced" layout, which resolves to
 direct traffic by default, comes from a document plan)."""
+import numpy as np
 import pytest
 
 import direct_traffic_cases as dc
 from harness import run_ranks
-from megatron_burst.algorithms.schedule import CPConfig, direct_steps, needs_table
+from megatron_burst.algorithms.schedule import CPConfig, PairNeeds, direct_steps, last_steps, needs_table
 
 TOL = 1e-5
 LOCAL = 8
@@ -215,3 +216,27 @@ def test_balanced_pair_table_on_arbitrary_runs(causal):
                     assert bool(got[q][kv]) == exact[q][kv] or q == kv, (trial, q, kv, runs, bounds)
                 else:
                     assert got[q][kv] or not exact[q][kv] or q == kv, (trial, q, kv, window)
+
+
+def test_a_pair_table_gives_the_per_pair_answers():
+    """PairNeeds (the balanced plan's pair table, read whole) gives the tables, steps and last steps that
+    asking the same needs pair by pair gives, also reordered (a node-aware plan's member order)."""
+    g = np.random.default_rng(0)
+    for size in (1, 2, 3, 8, 64):
+        for density in (0.0, 0.05, 0.5, 1.0):
+            m = g.random((size, size)) < density
+            fast, slow = PairNeeds(m), (lambda h, o, m=m: bool(m[h, o]))
+            table = needs_table(size, fast)
+            reference = [[h != o and slow(h, o) for o in range(size)] for h in range(size)]
+            assert table.tolist() == reference
+            assert direct_steps(table) == direct_steps(reference) == [
+                t for t in range(1, size) if any(reference[(o + t) % size][o] for o in range(size))]
+            assert last_steps(size, fast) == last_steps(size, slow) == [
+                max((t for t in range(1, size) if slow((o + t) % size, o)), default=0) for o in range(size)]
+            order = g.permutation(size).tolist()
+            assert needs_table(size, fast.reordered(order)).tolist() == needs_table(
+                size, lambda h, o: slow(order[h], order[o])).tolist()
+    with pytest.raises(ValueError, match="cannot serve a ring of 4"):
+        needs_table(4, PairNeeds(np.zeros((3, 3), dtype=bool)))
+    with pytest.raises(ValueError, match="square bool matrix"):
+        PairNeeds(np.zeros((3, 3), dtype=int))

@@ -42,7 +42,7 @@ def burst_backward(dout, q, k, v, D, lse, cfg: CPConfig, out=None):
 
     travel = [torch.stack([q, dout.to(q.dtype)]), torch.stack([D, lse])]
     dq = cp_ring_pass(cfg, travel, visit, "backward", grad_like=dq_like,
-                      needs=lambda holder, owner: cfg.has_work(owner, holder, n))
+                      needs=cfg.member_needs(transpose=True) or (lambda holder, owner: cfg.has_work(owner, holder, n)))
     return dq, dk, dv
 
 

@@ -47,7 +47,7 @@ def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: CPCo
         return out, lse
     kv_len = n if q_rows is None else needed_kv_rows(cfg, n, q_rows)
     cp_ring_pass(cfg, [torch.stack([k[:, :, :kv_len], v[:, :, :kv_len]])], lambda owner, t: visit(owner, t[0]),
-                 "forward", needs=lambda holder, owner: cfg.has_work(holder, owner, n, q_rows))
+                 "forward", needs=cfg.member_needs() or (lambda holder, owner: cfg.has_work(holder, owner, n, q_rows)))
     return out, lse
 
 
@@ -83,7 +83,7 @@ def ring_backward(dout, q, k, v, D, lse, cfg: CPConfig, out=None):
         return dkv
 
     dkv = cp_ring_pass(cfg, [torch.stack([k, v])], visit, "backward", grad_like=dkv_like,
-                       needs=lambda holder, owner: cfg.has_work(holder, owner, n))
+                       needs=cfg.member_needs() or (lambda holder, owner: cfg.has_work(holder, owner, n)))
     return dq, dkv[0], dkv[1]
 
 

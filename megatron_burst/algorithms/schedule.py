@@ -174,6 +174,16 @@ class CPConfig:
                                                    self.window, self.ulysses_size)
         return self._pair_table
 
+    def member_needs(self, transpose: bool = False) -> Optional["PairNeeds"]:
+        """:meth:`has_work` of every member pair as one table when it is one (the balanced layout: the
+        plan's pair table), so a pass reads it whole instead of asking size² times; None otherwise
+        (callers keep asking :meth:`has_work` per pair). ``transpose``: needs(holder, owner) =
+        has_work(owner, holder) (burst's backward: the holder's keys meet the owner's queries)."""
+        if self.documents is None or self.documents.plan is None:
+            return None
+        table = self._placement_table()
+        return PairNeeds(table.T if transpose else table)
+
     def has_work(self, q_member: int, kv_member: int, member_len: int, q_rows: Optional[int] = None) -> bool:
         """Whether the pair (queries of ``q_member``) x (keys of ``kv_member``) may have a visible
         pair: what a pruned ring (:attr:`prune`, :func:`ring_pass`'s ``needs``) asks of every pair
@@ -194,6 +204,35 @@ class CPConfig:
 
 Visit = Callable[[int, Sequence[torch.Tensor]], Optional[torch.Tensor]]
 Needs = Callable[[int, int], bool]  # needs(holder, owner): the holder has work on the owner's block
+
+
+class PairNeeds:
+    """A :data:`Needs` read from a table: ``needs(holder, owner) = matrix[holder, owner]`` (bool [size, size]).
+
+    Where every pair's answer is already a table (the balanced plan's pair table), the passes read it
+    whole (:func:`needs_table`, :func:`last_steps`) in one array operation instead of size² Python
+    calls (~1-3 ms per pass at size 64); it stays callable for code that asks pair by pair."""
+
+    def __init__(self, matrix: np.ndarray) -> None:
+        matrix = np.asarray(matrix)
+        if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1] or matrix.dtype != np.bool_:
+            raise ValueError(f"PairNeeds takes a square bool matrix [size, size], got {matrix.dtype} "
+                             f"{tuple(matrix.shape)}")
+        self.matrix = matrix
+
+    def __call__(self, holder: int, owner: int) -> bool:
+        return bool(self.matrix[holder, owner])
+
+    def reordered(self, order: Sequence[int]) -> "PairNeeds":
+        """The table over positions p where position p is member ``order[p]``: ``needs(order[h], order[o])``."""
+        idx = np.asarray(order, dtype=np.int64)
+        return PairNeeds(self.matrix[np.ix_(idx, idx)])
+
+    def checked(self, size: int) -> np.ndarray:
+        """The matrix, after checking it covers a ring of ``size`` members (ValueError otherwise)."""
+        if self.matrix.shape != (size, size):
+            raise ValueError(f"a needs table of shape {self.matrix.shape} cannot serve a ring of {size} members")
+        return self.matrix
 
 
 class _StepExchange:
@@ -245,7 +284,18 @@ def last_steps(size: int, needs: Optional[Needs]) -> list[int]:
     size - 1 for every owner without ``needs``: the full ring). The same list on every member."""
     if needs is None:
         return [size - 1] * size
+    if isinstance(needs, PairNeeds):  # hit[t, o] = needs((o + t) % size, o): the last t with a hit per column
+        hit = _by_step(needs.checked(size))
+        hit[0] = False  # step 0 is the owner's own visit, not a transfer
+        return np.where(hit.any(axis=0), size - 1 - np.argmax(hit[::-1], axis=0), 0).tolist()
     return [max((t for t in range(1, size) if needs((o + t) % size, o)), default=0) for o in range(size)]
+
+
+def _by_step(table: np.ndarray) -> np.ndarray:
+    """bool [size, size]: [t, o] = table[(o + t) % size, o] (the holder t positions after owner o)."""
+    size = table.shape[0]
+    o = np.arange(size)
+    return table[(o[None, :] + o[:, None]) % size, o[None, :]]
 
 
 def ring_pass(ring: Optional[Ring], travel: Sequence[torch.Tensor], visit: Visit, phase: str,
@@ -308,17 +358,26 @@ def ring_pass(ring: Optional[Ring], travel: Sequence[torch.Tensor], visit: Visit
     return home_grad
 
 
-def needs_table(size: int, needs: Needs) -> list[list[bool]]:
-    """``table[holder][owner]`` = ``needs(holder, owner)`` for every pair of distinct positions (the
-    diagonal is False: a member's own block never travels). The same table on every member."""
-    return [[h != o and bool(needs(h, o)) for o in range(size)] for h in range(size)]
+def needs_table(size: int, needs: Needs) -> np.ndarray:
+    """bool [size, size]: ``table[holder][owner]`` = ``needs(holder, owner)`` for every pair of distinct
+    positions (the diagonal is False: a member's own block never travels). The same table on every
+    member. A :class:`PairNeeds` is copied in one operation; any other callable is asked per pair."""
+    if isinstance(needs, PairNeeds):
+        table = needs.checked(size).copy()
+    else:
+        table = np.array([[bool(needs(h, o)) for o in range(size)] for h in range(size)], dtype=bool)
+        table = table.reshape(size, size)  # size 0 would otherwise give shape (0,)
+    np.fill_diagonal(table, False)
+    return table
 
 
 def direct_steps(table: Sequence[Sequence[bool]]) -> list[int]:
     """The steps t in 1..size-1 at which some holder needs the block of the owner t positions
     before it (``table`` from :func:`needs_table`); the others are skipped by every member."""
-    size = len(table)
-    return [t for t in range(1, size) if any(table[(o + t) % size][o] for o in range(size))]
+    table = np.asarray(table, dtype=bool)
+    if table.size == 0:
+        return []
+    return [t for t in np.flatnonzero(_by_step(table).any(axis=1)).tolist() if t >= 1]
 
 
 def direct_pass(ring: Optional[Ring], travel: Sequence[torch.Tensor], visit: Visit, phase: str,
@@ -421,8 +480,10 @@ def cp_ring_pass(cfg: CPConfig, travel: Sequence[torch.Tensor], visit: Visit, ph
         order = _plan_member_order(cfg)
         if order is None:
             return direct_pass(topo.flat, travel, visit, phase, grad_like, needs)
+        in_order = (needs.reordered(order) if isinstance(needs, PairNeeds)
+                    else lambda holder, owner: needs(order[holder], order[owner]))
         return direct_pass(topo.ring_in_order(order), travel, lambda pos, t: visit(order[pos], t), phase, grad_like,
-                           lambda holder, owner: needs(order[holder], order[owner]))
+                           in_order)
     needs = needs if cfg.prune else None
     if cfg.ring == "flat" or topo.num_nodes == 1:
         return ring_pass(topo.flat, travel, visit, phase, grad_like, needs)

@@ -7,6 +7,7 @@ a sequence of ints; everything downstream takes the checked tuple of Python ints
 from __future__ import annotations
 
 import numbers
+import operator
 from typing import Optional
 
 import torch
@@ -28,9 +29,12 @@ def checked_bounds(cu: object, seq_len: Optional[int], what: str) -> tuple[int, 
         bounds = tuple(int(x) for x in cu.tolist())
     else:
         bounds = tuple(cu)
-        if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in bounds):
-            raise ValueError(f"{what}={list(bounds)!r} must hold ints (global token positions)")
-        bounds = tuple(int(x) for x in bounds)
+        # plain ints (the common case: lists from the data pipeline) need no per-element ABC check,
+        # which cost the planner ~0.4 ms per 1000 documents
+        if not set(map(type, bounds)) <= {int}:
+            if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in bounds):
+                raise ValueError(f"{what}={list(bounds)!r} must hold ints (global token positions)")
+            bounds = tuple(int(x) for x in bounds)
     shown = list(bounds) if len(bounds) <= 12 else list(bounds[:5]) + ["..."] + list(bounds[-5:])
     if len(bounds) < 2:
         raise ValueError(f"{what}={shown} needs at least [0, {'S' if seq_len is None else seq_len}] (one document)")
@@ -40,8 +44,9 @@ def checked_bounds(cu: object, seq_len: Optional[int], what: str) -> tuple[int, 
         raise ValueError(f"{what}={shown} ends at {bounds[-1]} but the global sequence has {seq_len} tokens "
                          f"(local length x CP size): the last boundary must be {seq_len}; pad the last "
                          "document or add a padding document")
-    for a, b in zip(bounds, bounds[1:]):
-        if b <= a:
-            raise ValueError(f"{what}={shown} is not strictly increasing ({a} then {b}): drop empty "
-                             "documents and sort the boundaries")
+    if not all(map(operator.lt, bounds, bounds[1:])):  # one C-level pass; the loop below only names the culprit
+        for a, b in zip(bounds, bounds[1:]):
+            if b <= a:
+                raise ValueError(f"{what}={shown} is not strictly increasing ({a} then {b}): drop empty "
+                                 "documents and sort the boundaries")
     return bounds
