@@ -403,3 +403,23 @@ def test_merge_policy_runs_of_small_documents_are_one_block():
                 for m in document_blocks(qp, kp, [0, 1, 5, 30, 31, 64, seq], True):
                     covered += m.dense(local, local).long()
                 assert torch.equal(covered, dense[qp][:, kp].long()), (layout, i, j)
+
+
+def test_merge_limit_follows_the_device_of_the_kernel_choice():
+    """64 documents of 256 tokens at W = 1: on CUDA (kernels that skip what no document covers) one
+    positions block; on CPU (the fused op computes every pair of a block) one causal block each."""
+    import dataclasses
+
+    import megatron_burst.masks.documents as docs_mod
+    from megatron_burst.algorithms import prepare
+    from megatron_burst.kernels.choice import KernelChoice
+
+    S = 16384
+    q, k = torch.randn(S, 1, 4, 16), torch.randn(S, 1, 2, 16)
+    cu = torch.arange(0, S + 1, 256, dtype=torch.int32)
+    cfg = prepare(q, k, k, causal=True, cu_seqlens=cu, algo="ring").cfg
+    assert cfg.merge == (docs_mod.CPU_MERGE_ROWS, docs_mod.CPU_MERGE_ROWS)
+    on_cpu = cfg.blocks(0, 0, S)
+    assert len(on_cpu) == 64 and {m.kind for _, m in on_cpu} == {"causal"}
+    on_cuda = dataclasses.replace(cfg, kernel=KernelChoice("cuda", torch.bfloat16, 16, ())).blocks(0, 0, S)
+    assert [(m.kind, m.q_start, m.q_stop) for _, m in on_cuda] == [("positions", 0, S)]

@@ -52,7 +52,7 @@ import torch
 from megatron_burst.comm import PendingExchange
 from megatron_burst.masks.block import BlockMask
 from megatron_burst.masks.dispatch import balanced_pair_table
-from megatron_burst.masks.documents import Documents
+from megatron_burst.masks.documents import Documents, merge_rows_for
 from megatron_burst.masks import vertical_slash
 from megatron_burst.masks.vertical_slash import VerticalSlash, pattern_blocks
 from megatron_burst.masks.visible import visible_blocks
@@ -112,6 +112,14 @@ class CPConfig:
         return self.window is not None
 
     @property
+    def merge(self) -> Optional[tuple]:
+        """How adjacent document rectangles merge into one block, (merge_rows, run_rows): by the device
+        of the call's kernel choice (:func:`~megatron_burst.masks.documents.merge_rows_for`; None
+        when not resolved)."""
+        device_type = getattr(self.kernel, "device_type", None)
+        return None if device_type is None else merge_rows_for(device_type)
+
+    @property
     def mask_kinds(self) -> tuple[str, ...]:
         """Every BlockMask kind :meth:`blocks` can yield for this configuration, on any rank (the same
         tuple everywhere: ranks agree on one kernel per kind before the first block runs)."""
@@ -153,9 +161,10 @@ class CPConfig:
                 raise ValueError("a sparse pattern runs on ring and burst only, not under Ulysses/USP")
             return pattern_blocks(self.pattern, self.layout, q_member, kv_member, self.world_size, member_len,
                                   self.stripe, q_rows, documents=self.documents, window=self.window)
+        merge = self.merge
         if U == 1:
             return visible_blocks(self.documents, self.layout, q_member, kv_member, self.world_size, member_len,
-                                  self.causal, self.stripe, q_rows, self.window)
+                                  self.causal, self.stripe, q_rows, self.window, merge)
         if q_rows is not None:
             raise ValueError("selective row recompute (q_rows) is not available under Ulysses/USP")
         n, cp_world = member_len // U, self.world_size * U
@@ -163,7 +172,8 @@ class CPConfig:
         for a in range(U):
             for b in range(U):
                 for bs, m in visible_blocks(self.documents, self.layout, q_member * U + a, kv_member * U + b,
-                                            cp_world, n, self.causal, self.stripe, window=self.window):
+                                            cp_world, n, self.causal, self.stripe, window=self.window,
+                                            merge=merge):
                     out.append((bs, m.shifted(a * n, b * n)))
         return out
 

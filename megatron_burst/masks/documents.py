@@ -61,7 +61,7 @@ from megatron_burst.masks.layout import BALANCED, balanced_plan, layout_indices,
 
 __all__ = ["THD", "MERGE_ROWS", "CuSeqlens", "Partition", "Documents", "checked_bounds", "check_cu_seqlens",
            "balanced_documents", "check_thd", "document_blocks", "rank_positions", "layout_document_blocks",
-           "document_ids", "dense_document_mask", "merges"]
+           "document_ids", "dense_document_mask", "merges", "merge_rows_for", "CPU_MERGE_ROWS"]
 
 CuSeqlens = Union[torch.Tensor, Sequence[int], Sequence[torch.Tensor]]
 THD = "thd"  # the packed-sequence layout: zigzag per sequence (TransformerEngine's THD partitioning)
@@ -193,16 +193,29 @@ def check_thd(cu_seqlens: CuSeqlens, cu_seqlens_padded: Optional[CuSeqlens], loc
 # per-call overhead dominates (H100, 32K tokens: 64 documents in one varlen call 4.6 ms vs 29.9 ms
 # in 64 calls); above it cuDNN's causal kernel (~1.7x the flash op) pays for its own call.
 MERGE_ROWS = 8192
+# On CPU the fused op builds a dense [rows, cols] mask and computes every pair of a merged block,
+# so merging trades one call for (run length)^2 / sum(doc length^2) more work: there a run merges
+# only documents below CPU_MERGE_ROWS and stops at CPU_MERGE_ROWS rows in all.
+CPU_MERGE_ROWS = 128
+Merge = tuple[int, Optional[int]]  # (merge_rows, run_rows): see document_blocks
+
+
+def merge_rows_for(device_type: Optional[str]) -> Merge:
+    """(merge_rows, run_rows) for blocks that run on ``device_type``: on "cuda" (or None: not known
+    yet) documents below MERGE_ROWS, runs of any length (the kernels skip what no document covers);
+    elsewhere below CPU_MERGE_ROWS, runs up to CPU_MERGE_ROWS."""
+    return (MERGE_ROWS, None) if device_type in (None, "cuda") else (CPU_MERGE_ROWS, CPU_MERGE_ROWS)
 
 
 def document_blocks(q_pos: torch.Tensor, kv_pos: torch.Tensor, bounds: Sequence[int], causal: bool,
-                    merge_rows: int = MERGE_ROWS) -> list[BlockMask]:
+                    merge_rows: int = MERGE_ROWS, run_rows: Optional[int] = None) -> list[BlockMask]:
     """Visible rectangles of queries at ``q_pos`` x keys at ``kv_pos`` under documents ``bounds``.
 
     q_pos [n], kv_pos [m]: increasing global positions (LongTensor, CPU) of the local rows and
     columns. Returns one BlockMask per document seen on both sides (see the module docstring),
     each run of adjacent ones smaller than ``merge_rows`` rows and columns merged into one
-    (:func:`merges`; 0: never), in local row/column coordinates; [] when nothing is visible.
+    (:func:`merges`; 0: never) while the run stays within ``run_rows`` rows and columns (None: any
+    length), in local row/column coordinates; [] when nothing is visible.
     """
     blocks = _per_document_blocks(q_pos, kv_pos, bounds, causal)
     if merge_rows <= 1 or len(blocks) < 2:
@@ -224,7 +237,8 @@ def document_blocks(q_pos: torch.Tensor, kv_pos: torch.Tensor, bounds: Sequence[
 
     for m in blocks:
         small = merges(m, merge_rows)
-        adjacent = run and m.q_start == run[-1].q_stop and m.kv_start == run[-1].kv_stop
+        adjacent = run and m.q_start == run[-1].q_stop and m.kv_start == run[-1].kv_stop and (
+            run_rows is None or (m.q_stop - run[0].q_start <= run_rows and m.kv_stop - run[0].kv_start <= run_rows))
         if not (small and adjacent):
             flush()
         if small:
@@ -293,11 +307,11 @@ def rank_positions(layout: str, rank: int, world_size: int, local_len: int, stri
 def layout_document_blocks(bounds: tuple[int, ...], layout: str, q_rank: int, kv_rank: int, world_size: int,
                            local_len: int, causal: bool, stripe: int = 1,
                            partition: Optional[Partition] = None,
-                           merge_rows: int = MERGE_ROWS) -> tuple[BlockMask, ...]:
+                           merge_rows: int = MERGE_ROWS, run_rows: Optional[int] = None) -> tuple[BlockMask, ...]:
     """:func:`document_blocks` for the (q_rank, kv_rank) block pair of ``layout`` (cached)."""
     q_pos = rank_positions(layout, q_rank, world_size, local_len, stripe, partition)
     kv_pos = rank_positions(layout, kv_rank, world_size, local_len, stripe, partition)
-    return tuple(document_blocks(q_pos, kv_pos, bounds, causal, merge_rows))
+    return tuple(document_blocks(q_pos, kv_pos, bounds, causal, merge_rows, run_rows))
 
 
 def document_ids(cu_seqlens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

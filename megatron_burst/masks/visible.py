@@ -25,14 +25,14 @@ __all__ = ["visible_blocks"]
 @functools.lru_cache(maxsize=4096)
 def _windowed_blocks(bounds: Optional[tuple[int, ...]], layout: str, q_rank: int, kv_rank: int, world_size: int,
                      local_len: int, causal: bool, stripe: int, partition: Optional[Partition],
-                     window: Window) -> tuple[BlockMask, ...]:
+                     window: Window, merge: tuple) -> tuple[BlockMask, ...]:
     """The rectangles of a block pair under documents ``bounds`` (None: the layout's one mask) and
     ``window`` (cached: the same pairs come back every step and layer)."""
     if bounds is None:
         masks = [block_mask(layout, q_rank, kv_rank, world_size, local_len, causal, stripe)]
     else:
         masks = list(layout_document_blocks(bounds, layout, q_rank, kv_rank, world_size, local_len, causal, stripe,
-                                            partition, document_masks.MERGE_ROWS))
+                                            partition, *merge))
     q_pos = rank_positions(layout, q_rank, world_size, local_len, stripe, partition)
     kv_pos = rank_positions(layout, kv_rank, world_size, local_len, stripe, partition)
     return tuple(window_blocks(masks, q_pos, kv_pos, window, causal))
@@ -40,14 +40,17 @@ def _windowed_blocks(bounds: Optional[tuple[int, ...]], layout: str, q_rank: int
 
 def visible_blocks(documents: Optional[Documents], layout: str, q_rank: int, kv_rank: int, world_size: int,
                    local_len: int, causal: bool, stripe: int = 1, q_rows: Optional[int] = None,
-                   window: Window = None) -> list[tuple[slice, BlockMask]]:
+                   window: Window = None, merge: Optional[tuple] = None) -> list[tuple[slice, BlockMask]]:
     """Every (batch slice, visible rectangle) of a block pair; [] means skip the pair.
 
     Without documents: the layout's one causal/full :func:`~megatron_burst.masks.layout.block_mask` for
     all samples (the unchanged fast path). ``q_rows`` keeps only local query rows [0, q_rows)
     (sequence-level selective checkpointing's recompute). ``window`` (left, right) intersects
-    everything with a sliding window (:func:`window_blocks`).
+    everything with a sliding window (:func:`window_blocks`). ``merge``: (merge_rows, run_rows) of
+    :func:`~megatron_burst.masks.documents.document_blocks`, by the device
+    (:func:`~megatron_burst.masks.documents.merge_rows_for`; None: MERGE_ROWS, runs of any length).
     """
+    merge = (document_masks.MERGE_ROWS, None) if merge is None else tuple(merge)
     if documents is None and window is None:
         mask = block_mask(layout, q_rank, kv_rank, world_size, local_len, causal, stripe)
         if q_rows is not None:
@@ -60,10 +63,10 @@ def visible_blocks(documents: Optional[Documents], layout: str, q_rank: int, kv_
         batch = slice(first, end)
         if window is None:
             masks = layout_document_blocks(bounds, layout, q_rank, kv_rank, world_size, local_len, causal, stripe,
-                                           partition, document_masks.MERGE_ROWS)
+                                           partition, *merge)
         else:
             masks = _windowed_blocks(bounds, layout, q_rank, kv_rank, world_size, local_len, causal, stripe,
-                                     partition, window)
+                                     partition, window, merge)
         for mask in masks:
             if q_rows is not None:
                 mask = mask.clip_rows(q_rows)
