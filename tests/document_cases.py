@@ -141,15 +141,16 @@ def expected_calls(bounds, layout: str, local_len: int, q_rank: int, W: int, str
 def count_kernel_calls(algo: str, layout: str, bounds, local_len: int, stripe: int = 1, merge_rows: int = 0):
     """Kernel calls made by this rank with documents, and the independent expectation per pass
     (one call per (kv rank, document) with something visible: exact when ``merge_rows`` = 0)."""
-    from megatron_burst.masks import documents  # MERGE_ROWS is read there per call
+    from megatron_burst.masks import documents  # the merge limits are read there per call
 
     W, r = dist.get_world_size(), dist.get_rank()
-    saved, documents.MERGE_ROWS = documents.MERGE_ROWS, merge_rows
+    saved = documents.MERGE_ROWS, documents.CPU_MERGE_ROWS
+    documents.MERGE_ROWS = documents.CPU_MERGE_ROWS = merge_rows
     try:
         with KernelCalls() as calls:
             errs = run_doc_case(algo, layout, (4, 2), bounds, local_len, stripe=stripe, b=1)
     finally:
-        documents.MERGE_ROWS = saved
+        documents.MERGE_ROWS, documents.CPU_MERGE_ROWS = saved
     fwd_expected = expected_calls(bounds, layout, local_len, r, W, stripe)
     # burst computes the backward of the visiting queries against our keys: count those pairs too
     if algo == "burst":
