@@ -17,6 +17,7 @@ import torch
 from megatron_burst.loss.chunks import chunked_forward, recompute_grads
 from megatron_burst.loss.config import LossConfig, labels_out_of_range, raise_label_error
 from megatron_burst.loss.parallel import gather_sequence, reduce_hidden_grad
+from megatron_burst.loss.vocab_pass import weight_grad_by_vocab_tiles
 
 __all__ = ["FusedLinearCrossEntropyFunction", "proportional_factor", "backward_paths", "FusedLossRecomputeWarning",
            "PROPORTIONAL_RTOL"]
@@ -92,6 +93,34 @@ def _weight_grad(weight: torch.Tensor, acc: torch.Tensor, c: Optional[torch.Tens
     return torch.mul(acc, c, out=torch.empty(acc.shape, dtype=weight.dtype, device=acc.device))
 
 
+def predicted_scale(wts: torch.Tensor) -> torch.Tensor:
+    """c_hat = 1 / sum(wts) (1 if that sum is not positive): 0-dim fp32, on the device, no host read.
+
+    The factor the forward pre-multiplies the gradient factors D and A by. D is stored in the input
+    dtype (bf16), so the backward's ``D * c`` would round it a second time -- the unfused path rounds
+    its hidden gradient once. Scaling by the *ratio* c / c_hat instead is exact (a multiplication
+    by exactly 1.0) whenever the objective is the usual ``sum(loss * mask) / sum(mask)``, whose c is
+    fp32's 1 / sum(mask) -- the same division of the same exact integer sum -- and a power of two
+    away from it (also exact) for a loss scale of 2^k on top. Any other c costs the one extra
+    rounding the op always had.
+    """
+    tot = wts.sum()
+    return torch.where(tot > 0, 1.0 / tot, torch.ones_like(tot))
+
+
+def _weight_grad_in_backward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                             m_all: torch.Tensor, s_all: torch.Tensor, g: torch.Tensor, cfg: LossConfig,
+                             main_grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """weight_grad="backward": d weight from the actual g [N] (0 at ignored labels), per vocabulary
+    tile (:mod:`megatron_burst.loss.vocab_pass`) -- exact for any g. hidden: [n, d] as saved (the
+    sequence shard under SP: all-gathered here). Returns d weight [V/tp, d] or Megatron's placeholder."""
+    h = gather_sequence(hidden, cfg) if cfg.sequence_parallel else hidden
+    if main_grad is not None:
+        weight.main_grad = main_grad  # as Megatron's layer: restore the buffer captured in the forward
+    dw = weight_grad_by_vocab_tiles(h, weight, labels, m_all, s_all, g, cfg, main_grad)
+    return dw if main_grad is None else _megatron_dummy_wgrad(weight, main_grad)
+
+
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """apply(hidden [n, d], weight [V/tp, d], labels [N], wts [N] fp32, cfg, main_grad or None,
     labels_shape) -> loss [N]. labels_shape: the caller's labels' shape (for error messages).
@@ -105,7 +134,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 cfg: LossConfig, main_grad: Optional[torch.Tensor], labels_shape: tuple) -> torch.Tensor:
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         h = gather_sequence(hidden, cfg) if cfg.sequence_parallel else hidden
-        loss, m_all, s_all, D, A = chunked_forward(h, weight, labels, wts, cfg, need_dh, need_dw)
+        # D and A are formed pre-scaled by c_hat, so that the backward's scaling is usually exact.
+        c_hat = predicted_scale(wts)
+        loss, m_all, s_all, D, A = chunked_forward(h, weight, labels, wts * c_hat, cfg, need_dh,
+                                                   need_dw and cfg.weight_grad == "forward")
         del h  # under sequence parallelism the gathered [N, d] copy is freed here, not saved
         if D is not None:
             # Reduce D over TP now, so the scaled backward has no collective: summing the ranks'
@@ -118,6 +150,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         # micro-batches) add to it in place meanwhile, which the saved-tensor version check forbids.
         ctx.main_grad = main_grad if need_dw else None
         ctx.scaled_in_place = False
+        ctx.c_hat = c_hat  # 0-dim, in ctx: not an input's view, nothing modifies it
         # hidden (the sequence shard under SP) and weight are kept only for the recompute path;
         # both are alive anyway (activation / parameter). labels_bad is read with the backward's
         # decision (see backward).
@@ -148,8 +181,15 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             # D and A belong to this graph alone (one per forward call, e.g. per micro-batch) and
             # are freed after this backward: scaling them in place costs no second buffer.
             ctx.scaled_in_place = True
-            dh = D.mul_(c) if need_dh else None  # fp32 c: the kernel does not round it to bf16
-            dw = _weight_grad(weight, A, c, ctx.main_grad) if need_dw else None
+            ratio = c / ctx.c_hat  # exactly 1.0 for sum(loss * mask) / sum(mask): D is then not rounded again
+            dh = D.mul_(ratio) if need_dh else None  # fp32 ratio: the kernel does not round it to bf16
+            if not need_dw:
+                dw = None
+            elif cfg.weight_grad == "forward":
+                dw = _weight_grad(weight, A, ratio, ctx.main_grad)
+            else:
+                dw = _weight_grad_in_backward(hidden, weight, labels, m_all, s_all, torch.where(valid, g, 0.0),
+                                              cfg, ctx.main_grad)
             return dh, dw, None, None, None, None, None
         backward_paths["recompute"] += 1
         warnings.warn(
@@ -157,11 +197,19 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             "loss_mask, so the backward recomputed the logits (exact, but ~2x the LM-head time). Pass "
             "loss_mask=<the mask the per-token loss is multiplied by> to avoid it.",
             FusedLossRecomputeWarning, stacklevel=2)
-        h = gather_sequence(hidden, cfg) if cfg.sequence_parallel else hidden
-        dh, dw_acc = recompute_grads(h, weight, labels, m_all, s_all, torch.where(valid, g, 0.0), cfg,
-                                     need_dh, need_dw)
-        del h
+        g = torch.where(valid, g, 0.0)
+        dw_here = need_dw and cfg.weight_grad == "forward"
+        dh = dw_acc = None
+        if need_dh or dw_here:
+            h = gather_sequence(hidden, cfg) if cfg.sequence_parallel else hidden
+            dh, dw_acc = recompute_grads(h, weight, labels, m_all, s_all, g, cfg, need_dh, dw_here)
+            del h
         if dh is not None:
             dh = reduce_hidden_grad(dh, cfg)
-        dw = _weight_grad(weight, dw_acc, None, ctx.main_grad) if need_dw else None
+        if not need_dw:
+            dw = None
+        elif dw_here:
+            dw = _weight_grad(weight, dw_acc, None, ctx.main_grad)
+        else:
+            dw = _weight_grad_in_backward(hidden, weight, labels, m_all, s_all, g, cfg, ctx.main_grad)
         return dh, dw, None, None, None, None, None
