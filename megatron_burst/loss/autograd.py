@@ -93,19 +93,20 @@ def _weight_grad(weight: torch.Tensor, acc: torch.Tensor, c: Optional[torch.Tens
     return torch.mul(acc, c, out=torch.empty(acc.shape, dtype=weight.dtype, device=acc.device))
 
 
-def predicted_scale(wts: torch.Tensor) -> torch.Tensor:
-    """c_hat = 1 / sum(wts) (1 if that sum is not positive): 0-dim fp32, on the device, no host read.
+def _scale_in_place(t: torch.Tensor, s: torch.Tensor, block_elems: int = 1 << 22) -> torch.Tensor:
+    """t [n, d] *= s (0-dim fp32 on the device), each element rounded once, in place; returns t.
 
-    The factor the forward pre-multiplies the gradient factors D and A by. D is stored in the input
-    dtype (bf16), so the backward's ``D * c`` would round it a second time -- the unfused path rounds
-    its hidden gradient once. Scaling by the *ratio* c / c_hat instead is exact (a multiplication
-    by exactly 1.0) whenever the objective is the usual ``sum(loss * mask) / sum(mask)``, whose c is
-    fp32's 1 / sum(mask) -- the same division of the same exact integer sum -- and a power of two
-    away from it (also exact) for a loss scale of 2^k on top. Any other c costs the one extra
-    rounding the op always had.
+    Not ``t.mul_(s)`` for a 16-bit t: type promotion makes a 0-dim tensor take t's dtype, so s itself
+    would be rounded to bf16 first -- a systematic relative error of up to 2^-9 on the whole
+    gradient (this was the fused loss's excess d hidden error). The product is formed in fp32,
+    a bounded block of rows at a time (no fp32 copy of all of t).
     """
-    tot = wts.sum()
-    return torch.where(tot > 0, 1.0 / tot, torch.ones_like(tot))
+    if t.dtype == torch.float32:
+        return t.mul_(s)
+    rows = max(1, block_elems // max(1, t.shape[1]))  # 16 MiB of fp32 at most
+    for a in range(0, t.shape[0], rows):
+        t[a:a + rows] = t[a:a + rows].float().mul_(s)
+    return t
 
 
 def _weight_grad_in_backward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -134,9 +135,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 cfg: LossConfig, main_grad: Optional[torch.Tensor], labels_shape: tuple) -> torch.Tensor:
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         h = gather_sequence(hidden, cfg) if cfg.sequence_parallel else hidden
-        # D and A are formed pre-scaled by c_hat, so that the backward's scaling is usually exact.
-        c_hat = predicted_scale(wts)
-        loss, m_all, s_all, D, A = chunked_forward(h, weight, labels, wts * c_hat, cfg, need_dh,
+        loss, m_all, s_all, D, A = chunked_forward(h, weight, labels, wts, cfg, need_dh,
                                                    need_dw and cfg.weight_grad == "forward")
         del h  # under sequence parallelism the gathered [N, d] copy is freed here, not saved
         if D is not None:
@@ -150,7 +149,6 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         # micro-batches) add to it in place meanwhile, which the saved-tensor version check forbids.
         ctx.main_grad = main_grad if need_dw else None
         ctx.scaled_in_place = False
-        ctx.c_hat = c_hat  # 0-dim, in ctx: not an input's view, nothing modifies it
         # hidden (the sequence shard under SP) and weight are kept only for the recompute path;
         # both are alive anyway (activation / parameter). labels_bad is read with the backward's
         # decision (see backward).
@@ -181,12 +179,11 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             # D and A belong to this graph alone (one per forward call, e.g. per micro-batch) and
             # are freed after this backward: scaling them in place costs no second buffer.
             ctx.scaled_in_place = True
-            ratio = c / ctx.c_hat  # exactly 1.0 for sum(loss * mask) / sum(mask): D is then not rounded again
-            dh = D.mul_(ratio) if need_dh else None  # fp32 ratio: the kernel does not round it to bf16
+            dh = _scale_in_place(D, c) if need_dh else None
             if not need_dw:
                 dw = None
             elif cfg.weight_grad == "forward":
-                dw = _weight_grad(weight, A, ratio, ctx.main_grad)
+                dw = _weight_grad(weight, A, c, ctx.main_grad)
             else:
                 dw = _weight_grad_in_backward(hidden, weight, labels, m_all, s_all, torch.where(valid, g, 0.0),
                                               cfg, ctx.main_grad)
