@@ -107,7 +107,7 @@ def _errs(prefix, got, ref, names=("dh", "dw")):
 
 
 def run_case(s=12, b=3, d=24, V=50, dtype=torch.float32, kind="binary", seed=0, token_chunk=5, vocab_chunk=16,
-             sequence_parallel=False, impl="torch", with_megatron=True):
+             sequence_parallel=False, impl="torch", with_megatron=True, weight_grad="forward"):
     """Fused vs Megatron vs reference on this rank; returns a dict of errors, scales and paths."""
     tp = dist.get_world_size()
     rank = dist.get_rank()
@@ -129,7 +129,7 @@ def run_case(s=12, b=3, d=24, V=50, dtype=torch.float32, kind="binary", seed=0, 
         warnings.simplefilter("ignore", FusedLossRecomputeWarning)
         loss_f = fused_linear_cross_entropy(h_f, w_f, labels, tp_group=group, ignore_index=IGNORE, loss_mask=hint,
                                             sequence_parallel=sequence_parallel, token_chunk=token_chunk,
-                                            vocab_chunk=vocab_chunk, impl=impl)
+                                            vocab_chunk=vocab_chunk, impl=impl, weight_grad=weight_grad)
         ((loss_f * r).sum() * scale).backward()
     out["paths"] = {k: backward_paths[k] - before.get(k, 0) for k in ("scaled", "recompute")}
     out["ignored_loss"] = loss_f[~valid].abs().max().item()
@@ -424,7 +424,7 @@ def reads_and_collectives(s=10, b=2, d=8, V=20, sequence_parallel=False, kind="b
 
 
 def main_grad_case(dtype=torch.float32, kind="binary", ddp_attrs=True, zero_out_wgrad=False, s=9, b=2, d=12, V=30,
-                   impl="torch"):
+                   impl="torch", weight_grad="forward"):
     """accumulate_into_main_grad=True on a weight given a pre-filled fp32 main_grad by hand (as
     Megatron's DDP does). Returns the main_grad increment's error against the unfused gradient
     (fp32 reference, and Megatron's bf16 path for bf16), the returned weight gradient and flags."""
@@ -442,7 +442,7 @@ def main_grad_case(dtype=torch.float32, kind="binary", ddp_attrs=True, zero_out_
         before = dict(backward_paths)
         loss = fused_linear_cross_entropy(x["h"], w, x["labels"], tp_group=x["group"], ignore_index=IGNORE,
                                           loss_mask=x["hint"], accumulate_into_main_grad=True, token_chunk=4,
-                                          vocab_chunk=8, impl=impl)
+                                          vocab_chunk=8, impl=impl, weight_grad=weight_grad)
         ((loss * x["r"]).sum() * x["scale"]).backward()
     h_r, w_r = leaf(x["h"], torch.float32), leaf(w, torch.float32)
     loss_r = reference_linear_cross_entropy(h_r, w_r, x["labels"], tp_group=x["group"], ignore_index=IGNORE)

@@ -17,6 +17,7 @@ import torch
 from megatron_burst.loss.chunks import chunked_forward, recompute_grads
 from megatron_burst.loss.config import LossConfig, labels_out_of_range, raise_label_error
 from megatron_burst.loss.parallel import gather_sequence, reduce_hidden_grad
+from megatron_burst.loss.vocab_pass import weight_grad_by_vocab_tiles
 
 __all__ = ["FusedLinearCrossEntropyFunction", "proportional_factor", "backward_paths", "FusedLossRecomputeWarning",
            "PROPORTIONAL_RTOL"]
@@ -92,6 +93,35 @@ def _weight_grad(weight: torch.Tensor, acc: torch.Tensor, c: Optional[torch.Tens
     return torch.mul(acc, c, out=torch.empty(acc.shape, dtype=weight.dtype, device=acc.device))
 
 
+def _scale_in_place(t: torch.Tensor, s: torch.Tensor, block_elems: int = 1 << 22) -> torch.Tensor:
+    """t [n, d] *= s (0-dim fp32 on the device), each element rounded once, in place; returns t.
+
+    Not ``t.mul_(s)`` for a 16-bit t: type promotion makes a 0-dim tensor take t's dtype, so s itself
+    would be rounded to bf16 first -- a systematic relative error of up to 2^-9 on the whole
+    gradient (this was the fused loss's excess d hidden error). The product is formed in fp32,
+    a bounded block of rows at a time (no fp32 copy of all of t).
+    """
+    if t.dtype == torch.float32:
+        return t.mul_(s)
+    rows = max(1, block_elems // max(1, t.shape[1]))  # 16 MiB of fp32 at most
+    for a in range(0, t.shape[0], rows):
+        t[a:a + rows] = t[a:a + rows].float().mul_(s)
+    return t
+
+
+def _weight_grad_in_backward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                             m_all: torch.Tensor, s_all: torch.Tensor, g: torch.Tensor, cfg: LossConfig,
+                             main_grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """weight_grad="backward": d weight from the actual g [N] (0 at ignored labels), per vocabulary
+    tile (:mod:`megatron_burst.loss.vocab_pass`) -- exact for any g. hidden: [n, d] as saved (the
+    sequence shard under SP: all-gathered here). Returns d weight [V/tp, d] or Megatron's placeholder."""
+    h = gather_sequence(hidden, cfg) if cfg.sequence_parallel else hidden
+    if main_grad is not None:
+        weight.main_grad = main_grad  # as Megatron's layer: restore the buffer captured in the forward
+    dw = weight_grad_by_vocab_tiles(h, weight, labels, m_all, s_all, g, cfg, main_grad)
+    return dw if main_grad is None else _megatron_dummy_wgrad(weight, main_grad)
+
+
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """apply(hidden [n, d], weight [V/tp, d], labels [N], wts [N] fp32, cfg, main_grad or None,
     labels_shape) -> loss [N]. labels_shape: the caller's labels' shape (for error messages).
@@ -105,7 +135,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 cfg: LossConfig, main_grad: Optional[torch.Tensor], labels_shape: tuple) -> torch.Tensor:
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         h = gather_sequence(hidden, cfg) if cfg.sequence_parallel else hidden
-        loss, m_all, s_all, D, A = chunked_forward(h, weight, labels, wts, cfg, need_dh, need_dw)
+        loss, m_all, s_all, D, A = chunked_forward(h, weight, labels, wts, cfg, need_dh,
+                                                   need_dw and cfg.weight_grad == "forward")
         del h  # under sequence parallelism the gathered [N, d] copy is freed here, not saved
         if D is not None:
             # Reduce D over TP now, so the scaled backward has no collective: summing the ranks'
@@ -148,8 +179,14 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             # D and A belong to this graph alone (one per forward call, e.g. per micro-batch) and
             # are freed after this backward: scaling them in place costs no second buffer.
             ctx.scaled_in_place = True
-            dh = D.mul_(c) if need_dh else None  # fp32 c: the kernel does not round it to bf16
-            dw = _weight_grad(weight, A, c, ctx.main_grad) if need_dw else None
+            dh = _scale_in_place(D, c) if need_dh else None
+            if not need_dw:
+                dw = None
+            elif cfg.weight_grad == "forward":
+                dw = _weight_grad(weight, A, c, ctx.main_grad)
+            else:
+                dw = _weight_grad_in_backward(hidden, weight, labels, m_all, s_all, torch.where(valid, g, 0.0),
+                                              cfg, ctx.main_grad)
             return dh, dw, None, None, None, None, None
         backward_paths["recompute"] += 1
         warnings.warn(
@@ -157,11 +194,19 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             "loss_mask, so the backward recomputed the logits (exact, but ~2x the LM-head time). Pass "
             "loss_mask=<the mask the per-token loss is multiplied by> to avoid it.",
             FusedLossRecomputeWarning, stacklevel=2)
-        h = gather_sequence(hidden, cfg) if cfg.sequence_parallel else hidden
-        dh, dw_acc = recompute_grads(h, weight, labels, m_all, s_all, torch.where(valid, g, 0.0), cfg,
-                                     need_dh, need_dw)
-        del h
+        g = torch.where(valid, g, 0.0)
+        dw_here = need_dw and cfg.weight_grad == "forward"
+        dh = dw_acc = None
+        if need_dh or dw_here:
+            h = gather_sequence(hidden, cfg) if cfg.sequence_parallel else hidden
+            dh, dw_acc = recompute_grads(h, weight, labels, m_all, s_all, g, cfg, need_dh, dw_here)
+            del h
         if dh is not None:
             dh = reduce_hidden_grad(dh, cfg)
-        dw = _weight_grad(weight, dw_acc, None, ctx.main_grad) if need_dw else None
+        if not need_dw:
+            dw = None
+        elif dw_here:
+            dw = _weight_grad(weight, dw_acc, None, ctx.main_grad)
+        else:
+            dw = _weight_grad_in_backward(hidden, weight, labels, m_all, s_all, g, cfg, ctx.main_grad)
         return dh, dw, None, None, None, None, None

@@ -46,6 +46,10 @@ class LossConfig:
     ignore_index: int
     sequence_parallel: bool  # hidden (and its gradient) is this rank's sequence shard
     impl: str  # "torch" or "triton" (resolved: never "auto")
+    # "forward": d weight accumulated over token chunks in the forward into an fp32 [V_local, d]
+    # buffer (3 GEMMs); "backward": formed per vocabulary tile in the backward, rounded once, no
+    # [V_local, d] buffer but the gradient (4 GEMMs; megatron_burst.loss.vocab_pass).
+    weight_grad: str = "forward"
 
     @property
     def vocab_start(self) -> int:
@@ -59,7 +63,7 @@ class LossConfig:
 def make_loss_config(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                      loss_mask: Optional[torch.Tensor], tp_group: Optional[dist.ProcessGroup], ignore_index: int,
                      sequence_parallel: bool, token_chunk: Optional[int], vocab_chunk: Optional[int], impl: str,
-                     name: str = "fused_linear_cross_entropy") -> LossConfig:
+                     name: str = "fused_linear_cross_entropy", weight_grad: str = "forward") -> LossConfig:
     """Validate the arguments (errors name the value and the fix) and fix the chunking.
 
     Reads no tensor value (label values: :func:`labels_out_of_range`), so it costs no host sync.
@@ -102,6 +106,10 @@ def make_loss_config(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     for arg, v in (("token_chunk", token_chunk), ("vocab_chunk", vocab_chunk)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"{name}: {arg} must be a positive int (or None for the default), got {v!r}")
+    if weight_grad not in ("forward", "backward"):
+        raise ValueError(f"{name}: weight_grad must be 'forward' (fp32 accumulator kept from the forward, 3 GEMMs) "
+                         f"or 'backward' (per vocabulary tile in the backward, no accumulator, 4 GEMMs), "
+                         f"got {weight_grad!r}")
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"{name}: impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     if impl == "triton":
@@ -118,7 +126,7 @@ def make_loss_config(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     token_chunk = min(token_chunk, n_tokens)
     vocab_chunk = min(vocab_chunk or DEFAULT_VOCAB_CHUNK, v_local)
     return LossConfig(tp_group if tp_size > 1 else None, tp_size, tp_rank, v_local, token_chunk, vocab_chunk,
-                      ignore_index, bool(sequence_parallel), impl)
+                      ignore_index, bool(sequence_parallel), impl, weight_grad)
 
 
 def default_token_chunk(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, device: torch.device,

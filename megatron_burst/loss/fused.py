@@ -108,7 +108,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
                                tp_group: Optional[dist.ProcessGroup] = None, ignore_index: int = -100,
                                loss_mask: Optional[torch.Tensor] = None, sequence_parallel: bool = False,
                                accumulate_into_main_grad: bool = False, token_chunk: Optional[int] = None,
-                               vocab_chunk: Optional[int] = None, impl: str = "auto") -> torch.Tensor:
+                               vocab_chunk: Optional[int] = None, impl: str = "auto",
+                               weight_grad: str = "forward") -> torch.Tensor:
     """Per-token cross-entropy of ``hidden @ weight.T`` without materializing the logits.
 
     Args:
@@ -137,6 +138,11 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         impl: "auto" (the fast path on CUDA after its self-check, else "torch"), "triton" (CUDA,
             or CPU with TRITON_INTERPRET=1: cuBLAS GEMMs + one fused Triton pass per chunk) or
             "torch" (any device).
+        weight_grad: where d(weight) is formed. "forward" (default): accumulated over token chunks
+            in the forward into an fp32 [V/tp, d] buffer kept for the backward (three vocabulary
+            GEMMs in all). "backward": per vocabulary tile in the backward from the actual incoming
+            gradient, each element rounded once, no [V/tp, d] buffer beyond the gradient itself
+            (a fourth GEMM: the tile's logits are recomputed). See :mod:`megatron_burst.loss.vocab_pass`.
 
     Returns:
         fp32 per-token loss ``logsumexp_v(z_tv) - z_t,label`` with the labels' shape; 0 at ignored
@@ -152,7 +158,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     """
     impl = resolve_impl(impl, hidden, fused_linear_cross_entropy)
     cfg = make_loss_config(hidden, weight, labels, loss_mask, tp_group, ignore_index, sequence_parallel,
-                           token_chunk, vocab_chunk, impl)
+                           token_chunk, vocab_chunk, impl, weight_grad=weight_grad)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
