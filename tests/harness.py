@@ -44,7 +44,11 @@ __all__ = ["run_ranks", "run_ranks_on_one_gpu", "shutdown_pools", "worker_pids",
 
 # Imported once in the forkserver and inherited by every worker it forks. A module that fails
 # to import here is skipped silently by multiprocessing (workers then import it on demand).
+# megatron.core is left out on a CUDA machine: importing it there initializes CUDA in the
+# forkserver, and every forked rank then fails with "Cannot re-initialize CUDA in forked
+# subprocess" (seen on an H100: every multi-rank GPU test). Ranks import it on demand instead.
 PRELOAD_MODULES = ["torch", "torch.distributed", "megatron.core", "pytest"]
+CUDA_SAFE_PRELOAD = ["torch", "torch.distributed", "pytest"]
 
 # Once a rank has failed, wait at most this long for the other ranks (None: the whole
 # `timeout`). They are usually blocked in a collective the failed rank never joined.
@@ -216,11 +220,18 @@ def _free_port() -> int:
 _tracker_stop_registered = False
 
 
+def _preload_modules() -> list[str]:
+    """What the forkserver imports: never a module that initializes CUDA (see PRELOAD_MODULES)."""
+    import torch
+
+    return CUDA_SAFE_PRELOAD if torch.cuda.is_available() else PRELOAD_MODULES
+
+
 def _context() -> mp.context.BaseContext:
     global _tracker_stop_registered
     ctx = mp.get_context("forkserver")
     # Only effective before the forkserver starts (the first pool of the session).
-    ctx.set_forkserver_preload(PRELOAD_MODULES)
+    ctx.set_forkserver_preload(_preload_modules())
     tracker = getattr(mp_resource_tracker, "_resource_tracker", None)
     if not _tracker_stop_registered and getattr(tracker, "_pid", 0) is None:
         # Starting the forkserver also starts multiprocessing's resource tracker, which otherwise

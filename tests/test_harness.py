@@ -188,3 +188,16 @@ def test_shutdown_and_restart() -> None:
             os.kill(pid, 0)
     assert harness.worker_pids(2) == []
     assert run_ranks(2, _rank_and_sum) == [(0, 2, 1.0), (1, 2, 1.0)]
+
+
+def test_forkserver_preloads_nothing_that_initializes_cuda_on_a_cuda_machine(monkeypatch):
+    """On a CUDA machine megatron.core's import initialized CUDA in the forkserver, and every forked
+    rank failed ("Cannot re-initialize CUDA in forked subprocess"): it is not preloaded there."""
+    import torch
+
+    import harness
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "megatron.core" not in harness._preload_modules() and "torch" in harness._preload_modules()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "megatron.core" in harness._preload_modules()

@@ -55,11 +55,12 @@ def test_sparse_kernel_self_check(dtype):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_choice_after_self_checks_is_fused(head_dim, dtype):
     """choose() for every dense kind (each candidate self-checked on first use) picks fused kernels:
-    full/causal on cudnn or cuda_flash, block_causal/positions on triton_masked."""
+    full/causal on cudnn or cuda_flash, block_causal on triton_masked, positions on varlen_or_triton
+    (torch's varlen flash op where a block allows it, else triton_masked)."""
     choice.reset()
     got = choice.choose(DEV, DTYPES[dtype], head_dim, choice.DENSE_KINDS)
     rows = {kind: (fwd, bwd) for kind, fwd, bwd in got.kernels}
     for kind in ("full", "causal"):
         assert set(rows[kind]) <= {"cudnn", "cuda_flash"}, got.describe()
-    for kind in ("block_causal", "positions"):
-        assert rows[kind] == ("triton_masked", "triton_masked"), got.describe()
+    assert rows["block_causal"] == ("triton_masked", "triton_masked"), got.describe()
+    assert rows["positions"] == ("varlen_or_triton", "varlen_or_triton"), got.describe()
