@@ -252,3 +252,26 @@ def test_policy_values_are_checked():
         kernel_choice.LinearKernelPolicy(forced="triton")
     with pytest.raises(ValueError, match="unknown linear attention kernel 'cuda'"):
         linear_attention(*lasp2_inputs("none", 90)[:3], kernel="cuda")
+
+
+def test_fla_refusing_gated_backward_on_this_triton_is_a_loud_torch_path(monkeypatch, cuda_path):
+    """fla 0.6 refuses its gated backward on Hopper with 3.4 <= Triton < 3.7.1 (seen on an H100,
+    Triton 3.6): the gated forms run our torch path with one warning naming fla's issue and the fix
+    (not a self-check failure that stops training); ungated forms still take fla; kernel='fla' raises."""
+    fla_standin.install(monkeypatch)
+    monkeypatch.setattr(kernel_choice, "_fla_flags", lambda: (True, True, False))
+    q, k, v, g, dout = lasp2_inputs("token", 90)
+    with pytest.warns(SlowKernelWarning, match=r"per-token decay.*#640.*Triton to >= 3.7.1"):
+        got = run_lasp2(q, k, v, g, dout, "token")
+    assert_same(got, run_lasp2(q, k, v, g, dout, "token", kernel="torch"), "gated form on the torch path")
+    with pytest.warns(SlowKernelWarning, match=r"gdn \(per-token decay\).*#640"):
+        run_gdn(*gdn_inputs(64))
+    with pytest.raises(ValueError, match="#640"):
+        linear_attention(q, k, v, g=g, kernel="fla")
+    q, k, v, _, dout = lasp2_inputs("none", 90)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowKernelWarning)
+        run_lasp2(q, k, v, None, dout, "none")
+    assert any(c.uses_fla and c.form == "none" for c in kernel_choice._CHOSEN.values())
+    monkeypatch.setattr(kernel_choice, "_fla_flags", lambda: (True, True, True))  # Triton >= 3.7.1
+    assert kernel_choice.fla_refusal("lasp2", "token") is None

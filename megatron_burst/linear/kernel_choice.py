@@ -71,6 +71,13 @@ FLA_OPS: dict[tuple[str, str], tuple[str, str]] = {
     ("gdn", "token"): ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
 }
 FLA_FIX = "pip install flash-linear-attention"
+# forms whose fla backward runs the gated chunk_bwd_dqkwg kernel (g given per token), which fla 0.6
+# refuses on Hopper with Triton 3.4 <= version < 3.7.1 (it computes wrong results there; fla issue
+# #640). Seen on an H100 with torch 2.11 / Triton 3.6: a known refusal, so it is "not available
+# here" (the torch path, loudly), not a failed self-check. "channel" (chunk_gla) is not gated so:
+# its self-check decides.
+GATED_BACKWARD_FORMS = {("lasp2", "head"), ("lasp2", "token"), ("gdn", "token")}
+GATED_FIX = "upgrade Triton to >= 3.7.1 (or pip install tilelang), as fla's own message says"
 FLA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # Triton has no fp64 dot
 FORM_TEXT = {"none": "no decay", "head": "per-head decay", "token": "per-token decay",
              "channel": "per-channel decay"}
@@ -150,6 +157,32 @@ def load_fla(op: str, form: str) -> Optional[Callable]:
         raise RuntimeError(f"{module_name} has no {function} (flash-linear-attention too old or too new: megatron-burst "
                            "calls it as in fla 0.6)")
     return fn
+
+
+def _fla_flags() -> tuple[bool, bool, bool]:
+    """fla's own (IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1); all False where this fla
+    does not define them (its refusal does not exist there)."""
+    try:
+        utils = importlib.import_module("fla.utils")
+    except Exception:  # noqa: BLE001  no or a broken fla: load_fla reports that
+        return False, False, False
+    names = ("IS_NVIDIA_HOPPER", "TRITON_ABOVE_3_4_0", "TRITON_ABOVE_3_7_1")
+    if not all(hasattr(utils, n) for n in names):
+        return False, False, False
+    return tuple(bool(getattr(utils, n)) for n in names)  # type: ignore[return-value]
+
+
+def fla_refusal(op: str, form: str) -> Optional[str]:
+    """Why fla will refuse (op, form)'s backward on this machine before running it (None: it will not)."""
+    if (op, form) not in GATED_BACKWARD_FORMS:
+        return None
+    hopper, above_3_4, above_3_7_1 = _fla_flags()
+    if hopper and above_3_4 and not above_3_7_1:
+        import triton
+
+        return (f"fla refuses gated backward kernels on Hopper with Triton {triton.__version__} "
+                "(3.4 <= Triton < 3.7.1 computes them wrong: fla issue #640)")
+    return None
 
 
 # ------------------------------------------------------------------------------------------ self-check
@@ -386,6 +419,11 @@ def _decide(op, form, device, dtype, dk, dv, requested, documents, policy, fused
         if requested == "fla":
             raise ValueError(f"{what} needs flash-linear-attention ({FLA_FIX}); use kernel='torch' or 'auto'")
         return _slow(op, form, device, dtype, dk, dv, "flash-linear-attention is not installed", FLA_FIX, policy), None
+    refusal = fla_refusal(op, form)
+    if refusal is not None:
+        if requested == "fla":
+            raise ValueError(f"{what}: {refusal}. Fix: {GATED_FIX}; or kernel='torch'")
+        return _slow(op, form, device, dtype, dk, dv, refusal, GATED_FIX, policy), None
     name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
     try:
         remembered(_VERIFIED, (op, form, name, str(device), dtype, dk, dv),
