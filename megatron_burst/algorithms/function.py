@@ -50,7 +50,7 @@ class _CPAttention(torch.autograd.Function):
         fmt = ctx.qkv_format
         dout_h = to_bhsd(dout, fmt).contiguous()
         out_h = to_bhsd(out, fmt)
-        whole = single_block(ctx.cfg, qh.shape[2])
+        whole = single_block(ctx.cfg, qh.shape[2], qh.shape[0])
         if whole is not None:  # a kernel that reads the output itself needs no D
             D = None if reads_output(qh, whole.kind, ctx.cfg.kernel) else row_dot(dout_h, out_h)
             dq, dk, dv = block_backward(dout_h, qh, kh, vh, D, lse, whole, ctx.cfg.scale, ctx.cfg.kernel, out=out_h)
@@ -61,17 +61,19 @@ class _CPAttention(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
-def single_block(cfg: CPConfig, n: int) -> Optional[BlockMask]:
-    """The one block that covers every local query row of every sample when the call has nothing
-    to exchange (one rank, no sparse plan): then the forward and backward are one kernel call each,
-    with no fp32 accumulator and no merge. None otherwise."""
+def single_block(cfg: CPConfig, n: int, batch_size: int) -> Optional[BlockMask]:
+    """The one block that covers every local query row of every sample (``n`` rows, ``batch_size``
+    samples) when the call has nothing to exchange (one rank, no sparse plan): then the forward and
+    backward are one kernel call each, with no fp32 accumulator and no merge. None otherwise. A
+    documents call names its samples explicitly (slice(0, b)): that covers the batch too."""
     if cfg.world_size != 1 or cfg.pattern is not None or cfg.ulysses_size != 1:
         return None
     blocks = cfg.blocks(0, 0, n)
     if len(blocks) != 1:
         return None
     batch, mask = blocks[0]
-    whole_batch = batch.start in (None, 0) and batch.stop is None and batch.step in (None, 1)
+    whole_batch = (batch.start in (None, 0) and (batch.stop is None or batch.stop >= batch_size)
+                   and batch.step in (None, 1))
     return mask if whole_batch and mask.q_start == 0 and mask.q_stop == n else None
 
 
@@ -100,7 +102,7 @@ def attention_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, cfg:
     shape = (s, b, h, vh.shape[-1]) if qkv_format == "sbhd" else (b, s, h, vh.shape[-1])
     out = torch.empty(shape, dtype=qh.dtype, device=qh.device)
     out_h = to_bhsd(out, qkv_format)
-    whole = single_block(cfg, s) if q_rows is None else None
+    whole = single_block(cfg, s, b) if q_rows is None else None
     if whole is not None:
         o, lse = block_forward(qh, kh, vh, whole, cfg.scale, cfg.kernel)
         out_h.copy_(o)
