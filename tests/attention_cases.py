@@ -130,3 +130,30 @@ def refusal_messages(cases: dict) -> tuple:
     t = torch.ones(1)
     dist.all_reduce(t)  # the group is still usable: nothing was left half-posted
     return messages, counter.bytes("sent") + counter.bytes("received"), t.item() == dist.get_world_size()
+
+
+def run_case_split_block_causal(algo, layout, stripe, local_len, chunk_stripes=2):
+    """run_case with block_causal blocks split into full + diagonal parts (CPConfig.block_causal_chunk,
+    on CUDA only by default: forced here on CPU) and the kinds of the blocks that ran."""
+    from megatron_burst import kernels
+    from megatron_burst.algorithms import schedule
+
+    saved = schedule.CPConfig.block_causal_chunk
+    kinds = set()
+    real = kernels.block_forward
+
+    def counting(q, k, v, mask, *a, **kw):
+        kinds.add(mask.kind)
+        return real(q, k, v, mask, *a, **kw)
+
+    import megatron_burst.algorithms.ring as ring_mod  # every algorithm's forward visits blocks there
+
+    schedule.CPConfig.block_causal_chunk = property(lambda self: chunk_stripes * self.stripe)
+    ring_mod.block_forward = counting
+    try:
+        errs = run_case(algo, layout, True, (4, 2), local_len=local_len, stripe=stripe)
+    finally:
+        schedule.CPConfig.block_causal_chunk = saved
+        ring_mod.block_forward = real
+    errs["kinds"] = sorted(kinds)
+    return errs

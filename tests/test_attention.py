@@ -159,3 +159,33 @@ def test_output_is_stored_once(qkv_format):
     saved = out.grad_fn.saved_tensors
     assert sum(t.data_ptr() == out.data_ptr() for t in saved) == 1
     assert sum(t.numel() == out.numel() for t in saved) == 2  # q and out; k, v are smaller (GQA)
+
+
+@pytest.mark.parametrize("algo", ["ring", "burst"])
+def test_block_causal_split_into_full_and_diagonal_parts_is_exact(algo):
+    """Block-striped layouts on CUDA split each block_causal block into full rectangles (cuDNN) and
+    diagonal block-causal squares (CPConfig.block_causal_chunk): forced on CPU here, W = 3, stripe 2,
+    14 local tokens (7 stripes: parts of 4 rows and a ragged last one), exact forward and gradients."""
+    from attention_cases import run_case_split_block_causal
+
+    for errs in run_ranks(3, run_case_split_block_causal, algo, "striped", 2, 14):
+        assert {"full", "block_causal"} <= set(errs["kinds"]), errs["kinds"]
+        _assert_close({(algo, "split"): errs})
+
+
+def test_split_block_causal_tiles_the_mask_exactly():
+    """masks.block.split_block_causal: the parts cover the block_causal rectangle's visible pairs
+    exactly once, for square and shifted rectangles, ragged ends and chunks of several blocks."""
+    from megatron_burst.masks.block import BlockMask, split_block_causal
+
+    for rows, cols, block, chunk in [(64, 64, 4, 8), (60, 56, 4, 8), (10, 10, 2, 4), (33, 40, 3, 6), (8, 8, 4, 8)]:
+        mask = BlockMask("block_causal", 5, 5 + rows, 7, 7 + cols, block)
+        want = mask.dense(5 + rows, 7 + cols).int()
+        got = torch.zeros_like(want)
+        parts = split_block_causal(mask, chunk)
+        for p in parts:
+            got += p.dense(5 + rows, 7 + cols).int()
+        assert torch.equal(got, want), (rows, cols, block, chunk)
+        assert (len(parts) > 1) == (rows > chunk)
+    with pytest.raises(ValueError, match="multiple of the block"):
+        split_block_causal(BlockMask("block_causal", 0, 64, 0, 64, 4), 6)

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from megatron_burst.comm import PendingExchange
-from megatron_burst.masks.block import BlockMask
+from megatron_burst.masks.block import BlockMask, split_block_causal
 from megatron_burst.masks.dispatch import balanced_pair_table
 from megatron_burst.masks.documents import Documents, merge_rows_for
 from megatron_burst.masks import vertical_slash
@@ -63,6 +63,10 @@ ACTIVATION_STREAM = 0
 GRADIENT_STREAM = 1
 
 TRAFFIC_KINDS = ("ring", "direct")
+# rows per part of a split block_causal block on CUDA (CPConfig.block_causal_chunk): the diagonal
+# squares (the Triton tile-mask kernel) hold 1 / (2 * rows / chunk) of the pairs, the full
+# rectangles (cuDNN) the rest, at 2 * rows / chunk kernel calls per block
+BLOCK_CAUSAL_CHUNK = 1024
 
 
 @dataclass
@@ -112,6 +116,16 @@ class CPConfig:
         return self.window is not None
 
     @property
+    def block_causal_chunk(self) -> Optional[int]:
+        """Rows per part when ``block_causal`` blocks split into full rectangles and diagonal
+        block-causal squares (:func:`~megatron_burst.masks.block.split_block_causal`): on CUDA
+        (fused dense ops for the bulk); None elsewhere (the CPU's fused op computes a whole block
+        with one dense mask either way) or before the kernel choice is resolved."""
+        if getattr(self.kernel, "device_type", None) != "cuda" or self.stripe <= 1:
+            return None
+        return max(BLOCK_CAUSAL_CHUNK // self.stripe, 1) * self.stripe
+
+    @property
     def merge(self) -> Optional[tuple]:
         """How adjacent document rectangles merge into one block, (merge_rows, run_rows): by the device
         of the call's kernel choice (:func:`~megatron_burst.masks.documents.merge_rows_for`; None
@@ -128,7 +142,8 @@ class CPConfig:
             # visible pair is a tile column and no "gather" block exists, so asking for its kernel
             # would only choose (and warn about) the plain-torch row gather that never runs
             return ("sparse",) if vertical_slash.dense_column_for(self.pattern.device) == 0 else ("sparse", "gather")
-        striped_blocks = ("block_causal",) if self.layout == "striped" and self.stripe > 1 else ()
+        # block-striped: block_causal blocks, and the full parts they split into on CUDA
+        striped_blocks = ("block_causal", "full") if self.layout == "striped" and self.stripe > 1 else ()
         if self.documents is not None or self.window is not None:
             return ("full", "causal") + striped_blocks + ("positions",)
         if not self.causal:
@@ -163,8 +178,8 @@ class CPConfig:
                                   self.stripe, q_rows, documents=self.documents, window=self.window)
         merge = self.merge
         if U == 1:
-            return visible_blocks(self.documents, self.layout, q_member, kv_member, self.world_size, member_len,
-                                  self.causal, self.stripe, q_rows, self.window, merge)
+            return self._split(visible_blocks(self.documents, self.layout, q_member, kv_member, self.world_size,
+                                              member_len, self.causal, self.stripe, q_rows, self.window, merge))
         if q_rows is not None:
             raise ValueError("selective row recompute (q_rows) is not available under Ulysses/USP")
         n, cp_world = member_len // U, self.world_size * U
@@ -175,7 +190,14 @@ class CPConfig:
                                             cp_world, n, self.causal, self.stripe, window=self.window,
                                             merge=merge):
                     out.append((bs, m.shifted(a * n, b * n)))
-        return out
+        return self._split(out)
+
+    def _split(self, blocks: list) -> list:
+        """``blocks`` with block_causal rectangles split per :attr:`block_causal_chunk` (when set)."""
+        chunk = self.block_causal_chunk
+        if chunk is None or not any(m.kind == "block_causal" for _, m in blocks):
+            return blocks
+        return [(bs, part) for bs, m in blocks for part in split_block_causal(m, chunk)]
 
 
     def _placement_table(self) -> "np.ndarray":

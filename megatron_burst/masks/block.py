@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["BlockMask", "positions_visibility"]
+__all__ = ["BlockMask", "positions_visibility", "split_block_causal"]
 
 
 @dataclass(frozen=True)
@@ -170,3 +170,31 @@ def positions_visibility(q_pos: Optional[torch.Tensor], kv_pos: Optional[torch.T
     if q_doc is not None:
         vis &= kv_doc.to(device)[None, :] == q_doc.to(device)[:, None]
     return vis
+
+
+def split_block_causal(mask: BlockMask, chunk: int) -> list[BlockMask]:
+    """A ``block_causal`` rectangle as full rectangles and small block-causal squares on the diagonal.
+
+    Rows [c*chunk, (c+1)*chunk) of the rectangle (offsets from its origin; ``chunk`` a multiple of
+    ``mask.block``) see every column before c*chunk entirely (a ``full`` part: a fused dense op) and
+    the columns [c*chunk, (c+1)*chunk) block-causally (a ``block_causal`` square: the tile-mask
+    kernel), nothing after. The parts tile the visible set exactly, each pair once; their outputs
+    merge as any blocks of a pair do. Other kinds, and rectangles of at most ``chunk`` rows, come
+    back as they are. Why: on a GPU the fused dense op runs the bulk of the pairs (cuDNN ~1.7x the
+    Triton kernel per pair), the tile mask only 1 / (2 * rows / chunk) of them.
+    """
+    rows, cols = mask.q_stop - mask.q_start, mask.kv_stop - mask.kv_start
+    if mask.kind != "block_causal" or rows <= chunk:
+        return [mask]
+    if chunk % mask.block:
+        raise ValueError(f"split_block_causal: chunk {chunk} must be a multiple of the block {mask.block}")
+    parts = []
+    for r0 in range(0, rows, chunk):
+        r1 = min(r0 + chunk, rows)
+        q0, q1 = mask.q_start + r0, mask.q_start + r1
+        if r0 > 0 and cols > 0:
+            parts.append(BlockMask("full", q0, q1, mask.kv_start, mask.kv_start + min(r0, cols)))
+        if r0 < cols:
+            parts.append(BlockMask("block_causal", q0, q1, mask.kv_start + r0, mask.kv_start + min(r0 + chunk, cols),
+                                   mask.block))
+    return parts
