@@ -19,7 +19,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fused_loss_cases as cases
-from megatron_burst.loss import FusedLossRecomputeWarning, fused_linear_cross_entropy, onchip, reference_linear_cross_entropy
+from megatron_burst.loss import (FusedLossRecomputeWarning, fused_linear_cross_entropy, onchip,
+                                 reference_linear_cross_entropy)
 
 IMPL = "triton_recompute"
 IGNORE = -100

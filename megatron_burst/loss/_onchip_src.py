@@ -29,7 +29,8 @@ def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _logits_tile(H, W, rows, cols, row_ok, col_ok, D, stride_h, stride_w,
-                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+                 UPCAST: tl.constexpr):
     """z [BLOCK_N, BLOCK_V] fp32 = H[rows] W[cols]^T (masked rows / columns give 0)."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     ks = tl.arange(0, BLOCK_D)
@@ -52,7 +53,8 @@ def _grad_tile(z, cols, col_ok, tgt, lse, gw, OUT_DTYPE: tl.constexpr):
 
 @triton.jit
 def lse_stats_kernel(H, W, TGT, MAX, SUMEXP, ZTGT, N, V, D, stride_h, stride_w, tiles_per_split,
-                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+                 UPCAST: tl.constexpr):
     """Program (token tile i, vocabulary split j): walk the split's vocabulary tiles, keep per row the
     running max m and sum exp(z - m) (fp32, one exp per logit) and the target logit (TGT: local
     column, -1 if not in this shard); store them at [j, row] of MAX / SUMEXP / ZTGT ([splits, N])."""
@@ -69,7 +71,8 @@ def lse_stats_kernel(H, W, TGT, MAX, SUMEXP, ZTGT, N, V, D, stride_h, stride_w, 
     for v0 in range(v_begin, v_end, BLOCK_V):
         cols = (v0 + tl.arange(0, BLOCK_V)).to(tl.int64)
         col_ok = cols < V
-        z = _logits_tile(H, W, rows, cols, row_ok, col_ok, D, stride_h, stride_w, BLOCK_N, BLOCK_V, BLOCK_D, PREC, UPCAST)
+        z = _logits_tile(H, W, rows, cols, row_ok, col_ok, D, stride_h, stride_w,
+                         BLOCK_N, BLOCK_V, BLOCK_D, PREC, UPCAST)
         zt += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
         z = tl.where(col_ok[None, :], z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))  # finite: every tile has a column in range
@@ -83,7 +86,8 @@ def lse_stats_kernel(H, W, TGT, MAX, SUMEXP, ZTGT, N, V, D, stride_h, stride_w, 
 
 @triton.jit
 def hidden_grad_kernel(H, W, TGT, LSE, GW, DH, N, V, D, stride_h, stride_w, stride_o,
-                       BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+                 UPCAST: tl.constexpr):
     """Program i owns token rows [i BLOCK_N, (i+1) BLOCK_N) of DH [N, D] (fp32): walks all
     vocabulary tiles, recomputes z, forms G (rounded to the input dtype) and adds G W[tile] into
     its rows slice by slice of d (the first tile overwrites: DH needs no zeroing). No other
@@ -98,7 +102,8 @@ def hidden_grad_kernel(H, W, TGT, LSE, GW, DH, N, V, D, stride_h, stride_w, stri
     for v0 in range(0, V, BLOCK_V):
         cols = (v0 + tl.arange(0, BLOCK_V)).to(tl.int64)
         col_ok = cols < V
-        z = _logits_tile(H, W, rows, cols, row_ok, col_ok, D, stride_h, stride_w, BLOCK_N, BLOCK_V, BLOCK_D, PREC, UPCAST)
+        z = _logits_tile(H, W, rows, cols, row_ok, col_ok, D, stride_h, stride_w,
+                         BLOCK_N, BLOCK_V, BLOCK_D, PREC, UPCAST)
         g = _grad_tile(z, cols, col_ok, tgt, lse, gw, W.dtype.element_ty)
         for k0 in range(0, D, BLOCK_D):
             k = k0 + ks
@@ -130,7 +135,8 @@ def weight_grad_kernel(H, W, TGT, LSE, GW, DW, N, D, v_offset, v_count, stride_h
         tgt = tl.load(TGT + rows, mask=row_ok, other=-1)
         lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
         gw = tl.load(GW + rows, mask=row_ok, other=0.0)
-        z = _logits_tile(H, W, rows, cols, row_ok, col_ok, D, stride_h, stride_w, BLOCK_N, BLOCK_V, BLOCK_D, PREC, UPCAST)
+        z = _logits_tile(H, W, rows, cols, row_ok, col_ok, D, stride_h, stride_w,
+                         BLOCK_N, BLOCK_V, BLOCK_D, PREC, UPCAST)
         gt = tl.trans(_grad_tile(z, cols, col_ok, tgt, lse, gw, H.dtype.element_ty))  # [BLOCK_V, BLOCK_N]
         for k0 in range(0, D, BLOCK_D):
             k = k0 + ks
