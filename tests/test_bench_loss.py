@@ -20,6 +20,9 @@ def test_skip_reasons():
     assert bench.skip_reason("liger", "cuda", 2) == "takes no tensor-parallel group (TP = 1 only)"
     assert bench.skip_reason("unfused_torch", "cuda", 2) == "plain torch, TP = 1 only"
     assert bench.skip_reason("fused@2048", "cpu", 2) is None
+    assert bench.skip_reason("fused_recompute", "cpu", 1).startswith("Triton kernels, needs CUDA")
+    assert bench.skip_reason("fused_recompute", "cuda", 2) is None
+    assert "fused_recompute" in bench.QUICK_VARIANTS and "fused_recompute" in bench.TP_VARIANTS
     assert bench.base_variant("fused@2048") == "fused"
 
 

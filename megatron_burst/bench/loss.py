@@ -22,6 +22,8 @@ and their "mean" reduction -- the same number):
   fused          megatron_burst.fused_linear_cross_entropy(loss_mask=mask), impl="auto", the op's default chunk
                  (on CUDA: the fast path after its self-check; on CPU: the torch path)
   fused_bwdw     fused, weight_grad="backward" (d weight per vocabulary tile in the backward: no fp32 [V, d] accumulator)
+  fused_recompute  fused, impl="triton_recompute" (opt-in, not yet run on a GPU: logits recomputed tile by tile
+                 in Triton kernels and never stored; d hidden and d weight in the backward; CUDA only)
   fused_torch    the same with impl="torch" (its default chunk: a 2^26-logit fp32 tile)
   recompute      megatron_burst.loss.recompute_linear_cross_entropy (backward recomputes the logits; impl auto)
   liger          Liger-Kernel's fused linear cross-entropy (CUDA, TP = 1, when importable)
@@ -74,10 +76,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_burst.bench import plotting
 from megatron_burst.world import free_port
 
-VARIANTS = ("unfused", "unfused_torch", "fused", "fused_bwdw", "fused_torch", "recompute", "liger", "cce")
+VARIANTS = ("unfused", "unfused_torch", "fused", "fused_bwdw", "fused_recompute", "fused_torch", "recompute", "liger",
+            "cce")
 CPU_VARIANTS = ("unfused", "fused", "recompute", "liger", "cce")  # liger / cce: reported as skipped on CPU
-QUICK_VARIANTS = ("unfused", "unfused_torch", "fused", "fused_bwdw", "fused_torch", "liger", "cce")
-TP_VARIANTS = ("unfused", "fused", "fused_bwdw", "fused_torch", "recompute")  # the ones that take a TP group
+QUICK_VARIANTS = ("unfused", "unfused_torch", "fused", "fused_bwdw", "fused_recompute", "fused_torch", "liger", "cce")
+# the ones that take a TP group
+TP_VARIANTS = ("unfused", "fused", "fused_bwdw", "fused_recompute", "fused_torch", "recompute")
 PEERS = {"liger": ("liger_kernel", "pip install liger-kernel"), "cce": ("cut_cross_entropy",
                                                                        "pip install cut-cross-entropy")}
 DEFAULT_CONFIGS = [(4096, 32768, 1024), (4096, 131072, 1024), (16384, 32768, 1024)]  # (N, V, d)
@@ -154,6 +158,8 @@ def skip_reason(variant: str, device: str, tp: int) -> str | None:
             return "takes no tensor-parallel group (TP = 1 only)"
         if importlib.util.find_spec(module) is None:
             return f"not installed ({fix})"
+    if base == "fused_recompute" and not device.startswith("cuda"):
+        return f"Triton kernels, needs CUDA (this run is on {device}; the tests run them under TRITON_INTERPRET=1)"
     if base == "unfused_torch" and tp > 1:
         return "plain torch, TP = 1 only"
     return None
@@ -254,9 +260,9 @@ def _worker(spec: dict) -> dict:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     elif base == "cce":
         from cut_cross_entropy import linear_cross_entropy
-    impl = "torch" if base == "fused_torch" else "auto"
+    impl = {"fused_torch": "torch", "fused_recompute": "triton_recompute"}.get(base, "auto")
     info = {}
-    if base in ("fused", "fused_bwdw", "fused_torch", "recompute"):
+    if base in ("fused", "fused_bwdw", "fused_recompute", "fused_torch", "recompute"):
         lc = make_loss_config(hidden, weight, labels, mask, group, IGNORE, sp, chunk, None,
                               resolve_impl(impl, hidden, fused_linear_cross_entropy))
         info = {"impl": lc.impl, "chunk": lc.token_chunk}
@@ -272,7 +278,7 @@ def _worker(spec: dict) -> dict:
         elif base == "unfused_torch":
             logits = hidden.view(N, d) @ weight.t()
             return torch.nn.functional.cross_entropy(logits.float(), labels_ign.view(N), ignore_index=IGNORE)
-        elif base in ("fused", "fused_bwdw", "fused_torch"):
+        elif base in ("fused", "fused_bwdw", "fused_recompute", "fused_torch"):
             loss = fused_linear_cross_entropy(hidden, weight, labels, tp_group=group, loss_mask=mask,
                                               sequence_parallel=sp, token_chunk=chunk, impl=impl,
                                               weight_grad="backward" if base == "fused_bwdw" else "forward")

@@ -9,7 +9,7 @@ Modules: fused (public function, algorithm), autograd (its autograd function), c
 impl="auto" runs: the self-checked fast path on CUDA), fast (the GPU fast path: cuBLAS GEMMs + one
 fused Triton pass per chunk; FLOPs / bytes / memory), triton_kernels (its Triton kernel), chunks
 (chunk walker, torch backend), parallel (TP / SP collectives), config (validation and chunking),
-recompute, reference.
+recompute, reference; onchip (the opt-in impl="triton_recompute": logits recomputed on chip, untimed).
 """
 from megatron_burst.loss.autograd import FusedLossRecomputeWarning, backward_paths
 from megatron_burst.loss.config import DEFAULT_TILE_ELEMS

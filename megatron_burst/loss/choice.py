@@ -40,7 +40,9 @@ logger = logging.getLogger("megatron_burst.loss")
 FAST_DEVICE_TYPES = ("cuda",)  # device types where "auto" runs the fast path (tests add "cpu" + interpreter)
 FAST_NAME = "triton"
 DESCRIPTION = {"triton": "triton (cuBLAS GEMMs + one fused Triton softmax-gradient pass per token chunk)",
-               "torch": "torch (GEMMs + torch elementwise passes)"}
+               "torch": "torch (GEMMs + torch elementwise passes)",
+               "triton_recompute": "triton_recompute (opt-in: logits recomputed on chip in Triton kernels, "
+                                   "never stored)"}
 
 # (device, dtype) -> True, or the LossSelfCheckError the self-check raised
 _VERDICTS: dict[tuple[str, torch.dtype], object] = {}
@@ -160,13 +162,14 @@ def _compare(what: str, got: torch.Tensor, ref: torch.Tensor, tol: float, floor:
     return None
 
 
-def self_check(device: torch.device, dtype: torch.dtype, fused_linear_cross_entropy: Callable) -> None:
-    """Run the fast path of ``fused_linear_cross_entropy`` against the fp32 reference on ``device``
-    in ``dtype`` (scaled and recompute backward); raise LossSelfCheckError naming what failed (the
-    exception chained)."""
+def self_check(device: torch.device, dtype: torch.dtype, fused_linear_cross_entropy: Callable,
+               impl: str = FAST_NAME) -> None:
+    """Run the fast path (or ``impl``, e.g. the opt-in "triton_recompute", which "auto" never runs)
+    of ``fused_linear_cross_entropy`` against the fp32 reference on ``device`` in ``dtype`` (scaled
+    and recompute backward); raise LossSelfCheckError naming what failed (the exception chained)."""
 
     s = _shape()
-    label = f"the fused LM loss implementation {FAST_NAME!r} on {device} / {dtype}"
+    label = f"the fused LM loss implementation {impl!r} on {device} / {dtype}"
     tol = SELF_CHECK_TOL.get(dtype, SELF_CHECK_TOL[torch.bfloat16])
     hidden, weight, labels, mask, other = _inputs(device, dtype)
     valid = labels != -100
@@ -179,7 +182,7 @@ def self_check(device: torch.device, dtype: torch.dtype, fused_linear_cross_entr
                     warnings.simplefilter("ignore", FusedLossRecomputeWarning)
                     h = hidden.detach().clone().requires_grad_()
                     w = weight.detach().clone().requires_grad_()
-                    loss = fused_linear_cross_entropy(h, w, labels, loss_mask=mask, token_chunk=s["T"], impl=FAST_NAME)
+                    loss = fused_linear_cross_entropy(h, w, labels, loss_mask=mask, token_chunk=s["T"], impl=impl)
                     (loss * r).sum().backward()
                     h32 = hidden.detach().float().requires_grad_()
                     w32 = weight.detach().float().requires_grad_()

@@ -30,6 +30,8 @@ __all__ = ["LossConfig", "make_loss_config", "token_weights", "labels_out_of_ran
 DEFAULT_TILE_ELEMS = 1 << 26
 DEFAULT_VOCAB_CHUNK = 16384
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+# "triton_recompute": opt-in, never chosen by "auto" (megatron_burst.loss.onchip; not yet run on a GPU).
+IMPLS = ("auto", "torch", "triton", "triton_recompute")
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class LossConfig:
     vocab_chunk: int  # vocabulary rows per logits tile within a chunk
     ignore_index: int
     sequence_parallel: bool  # hidden (and its gradient) is this rank's sequence shard
-    impl: str  # "torch" or "triton" (resolved: never "auto")
+    impl: str  # "torch", "triton" or "triton_recompute" (resolved: never "auto")
     # "forward": d weight accumulated over token chunks in the forward into an fp32 [V_local, d]
     # buffer (3 GEMMs); "backward": formed per vocabulary tile in the backward, rounded once, no
     # [V_local, d] buffer but the gradient (4 GEMMs; megatron_burst.loss.vocab_pass).
@@ -110,12 +112,15 @@ def make_loss_config(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
         raise ValueError(f"{name}: weight_grad must be 'forward' (fp32 accumulator kept from the forward, 3 GEMMs) "
                          f"or 'backward' (per vocabulary tile in the backward, no accumulator, 4 GEMMs), "
                          f"got {weight_grad!r}")
-    if impl not in ("auto", "torch", "triton"):
-        raise ValueError(f"{name}: impl must be 'auto', 'torch' or 'triton', got {impl!r}")
-    if impl == "triton":
+    if impl not in IMPLS:
+        raise ValueError(f"{name}: impl must be 'auto', 'torch' or 'triton', got {impl!r} (opt-in, untested on "
+                         "GPUs so far: 'triton_recompute')")
+    if impl in ("triton", "triton_recompute"):
         triton_kernels.check_device(hidden)
     if impl == "auto":
         raise ValueError(f"{name}: resolve impl='auto' first (megatron_burst.loss.choice.resolve_impl)")
+    if token_chunk is None and impl == "triton_recompute":
+        token_chunk = n_tokens  # not chunked: its kernels walk token tiles (megatron_burst.loss.onchip)
     if token_chunk is None:
         token_chunk = default_token_chunk(n_tokens, v_local, hidden.shape[-1], hidden.dtype, hidden.device, impl)
         if tp_size > 1 and hidden.is_cuda:

@@ -84,6 +84,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_burst.loss import onchip
 from megatron_burst.loss.autograd import FusedLinearCrossEntropyFunction, FusedLossRecomputeWarning, backward_paths
 from megatron_burst.loss.chunks import loss_without_grad
 from megatron_burst.loss.choice import resolve_impl
@@ -137,7 +138,10 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         vocab_chunk: vocabulary rows per logits tile of the torch path (default 16384).
         impl: "auto" (the fast path on CUDA after its self-check, else "torch"), "triton" (CUDA,
             or CPU with TRITON_INTERPRET=1: cuBLAS GEMMs + one fused Triton pass per chunk) or
-            "torch" (any device).
+            "torch" (any device). Opt-in, never chosen by "auto", not yet run on a GPU:
+            "triton_recompute" (:mod:`megatron_burst.loss.onchip`: the logits are recomputed tile by
+            tile in Triton kernels and never stored, d hidden and d weight formed in the backward
+            from the actual gradient -- ``loss_mask`` and ``weight_grad`` make no difference there).
         weight_grad: where d(weight) is formed. "forward" (default): accumulated over token chunks
             in the forward into an fp32 [V/tp, d] buffer kept for the backward (three vocabulary
             GEMMs in all). "backward": per vocabulary tile in the backward from the actual incoming
@@ -161,6 +165,14 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
                            token_chunk, vocab_chunk, impl, weight_grad=weight_grad)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
+    if cfg.impl == onchip.IMPL:  # opt-in: logits recomputed on chip, no D / A (see megatron_burst.loss.onchip)
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            main_grad = _main_grad_of(weight) if accumulate_into_main_grad and weight.requires_grad else None
+            loss = onchip.OnchipLinearCrossEntropyFunction.apply(h2, weight, y, cfg, main_grad)
+        else:
+            check_labels(labels, cfg)
+            loss = onchip.loss_only(h2, weight, y, cfg)
+        return loss.view(labels.shape)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         main_grad = _main_grad_of(weight) if accumulate_into_main_grad and weight.requires_grad else None
         wts = token_weights(labels, loss_mask, ignore_index)
