@@ -15,7 +15,7 @@
 #   pip download --no-deps -d .whl --python-version 3.12 --only-binary=:all: megatron-core==0.16.1
 # Outputs: OUT_DIR/session.log (versions; each part's start, exit status and seconds), gpu_test.log,
 # gpu_test_multi.log, gpu_failures.log (each failure as it happens),
-# bench_gpu.{jsonl,log}, bench_loss.log, bench_linear.{jsonl,log} (8 files: what a device call returns;
+# bench_gpu.{jsonl,log}, bench_loss.log, bench_linear.jsonl (8 files: what a device call returns; the linear log goes to session.log;
 # bench gpu / linear can redraw their plots here from the JSON lines).
 # scripts/gpu_check.sh and scripts/gpu_linear.sh run one family alone with a larger share.
 set -u
@@ -55,7 +55,7 @@ part attention-bench $(share ${ATTN_BENCH_SHARE:-20}) bash -o pipefail -c "$PY -
 part loss-bench $(share ${LOSS_BENCH_SHARE:-22}) bash -o pipefail -c "$PY -m megatron_burst.bench loss --quick --plot '' ${LOSS_BENCH_ARGS:-} 2>&1 | tee '$OUT_DIR/bench_loss.log'"
 part masked-tune $(share ${TUNE_SHARE:-0}) bash -o pipefail -c "$PY scripts/gpu_tune_masked.py --out '$OUT_DIR/tune_masked.jsonl' 2>&1 | tail -3"
 part linear-bench $(share ${LINEAR_BENCH_SHARE:-13}) bash -o pipefail -c "$PY -m megatron_burst.bench linear --gpu --out '$OUT_DIR/bench_linear.jsonl' \
-  ${LINEAR_BENCH_ARGS:---seq 32768 --heads 16 --head-dim 128 --worlds 2 --repeats 5 --warmup 2 --max-seconds 2} 2>&1 | tee '$OUT_DIR/bench_linear.log'"
+  ${LINEAR_BENCH_ARGS:---seq 32768 --heads 16 --head-dim 128 --worlds 2 --repeats 5 --warmup 2 --max-seconds 2} 2>&1 | tee -a '$OUT_DIR/session.log'"
 # the multi-rank tests (W processes per test sharing the GPU) run serially beside the xdist run of
 # the rest: rank pools and xdist workers are kept apart
 part gpu-suite $(share ${SUITE_SHARE:-45}) bash -c "export GPU_TEST_FAILLOG='$OUT_DIR/gpu_failures.log'
