@@ -24,7 +24,7 @@ The decision (one per op, device, dtype, head dims, ``kernel`` argument and poli
   crossing fla's 64-token chunks, two rows with their own decays. A failure raises
   :class:`~megatron_burst.kernels.choice.KernelSelfCheckError` naming the kernel, device, dtype,
   head dims, decay form, shape and the chained exception; it is never silently replaced. fla not
-  installed (or the op not covered: documents, fp64) -> the torch path with a one-time
+  installed (or the op not covered: fp64) -> the torch path with a one-time
   :class:`~megatron_burst.kernels.choice.SlowKernelWarning` naming the op and the fix. On other
   devices (CPU) the torch path runs silently: it is the CPU path, not a fallback.
 
@@ -54,7 +54,7 @@ from megatron_burst import env
 from megatron_burst.kernels import choice as attention_choice
 from megatron_burst.kernels.choice import KernelSelfCheckError, SlowKernelError, SlowKernelWarning, remembered
 
-__all__ = ["LINEAR_KERNELS", "DECAY_FORMS", "FLA_OPS", "FLA_FIX", "LinearKernelPolicy", "LinearKernelChoice",
+__all__ = ["LINEAR_KERNELS", "DECAY_FORMS", "FLA_OPS", "FLA_DOCUMENT_OPS", "FLA_FIX", "LinearKernelPolicy", "LinearKernelChoice",
            "choose", "decay_form", "load_fla", "self_check", "report", "reset", "KernelSelfCheckError",
            "SlowKernelError", "SlowKernelWarning"]
 
@@ -71,6 +71,9 @@ FLA_OPS: dict[tuple[str, str], tuple[str, str]] = {
     ("gdn", "token"): ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
 }
 FLA_FIX = "pip install flash-linear-attention"
+# the ops whose documents (cu_seqlens) fla takes: each rank's rows cut into pieces at the document
+# starts, run by fla's varlen mode (megatron_burst.linear.fla_adapter); every op today
+FLA_DOCUMENT_OPS = frozenset(FLA_OPS)
 # forms whose fla backward runs the gated chunk_bwd_dqkwg kernel (g given per token), which fla 0.6
 # refuses on Hopper with Triton 3.4 <= version < 3.7.1 (it computes wrong results there; fla issue
 # #640). Seen on an H100 with torch 2.11 / Triton 3.6: a known refusal, so it is "not available
@@ -363,8 +366,8 @@ def choose(op: str, form: str, device: torch.device, dtype: torch.dtype, dk: int
     """The kernel for one call of ``op`` (``"lasp2"`` or ``"gdn"``) with decay ``form`` on
     (device, dtype, dk, dv): (the choice, fla's function or None). See the module docstring.
 
-    ``documents``: the call has document boundaries (not wired to fla yet: the torch path, loudly
-    on CUDA). ``load``: returns fla's function or None (default :func:`load_fla`; delta.py passes
+    ``documents``: the call has document boundaries (fla runs them through its varlen mode for the
+    ops in :data:`FLA_DOCUMENT_OPS`; any other op takes the torch path, loudly on CUDA). ``load``: returns fla's function or None (default :func:`load_fla`; delta.py passes
     its own hook); ``gdn_torch_outputs``: the delta rule's torch path for its self-check (op
     "gdn", from delta.py). Raises ValueError for an unknown kernel or ``kernel="fla"`` that cannot run,
     KernelSelfCheckError, SlowKernelError (strict policy)."""
@@ -399,11 +402,12 @@ def _decide(op, form, device, dtype, dk, dv, requested, documents, policy, fused
     if requested == "auto" and not fused:
         return torch_choice(f"the {device.type} path"), None
     what = f"kernel='fla' for {op} ({FORM_TEXT[form]})"
-    if documents:
+    if documents and (op, form) not in FLA_DOCUMENT_OPS:
         if requested == "fla":
-            raise ValueError(f"{what} with documents (cu_seqlens) is not supported yet: use kernel='torch' or 'auto'")
-        return _slow(op, form, device, dtype, dk, dv, "documents are not wired to fla's kernels yet",
-                     "none yet (fla takes cu_seqlens; wiring our document resets to it is open work)", policy), None
+            raise ValueError(f"{what} with documents (cu_seqlens) is not wired to fla's varlen kernels: use "
+                             "kernel='torch' or 'auto'")
+        return _slow(op, form, device, dtype, dk, dv, f"documents are not wired to fla's varlen kernels for {op} "
+                     f"({FORM_TEXT[form]})", "none yet: train without documents or accept the torch path", policy), None
     if dtype not in FLA_DTYPES:
         if requested == "fla":
             raise ValueError(f"{what} takes fp32, bf16 or fp16 inputs, got {dtype}: use kernel='torch'")
