@@ -27,7 +27,8 @@ the same token loop alone.
 puts the tree in ``sys.modules``; ``fault`` makes every function wrong in one way (the self-check
 must catch it): "scale2" doubles the output, "raise" raises like a Triton launch with a wrong
 index dtype, "exclusive" leaves the current token out of its own output, "no_state" returns no
-final state. ``calls`` counts the calls of each function (tests that fla was or was not consulted).
+final state, "varlen_carry" (varlen only) lets each sequence after the first enter with the state
+the one before it left instead of its initial state (a varlen mode that does not reset). ``calls`` counts the calls of each function (tests that fla was or was not consulted).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from typing import Optional
 
 import torch
 
-FAULTS = (None, "scale2", "raise", "exclusive", "no_state")
+FAULTS = (None, "scale2", "raise", "exclusive", "no_state", "varlen_carry")
 calls: Counter = Counter()
 
 
@@ -106,11 +107,13 @@ def _varlen(q, k, v, decay, beta, scale, initial_state, output_final_state, faul
     for i, (a, c) in enumerate(zip(cuts, cuts[1:])):
         piece = lambda t: None if t is None else t[:, a:c]  # noqa: E731
         h0 = None if initial_state is None else initial_state[i:i + 1]
+        if fault == "varlen_carry" and finals:
+            h0 = finals[-1]
         o, final = _recurrence(piece(q), piece(k), piece(v), piece(decay), piece(beta), scale, h0,
-                               output_final_state, fault, name)
+                               output_final_state or fault == "varlen_carry", fault, name)
         outs.append(o)
         finals.append(final)
-    final = None if finals[0] is None else torch.cat(finals, dim=0)  # [n, H, dk, dv]
+    final = torch.cat(finals, dim=0) if output_final_state and finals[0] is not None else None  # [n, H, dk, dv]
     return torch.cat(outs, dim=1), final
 
 

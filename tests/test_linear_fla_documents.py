@@ -7,7 +7,8 @@ document sets: starts inside segments and on segment starts, single-token docume
 over every rank, per-sample boundaries).
 
 Also: the pieces themselves (row_pieces) on a small hand-checked case, documents taking fla with
-no SlowKernelWarning, and the loud refusal that remains for an op not wired to fla's varlen mode.
+no SlowKernelWarning, fla's varlen mode self-checked before documents use it (a varlen mode that
+does not reset fails it loudly), and the loud refusal that remains for an op not wired to it.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ import fla_standin
 from harness import run_ranks
 from linear_fla_doc_cases import fla_document_cases
 from megatron_burst.kernels import choice as attention_choice
-from megatron_burst.kernels.choice import SlowKernelWarning
-from megatron_burst.linear import fla_adapter, kernel_choice, linear_attention
+from megatron_burst.kernels.choice import KernelSelfCheckError, SlowKernelWarning
+from megatron_burst.linear import fla_adapter, gated_delta_rule, kernel_choice, linear_attention
 from megatron_burst.masks.documents import check_cu_seqlens
 
 REL = 1e-5  # relative Frobenius error per tensor (fp32: the stand-in's token loop against the chunked path)
@@ -88,3 +89,19 @@ def test_an_op_not_wired_for_documents_is_refused_loudly(monkeypatch):
     with pytest.raises(ValueError, match=r"kernel='fla' for lasp2 \(per-token decay\) with documents"):
         linear_attention(q, k, v, g=g, cu_seqlens=torch.tensor([0, 40, 90]), kernel="fla")
     assert not fla_standin.calls
+
+
+def test_a_varlen_mode_that_does_not_reset_fails_the_self_check(monkeypatch):
+    """Documents run fla's varlen mode: it is self-checked on its own (a stand-in whose sequences
+    carry the state across cu_seqlens passes the plain check and fails the varlen one, loudly)."""
+    fla_standin.install(monkeypatch, "varlen_carry")
+    monkeypatch.setattr(attention_choice, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
+    q, k, v = (torch.randn(90, 2, 3, d) for d in (8, 8, 5))
+    g, beta = -torch.rand(90, 2, 3) * 0.3, torch.rand(90, 2, 3)
+    linear_attention(q, k, v, g=g)  # whole rows: fine
+    for call, name in ((lambda: linear_attention(q, k, v, g=g, cu_seqlens=torch.tensor([0, 40, 90])),
+                        "chunk_simple_gla"),
+                       (lambda: gated_delta_rule(q, torch.nn.functional.normalize(k, dim=-1), v, g, beta,
+                                                 cu_seqlens=torch.tensor([0, 40, 90])), "chunk_gated_delta_rule")):
+        with pytest.raises(KernelSelfCheckError, match=rf"{name} .* documents \(varlen cu_seqlens\).* out is off"):
+            call()

@@ -163,10 +163,13 @@ def _choose_kernel(kernel: str, q: torch.Tensor, dv: int, documents: bool):
 
 
 def torch_entering_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           S_in: torch.Tensor, scale: float) -> torch.Tensor:
+                           S_in: torch.Tensor, scale: float, doc: Optional[torch.Tensor] = None,
+                           enter: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Our chunked path for rows entering with their own states: q, k [..., L, dk], v [..., L, dv],
-    g, beta [..., L], S_in [..., dk, dv] -> o [..., L, dv] (what fla's kernel is self-checked against)."""
-    _, _, chunks = delta_segment_maps(q, k, v, g, beta)
+    g, beta [..., L], S_in [..., dk, dv] -> o [..., L, dv] (what fla's kernel is self-checked against).
+    ``doc`` [..., L] / ``enter`` [...] (broadcastable over the heads): documents, as
+    :func:`delta_segment_maps` takes them."""
+    _, _, chunks = delta_segment_maps(q, k, v, g, beta, doc, enter)
     o0, q_in = delta_segment_outputs(chunks, scale)
     return o0 + scale * (q_in @ S_in)
 

@@ -235,14 +235,31 @@ def _inputs(device, dtype, shape, generator, scale=1.0):
     return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
 
 
+def _check_documents(device: torch.device):
+    """(pieces, segment documents) of the varlen self-check: the two rows are global segments 1 and
+    2 of three (83 tokens each); documents start inside row 0 (at its tokens 30 and 31: a
+    single-token document) and at row 1's first token, so row 0 enters carried and row 1 fresh."""
+    from megatron_burst.linear import fla_adapter
+    from megatron_burst.linear.docs import segment_documents
+    from megatron_burst.masks.documents import check_cu_seqlens
+
+    L, order, total = SELF_CHECK_LEN, (1, 2), 3
+    docs = check_cu_seqlens([0, L + 30, L + 31, 2 * L, 3 * L], 3 * L, 1)
+    return (fla_adapter.row_pieces(docs, 1, order, total, device),
+            segment_documents(docs, 1, order, total, device))
+
+
 def _lasp2_check(fla_fn: Callable, form: str, device: torch.device, dtype: torch.dtype, dk: int, dv: int,
-                 g_needs_grad: bool) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(name, fla value, fp32 torch value) for o, M and the gradients of q, k, v (and g)."""
+                 g_needs_grad: bool, documents: bool = False) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, fla value, fp32 torch value) for o, M and the gradients of q, k, v (and g);
+    ``documents``: the rows cut into pieces by fla's varlen mode (:func:`_check_documents`)."""
     from megatron_burst.linear import fla_adapter
     from megatron_burst.linear.chunked import segment_output, segment_state
     from megatron_burst.linear.reference import expand_log_decay
 
     nseg, b, h, L = SELF_CHECK_SEGMENTS, 1, SELF_CHECK_HEADS, SELF_CHECK_LEN
+    pieces, sd = _check_documents(device) if documents else (None, None)
+    doc = None if sd is None else sd.doc  # [nseg, 1, 1, L]
     s = nseg * L
     gen = torch.Generator().manual_seed(0)
     q, k, v = (_inputs(device, dtype, (s, b, h, d), gen) for d in (dk, dk, dv))
@@ -261,15 +278,16 @@ def _lasp2_check(fla_fn: Callable, form: str, device: torch.device, dtype: torch
         leaves["g"] = g.clone().requires_grad_(g_needs_grad)
     rows = {n: fla_adapter.to_rows(leaves[n], nseg, True) for n in ("q", "k", "v")}
     g_rows = fla_adapter.decay_rows(leaves.get("g"), form, nseg, b, L, True)
-    o, M = fla_adapter.lasp2_segments(fla_fn, form, rows["q"], rows["k"], rows["v"], leaves.get("g"), g_rows, scale)
+    o, M = fla_adapter.lasp2_segments(fla_fn, form, rows["q"], rows["k"], rows["v"], leaves.get("g"), g_rows, scale,
+                                      pieces)
     got = torch.autograd.grad((o.float() * do.float()).sum() + (M * dM).sum(), [leaves[n] for n in grads_of])
 
     ref_leaves = {n: t.detach().float().requires_grad_(n in grads_of) for n, t in leaves.items()}
     to_seg = lambda t: t.permute(1, 2, 0, 3).reshape(b, h, nseg, L, t.shape[-1]).permute(2, 0, 1, 3, 4)  # noqa: E731
     qs, ks, vs = (to_seg(ref_leaves[n]) for n in ("q", "k", "v"))
     gs = None if g is None else to_seg(expand_log_decay(ref_leaves["g"], b, h, s, dk))
-    ref_o = segment_output(qs, ks, vs, gs, scale)  # [nseg, b, h, L, dv]
-    ref_M = segment_state(ks, vs, gs)[0]  # [nseg, b, h, dk, dv]
+    ref_o = segment_output(qs, ks, vs, gs, scale, doc)  # [nseg, b, h, L, dv]
+    ref_M = segment_state(ks, vs, gs, doc)[0]  # [nseg, b, h, dk, dv]
     ref_o_rows = ref_o.permute(0, 1, 3, 2, 4).reshape(nseg * b, L, h, dv)
     ref_M_rows = ref_M.reshape(nseg * b, h, dk, dv)
     ref = torch.autograd.grad((ref_o_rows * do.float()).sum() + (ref_M_rows * dM).sum(),
@@ -279,17 +297,21 @@ def _lasp2_check(fla_fn: Callable, form: str, device: torch.device, dtype: torch
 
 
 def _gdn_check(fla_fn: Callable, device: torch.device, dtype: torch.dtype, dk: int, dv: int,
-               torch_outputs: Callable) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+               torch_outputs: Callable, documents: bool = False) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, fla value, fp32 torch value) for o and the gradients of q, k, v, g, beta and the
     entering states (each row enters with its own state, as the CP exchange hands them).
-    ``torch_outputs(q, k, v, g, beta, S_in, scale)``: our chunked path ([N, h, L, d] segments,
-    g and beta [N, h, L], S_in [N, h, dk, dv]) -> o [N, h, L, dv] (delta.py passes it: the
-    delta module imports this one, not the reverse)."""
+    ``torch_outputs(q, k, v, g, beta, S_in, scale, doc, enter)``: our chunked path ([N, h, L, d]
+    segments, g and beta [N, h, L], S_in [N, h, dk, dv], documents or None) -> o [N, h, L, dv]
+    (delta.py passes it: the delta module imports this one, not the reverse). ``documents``: the
+    rows cut into pieces by fla's varlen mode (:func:`_check_documents`)."""
     import torch.nn.functional as F
 
     from megatron_burst.linear import fla_adapter
 
     N, h, L = SELF_CHECK_SEGMENTS, SELF_CHECK_HEADS, SELF_CHECK_LEN
+    pieces, sd = _check_documents(device) if documents else (None, None)
+    doc = None if sd is None else sd.doc.reshape(N, 1, L)  # broadcast over the heads
+    enter = None if sd is None else sd.enter.reshape(N, 1)
     gen = torch.Generator().manual_seed(0)
     q = _inputs(device, dtype, (N, L, h, dk), gen)
     k = F.normalize(torch.randn(N, L, h, dk, generator=gen), dim=-1).to(device=device, dtype=dtype)
@@ -301,38 +323,40 @@ def _gdn_check(fla_fn: Callable, device: torch.device, dtype: torch.dtype, dk: i
     scale = dk ** -0.5
     names = ("q", "k", "v", "g", "beta", "S_in")
     leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, S_in)]
-    o = fla_adapter.gdn_rows(fla_fn, *leaves[:5], scale, leaves[5])
+    o = fla_adapter.gdn_rows(fla_fn, *leaves[:5], scale, leaves[5], pieces)
     got = torch.autograd.grad((o.float() * do.float()).sum(), leaves)
 
     ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v, g, beta, S_in)]
     seg = lambda t: t.permute(0, 2, 1, 3)  # noqa: E731  [N, L, h, d] -> [N, h, L, d]
     rq, rk, rv = (seg(t) for t in ref_leaves[:3])
     rg, rb = (t.permute(0, 2, 1) for t in ref_leaves[3:5])
-    ref_o = torch_outputs(rq, rk, rv, rg, rb, ref_leaves[5], scale).permute(0, 2, 1, 3)  # [N, L, h, dv]
+    ref_o = torch_outputs(rq, rk, rv, rg, rb, ref_leaves[5], scale, doc, enter).permute(0, 2, 1, 3)  # [N, L, h, dv]
     ref = torch.autograd.grad((ref_o * do.float()).sum(), ref_leaves)
     return [("out", o, ref_o)] + [(f"d{n}" if n != "S_in" else "dS_in", a, r) for n, a, r in zip(names, got, ref)]
 
 
 def self_check(op: str, form: str, fla_fn: Callable, device: torch.device, dtype: torch.dtype, dk: int, dv: int,
-               gdn_torch_outputs: Optional[Callable] = None) -> None:
+               gdn_torch_outputs: Optional[Callable] = None, documents: bool = False) -> None:
     """Run fla's kernel for (op, form) against our fp32 torch path on ``device``, forward and
     backward; raise KernelSelfCheckError naming kernel, device, dtype, head dims, form, shape and
     (chained) the exception or the value that is off. ``gdn_torch_outputs``: the delta rule's
-    torch path (op "gdn"; see :func:`_gdn_check`)."""
+    torch path (op "gdn"; see :func:`_gdn_check`). ``documents``: fla's varlen mode, the path
+    documents take (rows cut into pieces, :func:`_check_documents`), instead of whole rows."""
     if op == "gdn" and gdn_torch_outputs is None:
         raise ValueError("self_check('gdn', ...) needs gdn_torch_outputs (megatron_burst.linear.delta passes it)")
     module_name, function = FLA_OPS[(op, form)]
     label = (f"fla's {module_name}.{function} for {op} ({FORM_TEXT[form]}) on {device} / "
              f"{str(dtype).replace('torch.', '')} / dk {dk} dv {dv}")
     fix = _fix_hint(op)
-    shape = f"{SELF_CHECK_SEGMENTS} rows x {SELF_CHECK_LEN} tokens x {SELF_CHECK_HEADS} heads"
+    shape = (f"{SELF_CHECK_SEGMENTS} rows x {SELF_CHECK_LEN} tokens x {SELF_CHECK_HEADS} heads"
+             + (", documents (varlen cu_seqlens)" if documents else ""))
     variants = [True, False] if form == "head" else [True]  # head: g_gamma (fixed decay) and per-token g (learned)
     for g_needs_grad in variants:
         case = shape + ("" if form != "head" else (", decay learned (per-token g)" if g_needs_grad
                                                    else ", decay fixed (g_gamma)"))
         try:
-            pairs = (_gdn_check(fla_fn, device, dtype, dk, dv, gdn_torch_outputs) if op == "gdn"
-                     else _lasp2_check(fla_fn, form, device, dtype, dk, dv, g_needs_grad))
+            pairs = (_gdn_check(fla_fn, device, dtype, dk, dv, gdn_torch_outputs, documents) if op == "gdn"
+                     else _lasp2_check(fla_fn, form, device, dtype, dk, dv, g_needs_grad, documents))
         except KernelSelfCheckError:
             raise
         except Exception as e:  # surfaced, never swallowed: this is how a wrong call into fla shows
@@ -432,6 +456,10 @@ def _decide(op, form, device, dtype, dk, dv, requested, documents, policy, fused
     try:
         remembered(_VERIFIED, (op, form, name, str(device), dtype, dk, dv),
                    lambda: self_check(op, form, fn, device, dtype, dk, dv, gdn_torch_outputs), KernelSelfCheckError)
+        if documents:  # documents take fla's varlen mode: its own check, once per key as well
+            remembered(_VERIFIED, (op, form, name, str(device), dtype, dk, dv, "documents"),
+                       lambda: self_check(op, form, fn, device, dtype, dk, dv, gdn_torch_outputs, documents=True),
+                       KernelSelfCheckError)
     except KernelSelfCheckError as e:
         return _self_check_failed(op, form, device, dtype, dk, dv, requested, policy, e)
     return LinearKernelChoice(op, form, device.type, dtype, dk, dv, "fla", "self-checked"), fn
