@@ -222,7 +222,6 @@ def refusals() -> dict:
         "last_bound": lambda: linear_attention(q, k, v, cu_seqlens=torch.tensor([0, 3, 8])),
         "samples": lambda: linear_attention(q, k, v, cu_seqlens=[[0, S], [0, 2, S]]),
         "thd": lambda: linear_attention(q, k, v, cu_seqlens=check_thd([0, S], None, 8, W, 1)),
-        "gdn_fla": lambda: gated_delta_rule(q, k, v, g, beta, kernel="fla", cu_seqlens=torch.tensor([0, 3, S])),
         "gdn_bounds": lambda: gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 9, 5, S])),
     }
     messages = {}

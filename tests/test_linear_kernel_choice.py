@@ -210,14 +210,6 @@ def test_explicit_fla_without_fla_raises(monkeypatch):
         run_gdn(*gdn_inputs(64), kernel="fla")
 
 
-def test_documents_on_the_cuda_path_warn_that_fla_is_not_wired(monkeypatch, cuda_path):
-    fla_standin.install(monkeypatch)
-    q, k, v, g, _ = lasp2_inputs("token", 90)
-    with pytest.warns(SlowKernelWarning, match="documents are not wired"):
-        linear_attention(q, k, v, g=g, cu_seqlens=torch.tensor([0, 40, 90]))
-    assert not fla_standin.calls
-
-
 # ------------------------------------------------------------------------------------------ torch is torch
 def test_kernel_torch_never_consults_fla(monkeypatch, cuda_path):
     def must_not_load(*args):

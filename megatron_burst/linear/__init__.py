@@ -96,7 +96,8 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     (our chunked path everywhere) or "fla" (fla's kernels, required). fla computes each
     segment's zero-start output and the state M it leaves (``chunk_simple_gla`` for no / per-head /
     per-token decays, ``chunk_gla`` per channel; :mod:`megatron_burst.linear.fla_adapter`); the
-    exchange and the entering states' term stay ours. See :mod:`megatron_burst.linear.kernel_choice`
+    exchange and the entering states' term stay ours. Documents go to fla too: each rank's
+    segments cut at the document starts, as fla's varlen sequences (``cu_seqlens``). See :mod:`megatron_burst.linear.kernel_choice`
     for the environment overrides and what is loud.
     """
     pg = group
@@ -123,22 +124,24 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                                          documents=documents is not None)
     smap = SegmentMap(pg, rank, world_size, tuple(segment_order(layout, world_size, r, per_rank)
                                                    for r in range(world_size)), causal)
+    # fla runs documents as pieces (rows cut at document starts, fla_adapter.row_pieces)
+    pieces = None if fla_fn is None else fla_adapter.row_pieces(documents, b, smap.order[rank], smap.total, q.device)
     if fla_fn is not None and world_size * per_rank == 1:  # one global segment, entered by a zero state
         o_rows, _ = fla_adapter.lasp2_segments(fla_fn, form, *(fla_adapter.to_rows(t, 1, sbhd) for t in (q, k, v)), g,
-                                               fla_adapter.decay_rows(g, form, 1, b, L, sbhd), scale)
+                                               fla_adapter.decay_rows(g, form, 1, b, L, sbhd), scale, pieces)
         return fla_adapter.rows_to_local(o_rows, 1, sbhd).to(q.dtype).contiguous()
+    # the entering state's masks and the exchange's reset flags: the same for both local kernels
+    sd = segment_documents(documents, b, smap.order[rank], smap.total, q.device)
+    doc, keep = (None, None) if sd is None else (sd.doc, sd.keep)
     if fla_fn is not None:
         o, M, a, G, qs = _fla_local(fla_fn, form, q, k, v, g, per_rank, b, h, s, dk, dv, L, sbhd, scale, acc,
-                                    segments, to_bhsd)
-        doc = keep = sd = None
+                                    segments, to_bhsd, pieces)
     else:
         qs, ks, vs = (segments(to_bhsd(t).to(acc)) for t in (q, k, v))
         gs = None
         if g is not None:
             g_sbhd = g if (sbhd or g.dim() == 1) else g.transpose(0, 1)
             gs = segments(expand_log_decay(g_sbhd, b, h, s, dk).to(acc))
-        sd = segment_documents(documents, b, smap.order[rank], smap.total, q.device)
-        doc, keep = (None, None) if sd is None else (sd.doc, sd.keep)
         M, a, G = segment_state(ks, vs, gs, doc)
     pending = None
     if algo == "lasp2" and world_size > 1:
@@ -162,14 +165,18 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return out.to(q.dtype).contiguous()
 
 
-def _fla_local(fla_fn, form, q, k, v, g, nseg, b, h, s, dk, dv, L, sbhd, scale, acc, segments, to_bhsd):
+def _fla_local(fla_fn, form, q, k, v, g, nseg, b, h, s, dk, dv, L, sbhd, scale, acc, segments, to_bhsd,
+               pieces=None):
     """This rank's local work by fla: (o, M, a, G, qs) as the torch path forms them -- o [nseg, b, h,
     L, dv] the zero-start outputs and M [nseg, b, h, dk, dv] the states the segments leave, from fla;
     a [nseg, b, h, 1 or dk] and G [nseg, b, h, L, 1 or dk] (the segments' total and cumulative
-    decays; None without decay) and qs (fp32 queries) in torch for the entering state's term."""
+    decays; None without decay) and qs (fp32 queries) in torch for the entering state's term.
+    ``pieces`` (documents, :func:`~megatron_burst.linear.fla_adapter.row_pieces`): o and M by fla's
+    varlen mode (M keeps the segment's last document); a stays the plain decay, as in the torch
+    path (the exchange's ``keep`` applies a document start)."""
     q_rows, k_rows, v_rows = (fla_adapter.to_rows(t, nseg, sbhd) for t in (q, k, v))
     g_rows = fla_adapter.decay_rows(g, form, nseg, b, L, sbhd)
-    o_rows, M_rows = fla_adapter.lasp2_segments(fla_fn, form, q_rows, k_rows, v_rows, g, g_rows, scale)
+    o_rows, M_rows = fla_adapter.lasp2_segments(fla_fn, form, q_rows, k_rows, v_rows, g, g_rows, scale, pieces)
     o = fla_adapter.rows_to_segments(o_rows, nseg)
     M = M_rows.view(nseg, b, h, dk, dv).to(acc)
     a = G = None

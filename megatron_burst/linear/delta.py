@@ -163,10 +163,13 @@ def _choose_kernel(kernel: str, q: torch.Tensor, dv: int, documents: bool):
 
 
 def torch_entering_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           S_in: torch.Tensor, scale: float) -> torch.Tensor:
+                           S_in: torch.Tensor, scale: float, doc: Optional[torch.Tensor] = None,
+                           enter: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Our chunked path for rows entering with their own states: q, k [..., L, dk], v [..., L, dv],
-    g, beta [..., L], S_in [..., dk, dv] -> o [..., L, dv] (what fla's kernel is self-checked against)."""
-    _, _, chunks = delta_segment_maps(q, k, v, g, beta)
+    g, beta [..., L], S_in [..., dk, dv] -> o [..., L, dv] (what fla's kernel is self-checked against).
+    ``doc`` [..., L] / ``enter`` [...] (broadcastable over the heads): documents, as
+    :func:`delta_segment_maps` takes them."""
+    _, _, chunks = delta_segment_maps(q, k, v, g, beta, doc, enter)
     o0, q_in = delta_segment_outputs(chunks, scale)
     return o0 + scale * (q_in @ S_in)
 
@@ -215,17 +218,15 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     boundaries [0, ..., S], S = s x CP size, the same on every rank; one per sample in a list; or
     a validated :class:`~megatron_burst.masks.documents.Documents`): the state starts again from zero at
     every document's first token, across rank boundaries, in every layout; the bytes sent are
-    unchanged. With documents the outputs are formed in torch ("auto" warns on CUDA that fla's
-    kernel is not wired for them yet; "fla" is refused).
+    unchanged. fla's kernel takes documents too: each rank's segments cut at the document starts
+    run as its varlen sequences (``cu_seqlens``), the exchanged state entering a segment's first
+    piece only when no document starts at the segment's first token.
     """
     pg = group
     world_size = dist.get_world_size(pg) if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank(pg) if world_size > 1 else 0
     documents = _validate(q, k, v, g, beta, world_size=world_size, layout=layout, stripe=stripe,
                           qkv_format=qkv_format, cu_seqlens=cu_seqlens)
-    if documents is not None and kernel == "fla":
-        raise ValueError("kernel='fla' with documents (cu_seqlens) is not supported yet: use kernel='torch' or "
-                         "'auto' (which forms the outputs in torch when documents are given)")
     fla = _choose_kernel(kernel, q, v.shape[-1], documents is not None)
     sbhd = qkv_format == "sbhd"
     s, b, h, dk = q.shape if sbhd else (q.shape[1], q.shape[0], q.shape[2], q.shape[3])
@@ -242,15 +243,19 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
     smap = SegmentMap(pg, rank, world_size, tuple(segment_order(layout, world_size, r, per_rank)
                                                    for r in range(world_size)), True)
+    # fla runs documents as pieces (rows cut at document starts, fla_adapter.row_pieces)
+    pieces = None if fla is None else fla_adapter.row_pieces(documents, b, smap.order[rank], smap.total, q.device)
     if fla is not None and world_size * per_rank == 1:  # one global segment, entered by a zero state: no maps
-        o = fla_adapter.gdn_rows(fla, *(fla_adapter.to_rows(t, 1, sbhd) for t in (q, k, v, g, beta)), scale, None)
+        o = fla_adapter.gdn_rows(fla, *(fla_adapter.to_rows(t, 1, sbhd) for t in (q, k, v, g, beta)), scale, None,
+                                 pieces)
         return fla_adapter.rows_to_local(o, 1, sbhd).to(q.dtype).contiguous()
     ks, vs = (segments(t) for t in (k, v))
     gs, bs = (segments(t)[..., 0] for t in (g, beta))
-    if fla is not None:
-        return _fla_outputs(fla, q, k, v, g, beta, delta_segment_maps(None, ks, vs, gs, bs)[:2], smap, sbhd, scale)
     sd = segment_documents(documents, b, smap.order[rank], smap.total, q.device)
     doc, enter = (None, None) if sd is None else (sd.doc, sd.enter)
+    if fla is not None:  # the maps (documents masked in: A = 0 where one starts) in torch, outputs by fla
+        return _fla_outputs(fla, q, k, v, g, beta, delta_segment_maps(None, ks, vs, gs, bs, doc, enter)[:2], smap,
+                            sbhd, scale, pieces)
     A, B, chunks = delta_segment_maps(segments(q), ks, vs, gs, bs, doc, enter)
     pending = None
     if world_size > 1:  # overlaps with the local outputs below
@@ -266,8 +271,11 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return out.to(q.dtype).contiguous()
 
 
-def _fla_outputs(fla, q, k, v, g, beta, maps, smap: SegmentMap, sbhd: bool, scale: float) -> torch.Tensor:
-    """Outputs by fla's kernel, each segment a batch row entering with its exchanged state."""
+def _fla_outputs(fla, q, k, v, g, beta, maps, smap: SegmentMap, sbhd: bool, scale: float,
+                 pieces: Optional[fla_adapter.RowPieces] = None) -> torch.Tensor:
+    """Outputs by fla's kernel, each segment a batch row entering with its exchanged state (with
+    ``pieces``, documents: each piece of a row a varlen sequence, the row's state entering its
+    first piece when that continues the entering document; :func:`fla_adapter.gdn_rows`)."""
     A, B = maps  # [nseg, b, h, dk, dk], [nseg, b, h, dk, dv]
     nseg, b, h, dk, dv = B.shape
     S_in = None
@@ -282,5 +290,5 @@ def _fla_outputs(fla, q, k, v, g, beta, maps, smap: SegmentMap, sbhd: bool, scal
         return fla_adapter.to_rows(t, nseg, sbhd)
 
     init = None if S_in is None else S_in.reshape(nseg * b, h, dk, dv)
-    o = fla_adapter.gdn_rows(fla, rows(q), rows(k), rows(v), rows(g), rows(beta), scale, init)
+    o = fla_adapter.gdn_rows(fla, rows(q), rows(k), rows(v), rows(g), rows(beta), scale, init, pieces)
     return fla_adapter.rows_to_local(o, nseg, sbhd).to(q.dtype).contiguous()

@@ -26,15 +26,130 @@ Scale: fla's ``o = scale * q S`` with S including the current token -- ours; we 
 op's scale explicitly (fla's default is also dk ** -0.5, but an explicit value cannot drift).
 Final states come back as [N, h, dk, dv] (fla's default ``state_v_first=False``); we use them as
 the segments' zero-start states M, differentiable (fla's backward takes their gradient ``dht``).
+
+Documents. A document start inside a row cuts it into *pieces* (runs of consecutive positions in
+one document; a row starts a piece too). fla's varlen mode takes exactly that: the rows flattened
+to batch 1, [1, N * L, h, d], with ``cu_seqlens`` [P + 1] the piece boundaries (every piece its own
+sequence, entering with ``initial_state[p]``, leaving ``final_state[p]``). :func:`row_pieces` builds
+them from the global boundaries (:class:`RowPieces`, cached per batch and layout). What our
+algorithms need per segment then comes from the pieces:
+
+* LASP-2: a segment's zero-start output is every piece's output from a zero state (a piece never
+  sees an earlier document), and its M -- the state it leaves, keeping its last document only --
+  is the final state of its last piece (``RowPieces.last``). The entering state's term and the
+  reset flags of the exchange stay as the torch path forms them (:mod:`megatron_burst.linear.docs`).
+* gated delta rule: a row's entering state S_in enters its first piece only, and only when no
+  document starts at the row's first token (``RowPieces.carried``); every other piece enters with
+  zero (its document starts inside the row).
 """
 from __future__ import annotations
 
+import bisect
+import functools
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
+from megatron_burst.masks.documents import Documents
+
 # fla's GLA kernel asserts an fp32 initial state; our exchanged states are fp32 anyway
 STATE_DTYPE = torch.float32
+
+
+@dataclass(frozen=True)
+class RowPieces:
+    """The pieces of one rank's fla rows under documents (see the module docstring). Rows are
+    segment-major (row i * b + j: local segment i of sample j), each L tokens, flattened to one
+    sequence of N * L tokens; P pieces in flattened order.
+
+    ``cu_seqlens`` [P + 1] (int64, on the rows' device): piece boundaries in the flattened sequence,
+    as fla's varlen kernels take them; ``cu_seqlens_cpu`` the same on the host (fla sizes its
+    launch grid from it without reading the device tensor back). ``last`` [N] (int64, device): each
+    row's last piece. ``row`` [P] (int64, device): each piece's row. ``carried`` [P] (fp32, device):
+    1 for a row's first piece when the row's first token continues the document of the token
+    before the segment (the entering state reaches it), else 0.
+    """
+
+    cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
+    last: torch.Tensor
+    row: torch.Tensor
+    carried: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        """P, the number of pieces (fla's number of sequences)."""
+        return self.cu_seqlens_cpu.numel() - 1
+
+
+def _sample_bounds(documents: Documents, batch: int) -> list[tuple[int, ...]]:
+    """The boundaries [0, ..., S] of every sample (documents validated for ``batch`` samples)."""
+    out: list[Optional[tuple[int, ...]]] = [None] * batch
+    for first, end, bounds in documents.groups:
+        for j in range(first, end):
+            out[j] = bounds
+    missing = [j for j, x in enumerate(out) if x is None]
+    if missing:
+        raise ValueError(f"documents give no boundaries for samples {missing} of a batch of {batch}: pass "
+                         "cu_seqlens for every sample")
+    return out  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=16)  # a step's layers share one batch's pieces; a new batch makes new ones
+def _pieces(documents: Documents, batch: int, order: tuple, total: int, device: str) -> RowPieces:
+    L = documents.seq_len // total
+    per_sample = _sample_bounds(documents, batch)
+    cuts: list[int] = []
+    last: list[int] = []
+    row: list[int] = []
+    carried: list[float] = []
+    for i, gi in enumerate(order):  # segment-major rows: row i * b + j
+        lo, hi = gi * L, (gi + 1) * L
+        for j in range(batch):
+            bounds = per_sample[j]
+            offset = (i * batch + j) * L  # the row's first token in the flattened sequence
+            # document starts strictly inside the segment cut it; one at its first token starts
+            # the row's first piece afresh (no entering state), as does the sequence start
+            inside = bounds[bisect.bisect_right(bounds, lo):bisect.bisect_left(bounds, hi)]
+            starts = [offset] + [offset + x - lo for x in inside]
+            cuts += starts
+            row += [i * batch + j] * len(starts)
+            carried += [0.0 if lo in bounds else 1.0] + [0.0] * len(inside)
+            last.append(len(cuts) - 1)
+    cuts.append(len(order) * batch * L)
+    cpu = torch.tensor(cuts, dtype=torch.int64)
+    return RowPieces(cu_seqlens=cpu.to(device), cu_seqlens_cpu=cpu,
+                     last=torch.tensor(last, dtype=torch.int64, device=device),
+                     row=torch.tensor(row, dtype=torch.int64, device=device),
+                     carried=torch.tensor(carried, dtype=STATE_DTYPE, device=device))
+
+
+def row_pieces(documents: Optional[Documents], batch: int, order: tuple[int, ...], total: int,
+               device: torch.device) -> Optional[RowPieces]:
+    """The :class:`RowPieces` of a rank's rows (its local segments ``order``: global indices in
+    local order, out of ``total`` equal global segments; ``batch`` samples); None without documents.
+    Cached: every layer of a step gets the same tensors (fla caches its chunk indices per
+    ``cu_seqlens`` tensor)."""
+    if documents is None:
+        return None
+    return _pieces(documents, batch, tuple(order), total, str(device))
+
+
+def flatten_rows(t: torch.Tensor) -> torch.Tensor:
+    """Rows [N, L, ...] -> one sequence [1, N * L, ...] (fla's varlen input: batch 1)."""
+    return t.reshape((1, t.shape[0] * t.shape[1]) + tuple(t.shape[2:]))
+
+
+def _varlen(pieces: Optional[RowPieces]) -> dict:
+    """fla's varlen keyword arguments for ``pieces`` (none without documents)."""
+    if pieces is None:
+        return {}
+    return {"cu_seqlens": pieces.cu_seqlens, "cu_seqlens_cpu": pieces.cu_seqlens_cpu}
+
+
+def _fla_name(fla_fn: Callable) -> str:
+    return f"{getattr(fla_fn, '__module__', '?')}.{getattr(fla_fn, '__name__', fla_fn)}"
 
 
 def to_rows(t: torch.Tensor, nseg: int, sbhd: bool) -> torch.Tensor:
@@ -75,31 +190,53 @@ def decay_rows(g: Optional[torch.Tensor], form: str, nseg: int, b: int, L: int, 
 
 
 def lasp2_segments(fla_fn: Callable, form: str, q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
-                   g: Optional[torch.Tensor], g_rows: Optional[torch.Tensor], scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   g: Optional[torch.Tensor], g_rows: Optional[torch.Tensor], scale: float,
+                   pieces: Optional[RowPieces] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, M) of every segment by fla: o [N, L, h, dv] (q's dtype) the output from a zero entering
     state, M [N, h, dk, dv] (fp32) the state the segment leaves. ``fla_fn``: ``chunk_simple_gla``
     for forms none / head / token, ``chunk_gla`` for "channel"; ``g`` our decay as given (used for
-    the per-head ``g_gamma``), ``g_rows`` from :func:`decay_rows`."""
+    the per-head ``g_gamma``), ``g_rows`` from :func:`decay_rows`. ``pieces`` (documents): the rows
+    run as their pieces, each from a zero state; M is then each row's last piece's final state."""
+    N, L = q_rows.shape[0], q_rows.shape[1]
+    if pieces is not None:
+        q_rows, k_rows, v_rows = (flatten_rows(t) for t in (q_rows, k_rows, v_rows))
+        g_rows = None if g_rows is None else flatten_rows(g_rows)
+    varlen = _varlen(pieces)
     if form == "channel":
-        o, M = fla_fn(q_rows, k_rows, v_rows, g_rows, scale=scale, initial_state=None, output_final_state=True)
+        o, M = fla_fn(q_rows, k_rows, v_rows, g_rows, scale=scale, initial_state=None, output_final_state=True,
+                      **varlen)
     elif form == "head" and g_rows is None:
         o, M = fla_fn(q_rows, k_rows, v_rows, g=None, g_gamma=g.float(), scale=scale, initial_state=None,
-                      output_final_state=True)
+                      output_final_state=True, **varlen)
     else:
-        o, M = fla_fn(q_rows, k_rows, v_rows, g=g_rows, scale=scale, initial_state=None, output_final_state=True)
+        o, M = fla_fn(q_rows, k_rows, v_rows, g=g_rows, scale=scale, initial_state=None, output_final_state=True,
+                      **varlen)
     if M is None:
-        raise RuntimeError(f"{getattr(fla_fn, '__module__', '?')}.{getattr(fla_fn, '__name__', fla_fn)} returned no "
-                           "final state with output_final_state=True: LASP needs each segment's state")
+        raise RuntimeError(f"{_fla_name(fla_fn)} returned no final state with output_final_state=True: LASP needs "
+                           "each segment's state")
+    if pieces is not None:
+        if M.shape[0] != pieces.count:
+            raise RuntimeError(f"{_fla_name(fla_fn)} returned {M.shape[0]} final states for {pieces.count} sequences "
+                               "(cu_seqlens): its varlen mode does not work as fla 0.6 documents it")
+        o = o.reshape((N, L) + tuple(o.shape[2:]))
+        M = M[pieces.last]  # the state a segment leaves keeps its last document: its last piece's
     return o, M.to(STATE_DTYPE)
 
 
 def gdn_rows(fla_fn: Callable, q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
              g_rows: torch.Tensor, beta_rows: torch.Tensor, scale: float,
-             initial_state: Optional[torch.Tensor]) -> torch.Tensor:
+             initial_state: Optional[torch.Tensor], pieces: Optional[RowPieces] = None) -> torch.Tensor:
     """Outputs [N, L, h, dv] of fla's ``chunk_gated_delta_rule`` on rows entering with
-    ``initial_state`` [N, h, dk, dv] (fp32; None: zero). g fp32 log-decay, beta [N, L, h]."""
+    ``initial_state`` [N, h, dk, dv] (fp32; None: zero). g fp32 log-decay, beta [N, L, h].
+    ``pieces`` (documents): the rows run as their pieces; a row's entering state enters its first
+    piece when that continues the entering document (``pieces.carried``), every other piece zero."""
+    N, L = q_rows.shape[0], q_rows.shape[1]
     init = None if initial_state is None else initial_state.to(STATE_DTYPE)
+    if pieces is not None:
+        q_rows, k_rows, v_rows, g_rows, beta_rows = (flatten_rows(t) for t in (q_rows, k_rows, v_rows, g_rows,
+                                                                                beta_rows))
+        if init is not None:  # [P, h, dk, dv]: a gather and a 0/1 factor, so dS_in sums the carried pieces'
+            init = init[pieces.row] * pieces.carried.view(-1, 1, 1, 1)
     o, _ = fla_fn(q_rows, k_rows, v_rows, g_rows.float(), beta_rows, scale=scale, initial_state=init,
-                  output_final_state=False)
-    return o
+                  output_final_state=False, **_varlen(pieces))
+    return o.reshape((N, L) + tuple(o.shape[2:]))

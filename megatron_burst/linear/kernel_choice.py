@@ -24,7 +24,7 @@ The decision (one per op, device, dtype, head dims, ``kernel`` argument and poli
   crossing fla's 64-token chunks, two rows with their own decays. A failure raises
   :class:`~megatron_burst.kernels.choice.KernelSelfCheckError` naming the kernel, device, dtype,
   head dims, decay form, shape and the chained exception; it is never silently replaced. fla not
-  installed (or the op not covered: documents, fp64) -> the torch path with a one-time
+  installed (or the op not covered: fp64) -> the torch path with a one-time
   :class:`~megatron_burst.kernels.choice.SlowKernelWarning` naming the op and the fix. On other
   devices (CPU) the torch path runs silently: it is the CPU path, not a fallback.
 
@@ -54,7 +54,7 @@ from megatron_burst import env
 from megatron_burst.kernels import choice as attention_choice
 from megatron_burst.kernels.choice import KernelSelfCheckError, SlowKernelError, SlowKernelWarning, remembered
 
-__all__ = ["LINEAR_KERNELS", "DECAY_FORMS", "FLA_OPS", "FLA_FIX", "LinearKernelPolicy", "LinearKernelChoice",
+__all__ = ["LINEAR_KERNELS", "DECAY_FORMS", "FLA_OPS", "FLA_DOCUMENT_OPS", "FLA_FIX", "LinearKernelPolicy", "LinearKernelChoice",
            "choose", "decay_form", "load_fla", "self_check", "report", "reset", "KernelSelfCheckError",
            "SlowKernelError", "SlowKernelWarning"]
 
@@ -71,6 +71,9 @@ FLA_OPS: dict[tuple[str, str], tuple[str, str]] = {
     ("gdn", "token"): ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
 }
 FLA_FIX = "pip install flash-linear-attention"
+# the ops whose documents (cu_seqlens) fla takes: each rank's rows cut into pieces at the document
+# starts, run by fla's varlen mode (megatron_burst.linear.fla_adapter); every op today
+FLA_DOCUMENT_OPS = frozenset(FLA_OPS)
 # forms whose fla backward runs the gated chunk_bwd_dqkwg kernel (g given per token), which fla 0.6
 # refuses on Hopper with Triton 3.4 <= version < 3.7.1 (it computes wrong results there; fla issue
 # #640). Seen on an H100 with torch 2.11 / Triton 3.6: a known refusal, so it is "not available
@@ -232,14 +235,31 @@ def _inputs(device, dtype, shape, generator, scale=1.0):
     return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
 
 
+def _check_documents(device: torch.device):
+    """(pieces, segment documents) of the varlen self-check: the two rows are global segments 1 and
+    2 of three (83 tokens each); documents start inside row 0 (at its tokens 30 and 31: a
+    single-token document) and at row 1's first token, so row 0 enters carried and row 1 fresh."""
+    from megatron_burst.linear import fla_adapter
+    from megatron_burst.linear.docs import segment_documents
+    from megatron_burst.masks.documents import check_cu_seqlens
+
+    L, order, total = SELF_CHECK_LEN, (1, 2), 3
+    docs = check_cu_seqlens([0, L + 30, L + 31, 2 * L, 3 * L], 3 * L, 1)
+    return (fla_adapter.row_pieces(docs, 1, order, total, device),
+            segment_documents(docs, 1, order, total, device))
+
+
 def _lasp2_check(fla_fn: Callable, form: str, device: torch.device, dtype: torch.dtype, dk: int, dv: int,
-                 g_needs_grad: bool) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(name, fla value, fp32 torch value) for o, M and the gradients of q, k, v (and g)."""
+                 g_needs_grad: bool, documents: bool = False) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, fla value, fp32 torch value) for o, M and the gradients of q, k, v (and g);
+    ``documents``: the rows cut into pieces by fla's varlen mode (:func:`_check_documents`)."""
     from megatron_burst.linear import fla_adapter
     from megatron_burst.linear.chunked import segment_output, segment_state
     from megatron_burst.linear.reference import expand_log_decay
 
     nseg, b, h, L = SELF_CHECK_SEGMENTS, 1, SELF_CHECK_HEADS, SELF_CHECK_LEN
+    pieces, sd = _check_documents(device) if documents else (None, None)
+    doc = None if sd is None else sd.doc  # [nseg, 1, 1, L]
     s = nseg * L
     gen = torch.Generator().manual_seed(0)
     q, k, v = (_inputs(device, dtype, (s, b, h, d), gen) for d in (dk, dk, dv))
@@ -258,15 +278,16 @@ def _lasp2_check(fla_fn: Callable, form: str, device: torch.device, dtype: torch
         leaves["g"] = g.clone().requires_grad_(g_needs_grad)
     rows = {n: fla_adapter.to_rows(leaves[n], nseg, True) for n in ("q", "k", "v")}
     g_rows = fla_adapter.decay_rows(leaves.get("g"), form, nseg, b, L, True)
-    o, M = fla_adapter.lasp2_segments(fla_fn, form, rows["q"], rows["k"], rows["v"], leaves.get("g"), g_rows, scale)
+    o, M = fla_adapter.lasp2_segments(fla_fn, form, rows["q"], rows["k"], rows["v"], leaves.get("g"), g_rows, scale,
+                                      pieces)
     got = torch.autograd.grad((o.float() * do.float()).sum() + (M * dM).sum(), [leaves[n] for n in grads_of])
 
     ref_leaves = {n: t.detach().float().requires_grad_(n in grads_of) for n, t in leaves.items()}
     to_seg = lambda t: t.permute(1, 2, 0, 3).reshape(b, h, nseg, L, t.shape[-1]).permute(2, 0, 1, 3, 4)  # noqa: E731
     qs, ks, vs = (to_seg(ref_leaves[n]) for n in ("q", "k", "v"))
     gs = None if g is None else to_seg(expand_log_decay(ref_leaves["g"], b, h, s, dk))
-    ref_o = segment_output(qs, ks, vs, gs, scale)  # [nseg, b, h, L, dv]
-    ref_M = segment_state(ks, vs, gs)[0]  # [nseg, b, h, dk, dv]
+    ref_o = segment_output(qs, ks, vs, gs, scale, doc)  # [nseg, b, h, L, dv]
+    ref_M = segment_state(ks, vs, gs, doc)[0]  # [nseg, b, h, dk, dv]
     ref_o_rows = ref_o.permute(0, 1, 3, 2, 4).reshape(nseg * b, L, h, dv)
     ref_M_rows = ref_M.reshape(nseg * b, h, dk, dv)
     ref = torch.autograd.grad((ref_o_rows * do.float()).sum() + (ref_M_rows * dM).sum(),
@@ -276,17 +297,21 @@ def _lasp2_check(fla_fn: Callable, form: str, device: torch.device, dtype: torch
 
 
 def _gdn_check(fla_fn: Callable, device: torch.device, dtype: torch.dtype, dk: int, dv: int,
-               torch_outputs: Callable) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+               torch_outputs: Callable, documents: bool = False) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, fla value, fp32 torch value) for o and the gradients of q, k, v, g, beta and the
     entering states (each row enters with its own state, as the CP exchange hands them).
-    ``torch_outputs(q, k, v, g, beta, S_in, scale)``: our chunked path ([N, h, L, d] segments,
-    g and beta [N, h, L], S_in [N, h, dk, dv]) -> o [N, h, L, dv] (delta.py passes it: the
-    delta module imports this one, not the reverse)."""
+    ``torch_outputs(q, k, v, g, beta, S_in, scale, doc, enter)``: our chunked path ([N, h, L, d]
+    segments, g and beta [N, h, L], S_in [N, h, dk, dv], documents or None) -> o [N, h, L, dv]
+    (delta.py passes it: the delta module imports this one, not the reverse). ``documents``: the
+    rows cut into pieces by fla's varlen mode (:func:`_check_documents`)."""
     import torch.nn.functional as F
 
     from megatron_burst.linear import fla_adapter
 
     N, h, L = SELF_CHECK_SEGMENTS, SELF_CHECK_HEADS, SELF_CHECK_LEN
+    pieces, sd = _check_documents(device) if documents else (None, None)
+    doc = None if sd is None else sd.doc.reshape(N, 1, L)  # broadcast over the heads
+    enter = None if sd is None else sd.enter.reshape(N, 1)
     gen = torch.Generator().manual_seed(0)
     q = _inputs(device, dtype, (N, L, h, dk), gen)
     k = F.normalize(torch.randn(N, L, h, dk, generator=gen), dim=-1).to(device=device, dtype=dtype)
@@ -298,38 +323,40 @@ def _gdn_check(fla_fn: Callable, device: torch.device, dtype: torch.dtype, dk: i
     scale = dk ** -0.5
     names = ("q", "k", "v", "g", "beta", "S_in")
     leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, S_in)]
-    o = fla_adapter.gdn_rows(fla_fn, *leaves[:5], scale, leaves[5])
+    o = fla_adapter.gdn_rows(fla_fn, *leaves[:5], scale, leaves[5], pieces)
     got = torch.autograd.grad((o.float() * do.float()).sum(), leaves)
 
     ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v, g, beta, S_in)]
     seg = lambda t: t.permute(0, 2, 1, 3)  # noqa: E731  [N, L, h, d] -> [N, h, L, d]
     rq, rk, rv = (seg(t) for t in ref_leaves[:3])
     rg, rb = (t.permute(0, 2, 1) for t in ref_leaves[3:5])
-    ref_o = torch_outputs(rq, rk, rv, rg, rb, ref_leaves[5], scale).permute(0, 2, 1, 3)  # [N, L, h, dv]
+    ref_o = torch_outputs(rq, rk, rv, rg, rb, ref_leaves[5], scale, doc, enter).permute(0, 2, 1, 3)  # [N, L, h, dv]
     ref = torch.autograd.grad((ref_o * do.float()).sum(), ref_leaves)
     return [("out", o, ref_o)] + [(f"d{n}" if n != "S_in" else "dS_in", a, r) for n, a, r in zip(names, got, ref)]
 
 
 def self_check(op: str, form: str, fla_fn: Callable, device: torch.device, dtype: torch.dtype, dk: int, dv: int,
-               gdn_torch_outputs: Optional[Callable] = None) -> None:
+               gdn_torch_outputs: Optional[Callable] = None, documents: bool = False) -> None:
     """Run fla's kernel for (op, form) against our fp32 torch path on ``device``, forward and
     backward; raise KernelSelfCheckError naming kernel, device, dtype, head dims, form, shape and
     (chained) the exception or the value that is off. ``gdn_torch_outputs``: the delta rule's
-    torch path (op "gdn"; see :func:`_gdn_check`)."""
+    torch path (op "gdn"; see :func:`_gdn_check`). ``documents``: fla's varlen mode, the path
+    documents take (rows cut into pieces, :func:`_check_documents`), instead of whole rows."""
     if op == "gdn" and gdn_torch_outputs is None:
         raise ValueError("self_check('gdn', ...) needs gdn_torch_outputs (megatron_burst.linear.delta passes it)")
     module_name, function = FLA_OPS[(op, form)]
     label = (f"fla's {module_name}.{function} for {op} ({FORM_TEXT[form]}) on {device} / "
              f"{str(dtype).replace('torch.', '')} / dk {dk} dv {dv}")
     fix = _fix_hint(op)
-    shape = f"{SELF_CHECK_SEGMENTS} rows x {SELF_CHECK_LEN} tokens x {SELF_CHECK_HEADS} heads"
+    shape = (f"{SELF_CHECK_SEGMENTS} rows x {SELF_CHECK_LEN} tokens x {SELF_CHECK_HEADS} heads"
+             + (", documents (varlen cu_seqlens)" if documents else ""))
     variants = [True, False] if form == "head" else [True]  # head: g_gamma (fixed decay) and per-token g (learned)
     for g_needs_grad in variants:
         case = shape + ("" if form != "head" else (", decay learned (per-token g)" if g_needs_grad
                                                    else ", decay fixed (g_gamma)"))
         try:
-            pairs = (_gdn_check(fla_fn, device, dtype, dk, dv, gdn_torch_outputs) if op == "gdn"
-                     else _lasp2_check(fla_fn, form, device, dtype, dk, dv, g_needs_grad))
+            pairs = (_gdn_check(fla_fn, device, dtype, dk, dv, gdn_torch_outputs, documents) if op == "gdn"
+                     else _lasp2_check(fla_fn, form, device, dtype, dk, dv, g_needs_grad, documents))
         except KernelSelfCheckError:
             raise
         except Exception as e:  # surfaced, never swallowed: this is how a wrong call into fla shows
@@ -363,8 +390,8 @@ def choose(op: str, form: str, device: torch.device, dtype: torch.dtype, dk: int
     """The kernel for one call of ``op`` (``"lasp2"`` or ``"gdn"``) with decay ``form`` on
     (device, dtype, dk, dv): (the choice, fla's function or None). See the module docstring.
 
-    ``documents``: the call has document boundaries (not wired to fla yet: the torch path, loudly
-    on CUDA). ``load``: returns fla's function or None (default :func:`load_fla`; delta.py passes
+    ``documents``: the call has document boundaries (fla runs them through its varlen mode for the
+    ops in :data:`FLA_DOCUMENT_OPS`; any other op takes the torch path, loudly on CUDA). ``load``: returns fla's function or None (default :func:`load_fla`; delta.py passes
     its own hook); ``gdn_torch_outputs``: the delta rule's torch path for its self-check (op
     "gdn", from delta.py). Raises ValueError for an unknown kernel or ``kernel="fla"`` that cannot run,
     KernelSelfCheckError, SlowKernelError (strict policy)."""
@@ -399,11 +426,12 @@ def _decide(op, form, device, dtype, dk, dv, requested, documents, policy, fused
     if requested == "auto" and not fused:
         return torch_choice(f"the {device.type} path"), None
     what = f"kernel='fla' for {op} ({FORM_TEXT[form]})"
-    if documents:
+    if documents and (op, form) not in FLA_DOCUMENT_OPS:
         if requested == "fla":
-            raise ValueError(f"{what} with documents (cu_seqlens) is not supported yet: use kernel='torch' or 'auto'")
-        return _slow(op, form, device, dtype, dk, dv, "documents are not wired to fla's kernels yet",
-                     "none yet (fla takes cu_seqlens; wiring our document resets to it is open work)", policy), None
+            raise ValueError(f"{what} with documents (cu_seqlens) is not wired to fla's varlen kernels: use "
+                             "kernel='torch' or 'auto'")
+        return _slow(op, form, device, dtype, dk, dv, f"documents are not wired to fla's varlen kernels for {op} "
+                     f"({FORM_TEXT[form]})", "none yet: train without documents or accept the torch path", policy), None
     if dtype not in FLA_DTYPES:
         if requested == "fla":
             raise ValueError(f"{what} takes fp32, bf16 or fp16 inputs, got {dtype}: use kernel='torch'")
@@ -428,6 +456,10 @@ def _decide(op, form, device, dtype, dk, dv, requested, documents, policy, fused
     try:
         remembered(_VERIFIED, (op, form, name, str(device), dtype, dk, dv),
                    lambda: self_check(op, form, fn, device, dtype, dk, dv, gdn_torch_outputs), KernelSelfCheckError)
+        if documents:  # documents take fla's varlen mode: its own check, once per key as well
+            remembered(_VERIFIED, (op, form, name, str(device), dtype, dk, dv, "documents"),
+                       lambda: self_check(op, form, fn, device, dtype, dk, dv, gdn_torch_outputs, documents=True),
+                       KernelSelfCheckError)
     except KernelSelfCheckError as e:
         return _self_check_failed(op, form, device, dtype, dk, dv, requested, policy, e)
     return LinearKernelChoice(op, form, device.type, dtype, dk, dv, "fla", "self-checked"), fn

@@ -6,6 +6,10 @@ flash-linear-attention's kernels behind them (megatron_burst.linear.kernel_choic
   path in fp32 on the bf16-rounded inputs) and under ``SANITY``;
 * W = 2 ranks on one GPU (host-staged transport): the reassembled out and gradients as close to the
   fp32 reference as W = 1 (the exchange adds no error beyond fp32 rounding);
+* documents (cu_seqlens), W = 1 zigzag (two segments: a row cut into pieces, the exchanged state
+  entering the second segment's first piece): fla's varlen kernels behind our ops, out and every
+  gradient vs our fp32 torch path with the same documents within ``BOUND`` x fla's own varlen
+  kernel's error (called directly with the documents as cu_seqlens) and under ``SANITY``;
 * no plain-torch path on CUDA (a SlowKernelWarning is an error here, as in the rest of tests/gpu);
   forms fla itself refuses on this machine (gated backward on Hopper with 3.4 <= Triton < 3.7.1,
   ``kernel_choice.fla_refusal``) are skipped with that reason.
@@ -16,11 +20,15 @@ GPU), errors against the fp32 reference held to CPU_FP32_BOUND; the fla assertio
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 import megatron_burst as mb
-from megatron_burst.bench.linear_gpu import GRAD_NAMES, errors, fla_direct_fn, leaves_of, make_inputs, reference
+from megatron_burst.bench.linear_gpu import (GRAD_NAMES, errors, fla_direct_fn, leaves_of, make_inputs, reference,
+                                             run_ours)
+from megatron_burst.kernels.choice import SlowKernelWarning
 from megatron_burst.linear import kernel_choice
 
 from gpu import linear_ranks
@@ -97,3 +105,55 @@ def test_two_ranks_on_one_gpu_match_the_fp32_reference(world_size):
         assert set(ours) <= {"out", *GRAD_NAMES[op]}
         fails += _bar_failures(f"{op} {form} W={world_size}", ours, None if ON_CPU else _fla_errors(op, form, x, ref))
     assert not fails, "\n".join(fails[:30])
+
+
+# starts inside both zigzag segments (W = 1: [0, SEQ/2) and [SEQ/2, SEQ)), a single-token document,
+# and none at SEQ / 2: the second segment's first piece enters with the first segment's state
+DOC_BOUNDS = [0, SEQ // 8 + 3, SEQ // 8 + 4, 3 * SEQ // 4 + 1, SEQ]
+
+
+def _fla_varlen_errors(op: str, form: str, x: dict, ref: list) -> dict:
+    """fla's own kernel on the documents (the sequence as [1, SEQ, h, d], cu_seqlens the
+    documents): its errors against the same fp32 reference, the bar ours is held to."""
+    fn = kernel_choice.load_fla(op, form)
+    leaves = leaves_of(op, form, x)
+    rows = [t.transpose(0, 1) for t in leaves]  # [SEQ, 1, h, ...] -> [1, SEQ, h, ...]
+    cu = torch.tensor(DOC_BOUNDS, dtype=torch.int64, device=DEV)
+    varlen = dict(scale=D ** -0.5, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+    if op == "gdn":
+        o, _ = fn(*rows, **varlen)
+    elif form == "channel":
+        o, _ = fn(*rows, **varlen)
+    elif form == "token":
+        o, _ = fn(*rows[:3], g=rows[3], **varlen)
+    else:
+        o, _ = fn(*rows, g_gamma=x["g"], **varlen)
+    o.transpose(0, 1).backward(x["dout"])
+    return errors(op, [o.transpose(0, 1).detach()] + [t.grad for t in leaves], ref, HEADS)
+
+
+@pytest.mark.parametrize("op,form", CASES)
+def test_documents_through_fla_on_one_gpu(op, form):
+    refusal = None if ON_CPU else kernel_choice.fla_refusal(op, form)
+    if refusal:
+        pytest.skip(f"{refusal}; fix: {kernel_choice.GATED_FIX}")
+    kernel_choice.reset()  # a fresh decision line for this call with documents
+    x = make_inputs(op, form, SEQ, HEADS, D, DTYPE, DEV)
+    cu = torch.tensor(DOC_BOUNDS)
+    ref_leaves = leaves_of(op, form, x, HEADS)  # fp32 copies of the (bf16-rounded) inputs
+    o = run_ours(op, form, "torch", x, ref_leaves, HEADS, layout="zigzag", cu_seqlens=cu)
+    o.backward(x["dout"].float())
+    ref = [o.detach()] + [t.grad for t in ref_leaves]
+    leaves = leaves_of(op, form, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowKernelWarning)  # documents must not send CUDA to the torch path
+        o = run_ours(op, form, "auto", x, leaves, layout="zigzag", cu_seqlens=cu)
+    o.backward(x["dout"])
+    ours = errors(op, [o.detach()] + [t.grad for t in leaves], ref, HEADS)
+    fla = None
+    if not ON_CPU:
+        decided = [line for line in kernel_choice.report() if line.startswith(f"linear kernels: {op} ")]
+        assert decided and all("fla " in line and "self-checked" in line for line in decided), decided
+        fla = _fla_varlen_errors(op, form, x, ref)
+    fails = _bar_failures(f"{op} {form} documents W=1 zigzag", ours, fla)
+    assert not fails, "\n".join(fails) + f"\nours {ours}\nfla {fla}"
