@@ -140,8 +140,8 @@ def main():
     results["bf16_main_grad"] = tp1_case(torch.bfloat16, "weights", main_grad=True, record=True)
     results["all_ignored"] = all_ignored()
     try:
-        for dtype in (torch.float32, torch.bfloat16):
-            choice.self_check(torch.device("cpu"), dtype, fused_linear_cross_entropy, impl=IMPL)
+        # bf16 only: the fp32 path is the "fp32" case above (the interpreter's time is the suite's)
+        choice.self_check(torch.device("cpu"), torch.bfloat16, fused_linear_cross_entropy, impl=IMPL)
         results["self_check"] = "passed"
     except Exception as e:  # reported, the other assertions still run
         results["self_check"] = f"{type(e).__name__}: {e}"

@@ -62,7 +62,7 @@ for work in dist.batch_isend_irecv(ops):
 print(f"rank {rank} got {int(got.item())}", flush=True)
 exit_rank(0)
 """
-P2P_EXIT_RUNS = 10
+P2P_EXIT_RUNS = 6
 RENDEZVOUS_RETRIES = 3  # a job that never got to exchange (a port taken by another process) is relaunched
 
 
