@@ -31,6 +31,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_burst.bench.loss import LargestTensor
 from megatron_burst.loss import (FusedLossRecomputeWarning, backward_paths, fused_linear_cross_entropy,
@@ -612,3 +613,24 @@ if __name__ == "__main__":
         triton_main()
     else:
         sys.exit("usage: TRITON_INTERPRET=1 python tests/fused_loss_cases.py triton")
+
+
+
+class CreatedTensors(TorchDispatchMode):
+    """Records (dtype, numel) of every tensor an op returns in new storage: views of an argument and
+    in-place results are no allocation and are skipped, and so are uint8 results (Triton's
+    interpreter copies kernel arguments as bytes: no allocation of the op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[tuple[torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat = [a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        flat += [x for a in args if isinstance(a, (list, tuple)) for x in a if isinstance(x, torch.Tensor)]
+        old = {a.untyped_storage().data_ptr() for a in flat}
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in old and t.dtype != torch.uint8:
+                self.made.append((t.dtype, t.numel()))
+        return out

@@ -16,7 +16,6 @@ import time
 import warnings
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fused_loss_cases as cases
 from megatron_burst.loss import (FusedLossRecomputeWarning, fused_linear_cross_entropy, onchip,
@@ -25,25 +24,6 @@ from megatron_burst.loss import (FusedLossRecomputeWarning, fused_linear_cross_e
 IMPL = "triton_recompute"
 IGNORE = -100
 N, V, D = 37, 70, 24
-
-
-class Created(TorchDispatchMode):
-    """(dtype, numel) of every tensor an op returns in new storage; the interpreter's byte copies of
-    kernel arguments (uint8) are recorded apart, they are no allocation of the op."""
-
-    def __init__(self):
-        super().__init__()
-        self.made: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        flat = [a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, torch.Tensor)]
-        flat += [x for a in args if isinstance(a, (list, tuple)) for x in a if isinstance(x, torch.Tensor)]
-        old = {a.untyped_storage().data_ptr() for a in flat}
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in old and t.dtype != torch.uint8:
-                self.made.append((str(t.dtype), t.numel()))
-        return out
 
 
 def inputs(dtype, seed=0):
@@ -71,7 +51,7 @@ def tp1_case(dtype, objective, main_grad=False, record=False):
             prefill = torch.randn(V, D, generator=torch.Generator().manual_seed(9))
             w.main_grad, w.grad_added_to_main_grad = prefill.clone(), False
         saved = []
-        rec = Created()
+        rec = cases.CreatedTensors()
 
         def pack(t):
             if t.untyped_storage().data_ptr() not in (h.untyped_storage().data_ptr(), w.untyped_storage().data_ptr()):
@@ -90,7 +70,7 @@ def tp1_case(dtype, objective, main_grad=False, record=False):
         dw = (w.main_grad - prefill) if (impl == IMPL and main_grad) else w.grad
         res[impl] = (loss[valid], h.grad, dw)
         if impl == IMPL:
-            out.update(made=rec.made, saved=saved, ignored_loss=loss[~valid].abs().max().item(),
+            out.update(made=[(str(dt), n) for dt, n in rec.made], saved=saved, ignored_loss=loss[~valid].abs().max().item(),
                        grad_added_to_main_grad=getattr(w, "grad_added_to_main_grad", None))
     for prefix, got, ref in (("reference", IMPL, "reference"), ("megref", "unfused", "reference")):
         out.update(cases._errs(prefix, res[got], res[ref], cases.QUANTITIES))

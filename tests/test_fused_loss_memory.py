@@ -15,7 +15,6 @@ import sys
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fused_loss_cases as cases
 from harness import run_ranks
@@ -23,25 +22,6 @@ from megatron_burst.loss import fused_linear_cross_entropy, reference_linear_cro
 from megatron_burst.loss import vocab_pass
 
 FP32_TOL = 1e-5
-
-
-class _Created(TorchDispatchMode):
-    """Records (dtype, numel) of every tensor an op returns in new storage (views of an argument
-    and in-place results are not allocations and are skipped)."""
-
-    def __init__(self):
-        super().__init__()
-        self.made: list[tuple[torch.dtype, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        flat = [a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, torch.Tensor)]
-        flat += [x for a in args if isinstance(a, (list, tuple)) for x in a if isinstance(x, torch.Tensor)]
-        old = {a.untyped_storage().data_ptr() for a in flat}
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in old:
-                self.made.append((t.dtype, t.numel()))
-        return out
 
 
 def _run_recorded(weight_grad: str, main_grad: bool, N=64, d=40, V=96, dtype=torch.bfloat16):
@@ -63,7 +43,7 @@ def _run_recorded(weight_grad: str, main_grad: bool, N=64, d=40, V=96, dtype=tor
             saved.append((t.dtype, t.numel()))
         return t
 
-    rec = _Created()
+    rec = cases.CreatedTensors()
     with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = fused_linear_cross_entropy(h, w, labels, loss_mask=mask, token_chunk=16, vocab_chunk=32,
                                           impl="torch", weight_grad=weight_grad,
