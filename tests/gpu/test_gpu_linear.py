@@ -54,6 +54,19 @@ def _bar_failures(what: str, ours: dict, fla: dict | None) -> list[str]:
     return fails
 
 
+def _skip_where_fla_refuses(op: str, form: str) -> None:
+    """fla's own refusal on this machine (the engine then runs torch, loudly: tested on CPU)."""
+    refusal = None if ON_CPU else kernel_choice.fla_refusal(op, form)
+    if refusal:
+        pytest.skip(f"{refusal}; fix: {kernel_choice.GATED_FIX}")
+
+
+def _assert_fla_decided(op: str) -> None:
+    """Every decision line of ``op`` so far took fla after its self-check."""
+    decided = [line for line in kernel_choice.report() if line.startswith(f"linear kernels: {op} ")]
+    assert decided and all("fla " in line and "self-checked" in line for line in decided), decided
+
+
 def _fla_errors(op: str, form: str, x: dict, ref: list) -> dict:
     direct = fla_direct_fn(op, form)
     leaves = leaves_of(op, form, x)
@@ -64,9 +77,7 @@ def _fla_errors(op: str, form: str, x: dict, ref: list) -> dict:
 
 @pytest.mark.parametrize("op,form", CASES)
 def test_linear_op_through_fla_on_one_gpu(op, form):
-    refusal = None if ON_CPU else kernel_choice.fla_refusal(op, form)
-    if refusal:  # fla's own refusal on this machine (the engine then runs torch, loudly: tested on CPU)
-        pytest.skip(f"{refusal}; fix: {kernel_choice.GATED_FIX}")
+    _skip_where_fla_refuses(op, form)
     x = make_inputs(op, form, SEQ, HEADS, D, DTYPE, DEV)
     ref = reference(op, form, x, HEADS)
     leaves = leaves_of(op, form, x)
@@ -76,8 +87,7 @@ def test_linear_op_through_fla_on_one_gpu(op, form):
     ours = errors(op, [o.detach()] + [t.grad for t in leaves], ref, HEADS)
     fla = None
     if not ON_CPU:
-        decided = [line for line in kernel_choice.report() if line.startswith(f"linear kernels: {op} ")]
-        assert decided and all("fla " in line and "self-checked" in line for line in decided), decided
+        _assert_fla_decided(op)
         fla = _fla_errors(op, form, x, ref)
     fails = _bar_failures(f"{op} {form} W=1", ours, fla)
     assert not fails, "\n".join(fails) + f"\nours {ours}\nfla {fla}"
@@ -134,9 +144,7 @@ def _fla_varlen_errors(op: str, form: str, x: dict, ref: list) -> dict:
 
 @pytest.mark.parametrize("op,form", CASES)
 def test_documents_through_fla_on_one_gpu(op, form):
-    refusal = None if ON_CPU else kernel_choice.fla_refusal(op, form)
-    if refusal:
-        pytest.skip(f"{refusal}; fix: {kernel_choice.GATED_FIX}")
+    _skip_where_fla_refuses(op, form)
     kernel_choice.reset()  # a fresh decision line for this call with documents
     x = make_inputs(op, form, SEQ, HEADS, D, DTYPE, DEV)
     cu = torch.tensor(DOC_BOUNDS)
@@ -152,8 +160,7 @@ def test_documents_through_fla_on_one_gpu(op, form):
     ours = errors(op, [o.detach()] + [t.grad for t in leaves], ref, HEADS)
     fla = None
     if not ON_CPU:
-        decided = [line for line in kernel_choice.report() if line.startswith(f"linear kernels: {op} ")]
-        assert decided and all("fla " in line and "self-checked" in line for line in decided), decided
+        _assert_fla_decided(op)
         fla = _fla_varlen_errors(op, form, x, ref)
     fails = _bar_failures(f"{op} {form} documents W=1 zigzag", ours, fla)
     assert not fails, "\n".join(fails) + f"\nours {ours}\nfla {fla}"
