@@ -137,9 +137,10 @@ def _torch_would_run_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
 def forward(q, k, v, kind="full", block=1, scale=1.0):
     """(out [b, hq, sq, d] in q's dtype, lse [b, hq, sq] fp32); blocks cuDNN does not take run flash."""
     hq, sq = q.shape[1], q.shape[2]
-    if not takes_block(q, _kv(k, hq), _kv(v, hq), kind == "causal"):
+    kk, vv = _kv(k, hq), _kv(v, hq)  # once: without native GQA these are copies
+    if not takes_block(q, kk, vv, kind == "causal"):
         return cuda_flash.forward(q, k, v, kind, block, scale)
-    res = _forward_op(q, _kv(k, hq), _kv(v, hq), kind == "causal", scale)
+    res = _forward_op(q, kk, vv, kind == "causal", scale)
     lse = res[1]
     return res[0], _rows(lse.reshape(lse.shape[0], lse.shape[1], -1), sq)
 
@@ -148,7 +149,8 @@ def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0, out: Option
     """(dq [b, hq, sq, d], dk, dv [b, hkv, sk, d]) in the input dtype (see cuda_flash.backward); blocks
     cuDNN does not take run flash."""
     hq, hkv = q.shape[1], k.shape[1]
-    if not takes_block(q, _kv(k, hq), _kv(v, hq), kind == "causal"):
+    kk, vv = _kv(k, hq), _kv(v, hq)  # once: without native GQA these are copies
+    if not takes_block(q, kk, vv, kind == "causal"):
         return cuda_flash.backward(dout, q, k, v, D, lse, kind, block, scale, out=out)
     cum_q, cum_k, seed, offset, lse_rank = _placeholders(q.device, q.dtype)
     o = stand_in_output(dout, D) if out is None else out.to(q.dtype)
@@ -159,7 +161,7 @@ def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0, out: Option
     if lse_rank == 4:
         lse = lse.unsqueeze(-1)
     dq, dk, dv = torch_ops.call(
-        _BWD, grad_out=dout, query=q, key=_kv(k, hq), value=_kv(v, hq), out=o, logsumexp=lse,
+        _BWD, grad_out=dout, query=q, key=kk, value=vv, out=o, logsumexp=lse,
         philox_seed=seed, philox_offset=offset, attn_bias=None, cum_seq_q=cum_q, cum_seq_k=cum_k,
         max_q=q.shape[2], max_k=k.shape[2], dropout_p=0.0, is_causal=kind == "causal", scale=scale)
     if dk.shape[1] != hkv:
