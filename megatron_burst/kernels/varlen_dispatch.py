@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from megatron_burst.kernels import cuda_varlen, triton_masked
+from megatron_burst.kernels.rows import row_dot
 
 NAME = "varlen_or_triton"
 KINDS = ("positions",)
@@ -73,7 +74,5 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if D is None:
         if out is None:
             raise ValueError("varlen_or_triton.backward needs D or the final output (out=)")
-        # the Triton kernel reads D; the caller handed the output instead. fp32 copies of these rows
-        # (the size of the fp32 dq the kernel allocates anyway); kernels.row_dot would import the package
-        D = (dout.float() * out.float()).sum(-1)
+        D = row_dot(dout, out)  # the Triton kernel reads D; the caller handed the output instead
     return triton_masked.backward(dout, q, k, v, D, lse, kind, block, scale, positions=positions)
