@@ -25,6 +25,7 @@ VARIABLES = {
     "MEGATRON_BURST_SPARSE_TILE": "rows and columns of a sparse tile (default 64)",
     "MEGATRON_BURST_SPARSE_COLUMNS": "exact | tiles: the key columns a sparse tile gathers",
     "MEGATRON_BURST_SPARSE_DENSE_COLUMN": "fraction splitting tile columns from gathered rows",
+    "MEGATRON_BURST_SPARSE_RUNS": "1 | 0: shared slash runs as dense blocks (default: on CUDA) or sparse tiles",
     "MEGATRON_BURST_GPU_TESTS_ON_CPU": "1: run tests/gpu as its CPU dry run",
 }
 
@@ -84,6 +85,17 @@ def sparse_columns(default: str = "exact") -> str:
 def sparse_dense_column() -> Optional[str]:
     """``MEGATRON_BURST_SPARSE_DENSE_COLUMN``: the dense-column threshold as written (parsed where used)."""
     return _get("MEGATRON_BURST_SPARSE_DENSE_COLUMN")
+
+
+def sparse_runs() -> Optional[bool]:
+    """``MEGATRON_BURST_SPARSE_RUNS``: ``1`` / ``0`` forces a vertical-slash pattern's shared slash
+    runs into dense blocks or keeps them in the sparse tiles on every device; unset: by device."""
+    value = _get("MEGATRON_BURST_SPARSE_RUNS")
+    if value is None:
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"MEGATRON_BURST_SPARSE_RUNS={value!r}: 1 (runs as dense blocks) or 0 (sparse tiles)")
+    return value == "1"
 
 
 def gpu_tests_on_cpu() -> bool:

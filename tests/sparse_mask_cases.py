@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import megatron_burst as mb
 from megatron_burst.comm import record_schedule
+from megatron_burst.masks.documents import check_cu_seqlens
 from megatron_burst.nccl_check import check_on_all_ranks
 from sparse_cases import definition_mask
 from window_cases import dense_masked_reference, expected_sends, last_steps_from_mask, window_mask
@@ -45,6 +46,19 @@ def mask_pattern(seq: int, heads: int, seed: int = 0) -> mb.VerticalSlash:
     return mb.VerticalSlash(vertical, slash)
 
 
+def shared_runs_pattern(seq: int, heads: int, seed: int = 0) -> mb.VerticalSlash:
+    """Lines every head shares, as MTraining picks them (slash offsets in pools): random vertical
+    lines (one in the middle), the band 1..12, two pools of 8 offsets and one isolated offset (a
+    run of one). Pairs on both a vertical line and a run must count once; rows before the first
+    vertical line see nothing (no offset 0)."""
+    g = torch.Generator().manual_seed(seed)
+    vertical = torch.cat([torch.tensor([seq // 2]), torch.randint(seq // 8, seq, (5,), generator=g)])
+    pools = torch.randint(2, seq // 8 - 1, (2,), generator=g) * 8
+    slash = torch.cat([1 + torch.arange(12), pools[0] + torch.arange(8), pools[1] + torch.arange(8),
+                       torch.tensor([seq // 3 + 1])])
+    return mb.VerticalSlash(vertical.expand(heads, -1).contiguous(), slash.expand(heads, -1).contiguous())
+
+
 def _documents(name, docs, seq: int, b: int):
     """(cu_seqlens argument, per-sample boundaries list or None)."""
     if docs is None:
@@ -63,10 +77,16 @@ def reference_mask(pattern_vis: torch.Tensor, seq: int, window, bounds: Optional
 
 def run_mask_cases(layout: str, stripe: int, local_len: int, algos=("burst", "ring"), masks=MASKS, b: int = 2,
                    d: int = 8, seed: int = 0, dynamic: bool = False, ranks_per_node: Optional[int] = None,
-                   ring: Optional[str] = None, replay: bool = False) -> list[dict]:
+                   ring: Optional[str] = None, replay: bool = False, shared_runs: bool = False) -> list[dict]:
     """For each algo x mask: max abs errors of out, dq, dk, dv on this rank against the dense
     reference; bytes sent per phase and those of a ring pruned by the dense window/document mask;
-    sparsity; rows seeing nothing; (``replay``) the NCCL replays."""
+    sparsity; rows seeing nothing; (``replay``) the NCCL replays. ``shared_runs``: the pattern of
+    :func:`shared_runs_pattern`, planned as on CUDA (its runs as dense positions blocks; the
+    blocks' kinds are in res["kinds"])."""
+    from megatron_burst.masks import vertical_slash
+
+    if shared_runs:
+        vertical_slash._RUNS_OVERRIDE = True
     group = mb.build_cp_topology(None, ranks_per_node) if ranks_per_node else None
     W, r = dist.get_world_size(), dist.get_rank()
     seq = local_len * W
@@ -85,6 +105,8 @@ def run_mask_cases(layout: str, stripe: int, local_len: int, algos=("burst", "ri
             pattern = Dynamic(p_v=0.5, p_s=0.5, last_q=24, pool=4)
             bhsd = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731
             used = estimate(bhsd(sh(q)), bhsd(sh(k)), pattern, layout=layout, stripe=stripe)
+        elif shared_runs:
+            pattern = used = shared_runs_pattern(seq, hq, seed)
         else:
             pattern = used = mask_pattern(seq, hq, seed)
         pattern_vis = definition_mask(used, seq)
@@ -107,6 +129,11 @@ def run_mask_cases(layout: str, stripe: int, local_len: int, algos=("burst", "ri
             res = {n: (a.double() - sh(e)).abs().max().item() for n, a, e in zip(("out", "dq", "dk", "dv"), got, ref)}
             res["scale"] = {n: e.abs().max().item() for n, e in zip(("out", "dq", "dk", "dv"), ref)}
             res.update(algo=algo, mask=name, finite=all(bool(torch.isfinite(t).all()) for t in got))
+            res["kinds"] = sorted({m.kind for q_rank in range(W) for kv_rank in range(W) for _, m in
+                                   vertical_slash.pattern_blocks(used, layout, q_rank, kv_rank, W, local_len, stripe,
+                                                                 documents=None if cu is None else
+                                                                 check_cu_seqlens(cu, seq, b),
+                                                                 window=window)})
             vis_all = torch.stack(vis_parts)
             res["sparsity"] = 1 - vis_all.sum().item() / (b * hq * seq * (seq + 1) / 2)
             res["empty_rows"] = int((~vis_all.any(-1)).sum())

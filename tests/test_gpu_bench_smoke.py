@@ -15,7 +15,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("dense", "rank_block", "documents", "sparse", "multi_rank")
 # lines that measure the engine: they must never carry an error (baselines may, on a GPU machine
 # whose peer libraries fail; on CPU nothing may)
-ENGINE_VARIANTS = {"engine_w1_burst", "engine_blocks", "dense_engine_w1_burst", "sparse_static", "sparse_dynamic",
+ENGINE_VARIANTS = {"engine_w1_burst", "engine_blocks", "dense_engine_w1_burst", "sparse_static", "sparse_static_tiles",
+                   "sparse_static_isolated", "sparse_dynamic",
                    "burst", "ring", "run", "single_rank_reference", "inputs", "plan", "-"}
 SUMMARY_PREFIXES = ("ratio", "speedup")
 

@@ -197,6 +197,22 @@ def test_pattern_with_documents_and_window_exact(W, layout, stripe):
     _check(rows, f"{layout}/{stripe} W={W}")
 
 
+@pytest.mark.parametrize("W,layout,stripe", [(1, "contiguous", 1), (2, "zigzag", 1), (3, "striped", 16)])
+def test_shared_runs_as_dense_blocks_exact(W, layout, stripe):
+    """A pattern whose heads share a band, pools and vertical lines, planned as on CUDA (runs and
+    the vertical keys as positions blocks, no sparse tiles), ring and burst, with documents and a
+    window: exact against the dense reference, rows that see nothing get 0; at W = 2 its recorded
+    schedule completes under NCCL's rules."""
+    rows = run_ranks(W, smc.run_mask_cases, layout, stripe, 72 if W < 3 else 80, seed=W, shared_runs=True,
+                     masks=smc.MASKS[:3], replay=W == 2)
+    for per_rank in rows:
+        for res in per_rank:
+            assert res["kinds"] == ["positions"], res["kinds"]
+            assert all(ok for ok, _, _ in res.get("replay", [(True, "", 0)])), res["replay"]
+    assert any(res["empty_rows"] for res in rows[0])
+    _check(rows, f"shared runs {layout}/{stripe} W={W}")
+
+
 @pytest.mark.parametrize("W", [2, 4])
 def test_window_prunes_the_sparse_ring_and_replays_under_nccl(W):
     """Contiguous, a narrow window: the sparse ring stops where the dense window's does (bytes below

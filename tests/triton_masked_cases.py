@@ -146,6 +146,9 @@ def cases() -> dict:
         "empty_rows": dict(kind="positions", hq=4, hkv=2, sq=40, sk=40,
                            positions=(ar(40), ar(40), docs(10, 8, 22), torch.cat([docs(15), docs(0, 0, 25)]),
                                       (None, 0))),
+        # a slash run of a sparse pattern: keys at offsets 4..9 (band (9, -4)); rows 0..3 see nothing
+        "slash_run_l9_r-4_gqa": dict(kind="positions", hq=4, hkv=2, sq=50, sk=47,
+                                     positions=(ar(50), ar(47), None, None, (9, -4))),
         "bf16_causal_gqa": dict(kind="causal", hq=4, hkv=2, sq=48, sk=48, dtype=torch.bfloat16),
         "bf16_window_docs_sbhd": dict(kind="positions", sq=48, sk=48, dtype=torch.bfloat16, sbhd=True,
                                       positions=(ar(48), ar(48), doc48, doc48, (5, 0))),
@@ -233,6 +236,17 @@ def compile_for_gpu(kernel: str, dtype: torch.dtype, d: int, capability: int = 9
     return res
 
 
+def _shared_runs_pattern(seq: int, heads: int):
+    """Vertical lines 30 and 50, slash offsets 2..7 and 20..27, the same for every head; planned into
+    dense blocks (vertical_slash.runs_apart_for forced)."""
+    from megatron_burst.masks import vertical_slash
+
+    vertical_slash._RUNS_OVERRIDE = True
+    slash = torch.cat([torch.arange(2, 8), torch.arange(20, 28)])
+    return vertical_slash.VerticalSlash(torch.tensor([30, 50]).expand(heads, -1).contiguous(),
+                                        slash.expand(heads, -1).contiguous())
+
+
 def engine_blocks() -> dict:
     """Every block the CP engine produces at W = 3 (documents + window under zigzag, block-striped,
     THD, a two-sided window without causality), through kernels.block_forward/block_backward with
@@ -251,6 +265,10 @@ def engine_blocks() -> dict:
         "block_striped": CPConfig(topo, "flat", "striped", 4, True, 0.3),
         "thd": CPConfig(topo, "flat", "thd", 1, True, 0.3, documents=check_thd([0, 18, 72], None, n, W, 1)),
         "window_two_sided": CPConfig(topo, "flat", "contiguous", 1, False, 0.3, window=(4, 3)),
+        # a vertical-slash pattern planned as on CUDA: slash runs and gathered vertical keys as
+        # positions blocks (bands with a negative right bound, rows that see nothing, kv_index)
+        "pattern_shared_runs": CPConfig(topo, "flat", "striped", 4, True, 0.3, window=(40, 0),
+                                        pattern=_shared_runs_pattern(72, 4)),
     }
     worst, kinds = 0.0, set()
     g = torch.Generator().manual_seed(5)
@@ -258,7 +276,7 @@ def engine_blocks() -> dict:
         for qr in range(W):
             for kr in range(W):
                 for bs, mask in cfg.blocks(qr, kr, n):
-                    kinds.add(mask.kind)
+                    kinds.add(mask.kind + (" gathered" if mask.kv_index is not None else ""))
                     q, do = torch.randn(1, 4, n, 16, generator=g), torch.randn(1, 4, n, 16, generator=g)
                     k, v = torch.randn(1, 2, n, 16, generator=g), torch.randn(1, 2, n, 16, generator=g)
                     D, lse = torch.randn(1, 4, n, generator=g), torch.randn(1, 4, n, generator=g) + 4

@@ -126,8 +126,8 @@ def allgather_backward(dout, q, k, v, D, lse, cfg: CPConfig, out=None):
             dqb, dkb, dvb = block_backward(dout[bs], q[bs], kk[bs], vv[bs], D[bs], lse[bs], m, cfg.scale, cfg.kernel,
                                            None if out is None else out[bs])
             dq[bs, :, m.q_slice] += dqb
-            g[src, 0][bs, :, m.kv_slice] += dkb
-            g[src, 1][bs, :, m.kv_slice] += dvb
+            m.add_kv_grad(g[src, 0][bs], dkb)
+            m.add_kv_grad(g[src, 1][bs], dvb)
 
     posted = _post_gathers(cfg, k, v, pieces, "backward") if W > 1 else []
     for (lo, hi), g in zip(pieces, grads):  # own block first: no transfer needed

@@ -36,8 +36,8 @@ def burst_backward(dout, q, k, v, D, lse, cfg: CPConfig, out=None):
             dqb, dkb, dvb = block_backward(qdo[1][bs], qdo[0][bs], k[bs], v[bs], dl[0][bs], dl[1][bs], mask,
                                            cfg.scale, cfg.kernel, own_out)
             dq[bs, :, mask.q_slice] += dqb
-            dk[bs, :, mask.kv_slice] += dkb
-            dv[bs, :, mask.kv_slice] += dvb
+            mask.add_kv_grad(dk[bs], dkb)
+            mask.add_kv_grad(dv[bs], dvb)
         return dq
 
     travel = [torch.stack([q, dout.to(q.dtype)]), torch.stack([D, lse])]

@@ -78,8 +78,8 @@ def ring_backward(dout, q, k, v, D, lse, cfg: CPConfig, out=None):
             dqb, dkb, dvb = block_backward(dout[bs], q[bs], kv[0][bs], kv[1][bs], D[bs], lse[bs], mask, cfg.scale,
                                            cfg.kernel, None if out is None else out[bs])
             dq[bs, :, mask.q_slice] += dqb
-            dkv[0][bs, :, mask.kv_slice] += dkb
-            dkv[1][bs, :, mask.kv_slice] += dvb
+            mask.add_kv_grad(dkv[0][bs], dkb)
+            mask.add_kv_grad(dkv[1][bs], dvb)
         return dkv
 
     dkv = cp_ring_pass(cfg, [torch.stack([k, v])], visit, "backward", grad_like=dkv_like,

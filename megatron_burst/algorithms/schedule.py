@@ -141,7 +141,9 @@ class CPConfig:
             # the planner splits a plan by dense_column_for(pattern device) (through the module: tests patch it): at 0 (CUDA) every
             # visible pair is a tile column and no "gather" block exists, so asking for its kernel
             # would only choose (and warn about) the plain-torch row gather that never runs
-            return ("sparse",) if vertical_slash.dense_column_for(self.pattern.device) == 0 else ("sparse", "gather")
+            kinds = ("sparse",) if vertical_slash.dense_column_for(self.pattern.device) == 0 else ("sparse", "gather")
+            # shared slash runs become dense positions blocks (vertical_slash.MAX_RUN_BLOCKS)
+            return kinds + (("positions",) if vertical_slash.runs_apart_for(self.pattern.device) else ())
         # block-striped: block_causal blocks, and the full parts they split into on CUDA
         striped_blocks = ("block_causal", "full") if self.layout == "striped" and self.stripe > 1 else ()
         if self.documents is not None or self.window is not None:

@@ -42,8 +42,9 @@ Sections (``--sections``):
   and dense SDPA with a boolean mask (only up to ``--mask-max-seq``); sliding windows ``--windows``
   vs varlen flash with window_size, flex_attention with a sliding-window mask, flash-attn when
   importable, and the causal dense SDPA time as an upper bound. ``ratio`` = engine / best baseline.
-* ``sparse``: ``--sparse-seq`` (64K) tokens, a static vertical-slash pattern (~95 % of causal pairs
-  masked) and the dynamic pattern (estimated per call; inputs built with local and sink structure
+* ``sparse``: ``--sparse-seq`` (64K) tokens, static vertical-slash patterns (~95 % of causal pairs
+  masked: sinks, ``--verticals`` lines, a ``--band`` and ``--pools`` pools of 64 offsets, run as
+  dense blocks and again as sparse tiles; and with ``--slashes`` isolated offsets) and the dynamic pattern (estimated per call; inputs built with local and sink structure
   so that it is sparse), W=1, sparse_cp_attention vs dense causal cp_attention and SDPA cuDNN;
   ``speedup`` = dense time / sparse time.
 * ``multi_rank``: W = 2 and 4 ranks on the one GPU (launch.run_on_one_gpu, the host-staged
@@ -502,8 +503,8 @@ def section_rank_block(B: Bench) -> None:
                     gq, gk, gv = block_backward(dout[bs], q[bs], kvs[o][0][bs], kvs[o][1][bs], D[bs], lse[bs], m, scale,
                                                 choice, out[bs])
                     dq[bs, :, m.q_slice] += gq
-                    dkv[0][bs, :, m.kv_slice] += gk
-                    dkv[1][bs, :, m.kv_slice] += gv
+                    m.add_kv_grad(dkv[0][bs], gk)
+                    m.add_kv_grad(dkv[1][bs], gv)
 
         n_blocks = sum(len(x) for x in blocks)
         eng = B.measure(S, name, "engine_blocks", fwd, bwd, None, pairs, shape, blocks=n_blocks,
@@ -838,20 +839,33 @@ def section_sparse(B: Bench) -> None:
                            baseline=ref["variant"], baseline_ms=ref["ms"], speedup=ref["ms"] / line["ms"],
                            sparsity=line.get("sparsity"), shape=line["shape"])
 
-    # static: 4 sinks + verticals anywhere, a band of slash offsets + random ones, the same for every head
-    try:
-        pat = make_pattern(s, hq, a.verticals, a.band, a.slashes)
-        pat = VerticalSlash(pat.vertical.to(dev), pat.slash.to(dev))
-        one = VerticalSlash(pat.vertical[:1], pat.slash[:1])
-        pairs, sparsity = pattern_pairs(one, s)  # every head has the same lines: pairs per head
-    except Exception as e:  # noqa: BLE001
-        B.rec.error(S, f"static_s{s}", "sparse_static", e, shape=base_shape)
-    else:
-        shape = {**base_shape, "verticals": a.verticals + 4, "band": a.band, "slashes": a.slashes,
-                 "layout": "striped", "stripe": 64}
-        line = B.measure(S, f"static_s{s}", "sparse_static", *autograd_pair(
-            lambda q_, k_, v_: mb.sparse_cp_attention(q_, k_, v_, pat, algo="burst"), q, k, v, dout),
-            pairs, shape, sparsity=sparsity)
+    # static: 4 sinks + verticals anywhere, a band of slash offsets, and either pools of 64 offsets
+    # (MTraining's selection: the engine runs the band, the pools and the vertical keys as dense
+    # positions blocks; again with that split off, the sparse tiles) or isolated random offsets
+    from megatron_burst.masks import vertical_slash
+
+    statics = [("sparse_static", dict(pools=a.pools), None), ("sparse_static_tiles", dict(pools=a.pools), False)]
+    if a.slashes:
+        statics.append(("sparse_static_isolated", dict(slashes=a.slashes), None))
+    for variant, lines, runs_apart in statics:
+        try:
+            pat = make_pattern(s, hq, a.verticals, a.band, lines.get("slashes", 0), pools=lines.get("pools", 0))
+            pat = VerticalSlash(pat.vertical.to(dev), pat.slash.to(dev))
+            one = VerticalSlash(pat.vertical[:1], pat.slash[:1])
+            pairs, sparsity = pattern_pairs(one, s)  # every head has the same lines: pairs per head
+        except Exception as e:  # noqa: BLE001
+            B.rec.error(S, f"static_s{s}", variant, e, shape=base_shape)
+            continue
+        shape = {**base_shape, "verticals": a.verticals + 4, "band": a.band, **lines,
+                 "dense_runs": vertical_slash.runs_apart_for(dev) if runs_apart is None else runs_apart}
+        saved = vertical_slash._RUNS_OVERRIDE
+        vertical_slash._RUNS_OVERRIDE = runs_apart if runs_apart is not None else saved
+        try:
+            line = B.measure(S, f"static_s{s}", variant, *autograd_pair(
+                lambda q_, k_, v_: mb.sparse_cp_attention(q_, k_, v_, pat, algo="burst"), q, k, v, dout),
+                pairs, shape, sparsity=sparsity)
+        finally:
+            vertical_slash._RUNS_OVERRIDE = saved
         speedups(line)
     # dynamic: estimated from this call's q and k (every call: its cost is part of the time)
     budgets = Dynamic(p_v=a.p_v, p_s=a.p_s)
@@ -1097,7 +1111,7 @@ def plot(lines: list[dict], path: str) -> None:
 
 # ------------------------------------------------------------------------------------------ main
 SMOKE = dict(seqs=[256], heads=4, kv_heads=2, head_dim=32, rank_seq=1024, doc_seqs=[256], doc_counts=[1, 8, 64],
-             mask_max_seq=256, windows=[16, 64], window_seq=256, sparse_seq=512, verticals=8, band=32, slashes=8,
+             mask_max_seq=256, windows=[16, 64], window_seq=256, sparse_seq=512, verticals=8, band=32, slashes=8, pools=2,
              multi_seq=256, repeats=2, warmup=1, max_seconds=2.0, dynamic_max_density=1.0, ref_max_seq=4096)
 
 
@@ -1131,7 +1145,9 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--sparse-seq", type=int, default=65536)
     p.add_argument("--verticals", type=int, default=1000, help="static pattern: random vertical lines (+4 sinks)")
     p.add_argument("--band", type=int, default=1024, help="static pattern: slash offsets 0 .. band-1")
-    p.add_argument("--slashes", type=int, default=228, help="static pattern: random slash offsets")
+    p.add_argument("--pools", type=int, default=4, help="static pattern: random pools of 64 slash offsets")
+    p.add_argument("--slashes", type=int, default=228,
+                   help="a second static pattern with this many isolated random slash offsets instead (0: none)")
     p.add_argument("--p-v", type=float, default=0.9, help="dynamic pattern: vertical top-p")
     p.add_argument("--p-s", type=float, default=0.9, help="dynamic pattern: slash top-p")
     p.add_argument("--dynamic-max-density", type=float, default=0.25,

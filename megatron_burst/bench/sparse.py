@@ -38,14 +38,20 @@ SCHEDULES = {  # name: (layout, stripe, ring)
 
 
 def make_pattern(seq: int, heads: int, verticals: int, band: int, slashes: int, seed: int = 0,
-                 vertical_prefix: int = 0) -> VerticalSlash:
+                 vertical_prefix: int = 0, pools: int = 0, pool: int = 64) -> VerticalSlash:
     """4 sinks + ``verticals`` random keys (in the first ``vertical_prefix`` tokens; 0: anywhere),
-    slash offsets 0 .. band-1 + ``slashes`` random ones; the same lines for every head."""
+    slash offsets 0 .. band-1 + ``slashes`` random ones + ``pools`` random pools of ``pool``
+    consecutive offsets starting on a multiple of ``pool`` past the band (MTraining selects slash
+    offsets by pools of 64); the same lines for every head."""
     g = torch.Generator().manual_seed(seed)
     vertical = torch.cat([torch.arange(4), torch.randint(0, vertical_prefix or seq, (verticals,), generator=g)])
     vertical = vertical.expand(heads, -1)
-    slash = torch.cat([torch.arange(band), torch.randint(band, seq, (slashes,), generator=g)]).expand(heads, -1)
-    return VerticalSlash(vertical.contiguous(), slash.contiguous())
+    first, last = -(-band // pool), seq // pool
+    starts = (first + torch.randperm(max(0, last - first), generator=g)[:pools]) * pool
+    pooled = (starts[:, None] + torch.arange(pool)).reshape(-1)
+    pooled = pooled[pooled < seq]
+    slash = torch.cat([torch.arange(band), torch.randint(band, seq, (slashes,), generator=g), pooled])
+    return VerticalSlash(vertical.contiguous(), slash.expand(heads, -1).contiguous())
 
 
 def _run(args):

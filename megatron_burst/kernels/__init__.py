@@ -88,7 +88,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Block
     if _needs_square(impl, mask):
         parts = [block_forward(q, k, v, part, scale, kernel) for part, _ in _square_causal_parts(mask)]
         return torch.cat([o for o, _ in parts], 2), torch.cat([l for _, l in parts], 2)
-    ks, vs = k[:, :, mask.kv_slice], v[:, :, mask.kv_slice]
+    ks, vs = mask.kv_of(k), mask.kv_of(v)
     return impl.forward(qs, ks, vs, mask.kind, mask.block, scale, **_mask_data(mask))
 
 
@@ -102,7 +102,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     O, torch's fused ops, then skip building a stand-in from D; D may then be None, see
     :func:`reads_output`).
     """
-    qsl, ksl = mask.q_slice, mask.kv_slice
+    qsl = mask.q_slice
     qs = q[:, :, qsl]
     impl = _resolve(kernel, qs, mask.kind, "backward")
     if D is None and (out is None or not getattr(impl, "TAKES_OUT", False)):
@@ -120,7 +120,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     extra = _mask_data(mask)
     if out is not None and getattr(impl, "TAKES_OUT", False):
         extra["out"] = out[:, :, qsl]
-    return impl.backward(dout[:, :, qsl], qs, k[:, :, ksl], v[:, :, ksl], None if D is None else D[:, :, qsl],
+    return impl.backward(dout[:, :, qsl], qs, mask.kv_of(k), mask.kv_of(v), None if D is None else D[:, :, qsl],
                          lse[:, :, qsl], mask.kind, mask.block, scale, **extra)
 
 

@@ -17,13 +17,21 @@ _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def _mask_args(kind, block, sq, sk, dtype, device, positions=None):
+    """(is_causal, additive mask or None, empty rows [sq] bool or None). The op takes an additive
+    mask of the query's dtype (block_causal, positions); a row that sees nothing (positions blocks
+    of sparse patterns) is left unmasked for the op and answered by the caller (out 0, lse -inf,
+    no gradient), since an all -inf row would give NaN."""
     if kind == "full":
-        return False, None
+        return False, None, None
     if kind == "causal":
-        return True, None
-    # the op takes an additive mask of the query's dtype (block_causal, positions: no row is all -inf)
+        return True, None, None
     vis = visibility(kind, block, sq, sk, device, positions)
-    return False, torch.zeros(sq, sk, dtype=dtype, device=device).masked_fill_(~vis, float("-inf"))
+    empty = ~vis.any(1)
+    if bool(empty.any()):
+        vis = vis | empty[:, None]
+    else:
+        empty = None
+    return False, torch.zeros(sq, sk, dtype=dtype, device=device).masked_fill_(~vis, float("-inf")), empty
 
 
 def forward(q, k, v, kind="full", block=1, scale=1.0, positions=None):
@@ -31,9 +39,12 @@ def forward(q, k, v, kind="full", block=1, scale=1.0, positions=None):
     writes its output in its input dtype, and a bf16 block output would be rounded before the merge."""
     if q.dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
-    is_causal, mask = _mask_args(kind, block, q.shape[2], k.shape[2], q.dtype, q.device, positions)
+    is_causal, mask, empty = _mask_args(kind, block, q.shape[2], k.shape[2], q.dtype, q.device, positions)
     hq = q.shape[1]
     out, lse = _fwd(q, expand_kv(k, hq), expand_kv(v, hq), 0.0, is_causal, attn_mask=mask, scale=scale)
+    if empty is not None:
+        out = out.masked_fill(empty[:, None], 0.0)
+        lse = lse.masked_fill(empty, float("-inf"))
     return out, lse
 
 
@@ -47,8 +58,12 @@ def stand_in_output(dout: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
 
 
 def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0, positions=None):
-    is_causal, mask = _mask_args(kind, block, q.shape[2], k.shape[2], q.dtype, q.device, positions)
+    is_causal, mask, empty = _mask_args(kind, block, q.shape[2], k.shape[2], q.dtype, q.device, positions)
     hq, hkv = q.shape[1], k.shape[1]
+    if empty is not None:  # rows that see nothing: no gradient (dO 0, and P 0 through lse +inf)
+        dout = dout.masked_fill(empty[:, None], 0.0)
+        D = D.masked_fill(empty, 0.0)
+        lse = lse.masked_fill(empty, float("inf"))
     out = stand_in_output(dout, D)
     dq, dk, dv = _bwd(dout.contiguous(), q, expand_kv(k, hq), expand_kv(v, hq), out, lse.contiguous(), 0.0,
                       is_causal, attn_mask=mask, scale=scale)

@@ -10,8 +10,8 @@ hq % hkv == 0):
 ``kind`` is "full", "causal" (row i sees column j iff i >= j), "block_causal" (iff
 i // block >= j // block) or "positions" (iff kv_pos[j] <= q_pos[i] and q_doc[i] == kv_doc[j]; the
 keyword argument ``positions=(q_pos, kv_pos, q_doc, kv_doc, band)`` gives global positions and document
-ids (and the band (left, right) of a sliding window: q_pos - left <= kv_pos <= q_pos + right), LongTensors [sq] / [sk], either pair possibly None, and every row sees at least one column:
-document masks, see megatron_burst.masks.block.BlockMask and megatron_burst.masks.documents). D = rowsum(dout * out) is passed in, not recomputed: a rank that received
+ids (and the band (left, right) of a sliding window: q_pos - left <= kv_pos <= q_pos + right), LongTensors [sq] / [sk], either pair possibly None; a row that sees nothing gets out 0 and lse
+-inf: see megatron_burst.masks.block.BlockMask and megatron_burst.masks.documents). D = rowsum(dout * out) is passed in, not recomputed: a rank that received
 a remote Q block never has the remote output.
 """
 from __future__ import annotations
@@ -63,10 +63,15 @@ def _scores(q, k, kind, block, scale, positions=None):
     return s
 
 
+def finite_lse(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (a row that sees nothing) replaced by 0, so exp(s - lse) is 0 there, not NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
 def forward(q, k, v, kind="full", block=1, scale=1.0, positions=None):
     s = _scores(q, k, kind, block, scale, positions)
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None])
+    p = torch.exp(s - finite_lse(lse)[..., None])
     out = torch.einsum("bhqk,bhkd->bhqd", p, _acc(expand_kv(v, q.shape[1])))
     return out, lse
 
@@ -74,7 +79,7 @@ def forward(q, k, v, kind="full", block=1, scale=1.0, positions=None):
 def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0, positions=None):
     hkv = k.shape[1]
     s = _scores(q, k, kind, block, scale, positions)
-    p = torch.exp(s - _acc(lse)[..., None])
+    p = torch.exp(s - finite_lse(_acc(lse))[..., None])
     do = _acc(dout)
     ve = _acc(expand_kv(v, q.shape[1]))
     dv = torch.einsum("bhqk,bhqd->bhkd", p, do)

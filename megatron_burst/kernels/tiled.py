@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_burst.kernels.reference import expand_kv, reduce_kv
+from megatron_burst.kernels.reference import expand_kv, finite_lse, reduce_kv
 from megatron_burst.masks.block import positions_visibility
 
 TILE_Q = 512
@@ -79,7 +79,8 @@ def forward(q, k, v, kind="full", block=1, scale=1.0, positions=None):
             l = l * corr + p.sum(-1)
             acc = acc * corr[..., None] + p @ ve[:, :, k0:k1].float()
             m = m_new
-        out[:, :, q0:q1] = acc / l[..., None]
+        # a row that saw nothing (a positions block of a sparse pattern): out 0, lse -inf
+        out[:, :, q0:q1] = acc / torch.where(l > 0, l, 1.0)[..., None]
         lse[:, :, q0:q1] = m + torch.log(l)
     return out, lse
 
@@ -96,7 +97,7 @@ def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0, positions=N
         q1 = min(q0 + TILE_Q, sq)
         qt = q[:, :, q0:q1].float()
         dot = dout[:, :, q0:q1].float()
-        lse_t = lse[:, :, q0:q1, None].float()
+        lse_t = finite_lse(lse[:, :, q0:q1, None].float())
         D_t = D[:, :, q0:q1, None].float()
         for k0 in range(0, sk, TILE_K):
             k1 = min(k0 + TILE_K, sk)

@@ -41,13 +41,19 @@ class BlockMask:
         condition / one document). Document masks produce it (see
         :mod:`megatron_burst.masks.documents`): for one document whose causal pattern is none of the
         above (e.g. striped with an offset), or for a run of small adjacent documents merged into
-        one kernel call. Every row of such a rectangle sees at least one column.
+        one kernel call. Rows may see nothing (output 0, lse -inf): a vertical-slash pattern's
+        slash runs (``band`` = (hi, -lo): keys at offsets lo..hi) leave early rows empty.
       * ``sparse``: per-head block-sparse visibility (vertical-slash patterns): ``plan`` lists the
         64-row query tiles, their visible 64-column key tiles and per-head masks
         (megatron_burst.masks.vertical_slash); rows may see nothing (output 0, lse -inf).
       * ``gather``: per-row gathered keys (the scattered part of a sparse plan): ``plan`` is a
         megatron_burst.masks.vertical_slash.SparseRows for rows [q_start, q_stop); rows may see nothing.
     Rows outside [q_start, q_stop) receive nothing from this block.
+
+    ``kv_index`` (a LongTensor of local kv rows, increasing; ``positions`` blocks of vertical-slash
+    patterns only): the block's columns are those rows of the kv block, gathered
+    (:meth:`kv_of`), and [kv_start, kv_stop) = [0, len(kv_index)) indexes them; their gradients
+    scatter back (:meth:`add_kv_grad`). A pattern's vertical lines are such a gathered set.
     """
 
     kind: str
@@ -64,6 +70,8 @@ class BlockMask:
     # ``sparse``: the block-sparse plan (tuple of megatron_burst.masks.vertical_slash.SparseTile); ``gather``: a SparseRows
     plan: Optional[tuple] = field(default=None, compare=False, repr=False)
     band: tuple = (None, 0)  # ``positions`` only: (left, right) bounds of kv_pos - q_pos (see kind)
+    # gathered columns (see above): local kv rows on the device of the kv block, or None (a slice)
+    kv_index: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
 
     @property
     def mask_data(self) -> tuple:
@@ -77,6 +85,19 @@ class BlockMask:
     @property
     def kv_slice(self) -> slice:
         return slice(self.kv_start, self.kv_stop)
+
+    def kv_of(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's columns of a kv tensor [b, h, m, d]: rows kv_slice, or the gathered kv_index rows."""
+        if self.kv_index is None:
+            return x[:, :, self.kv_slice]
+        return x.index_select(2, self.kv_index.to(x.device))
+
+    def add_kv_grad(self, dst: torch.Tensor, grad: torch.Tensor) -> None:
+        """dst [b, h, m, d] += the block's kv gradient ``grad`` [b, h, kv_rows, d] at its columns."""
+        if self.kv_index is None:
+            dst[:, :, self.kv_slice] += grad
+        else:
+            dst.index_add_(2, self.kv_index.to(dst.device), grad.to(dst.dtype))
 
     def clip_rows(self, rows: int) -> "BlockMask":
         """The same block restricted to q rows [0, rows) (columns no row there sees are dropped too)."""
@@ -99,7 +120,8 @@ class BlockMask:
             cut = lambda t, m: None if t is None else t[:m]  # noqa: E731
             return BlockMask("positions", self.q_start, rows, self.kv_start, self.kv_start + seen, 1,
                              cut(self.q_pos, height), cut(self.kv_pos, seen), cut(self.q_doc, height),
-                             cut(self.kv_doc, seen), band=self.band)
+                             cut(self.kv_doc, seen), band=self.band,
+                             kv_index=None if self.kv_index is None else self.kv_index[:seen])
         else:
             kv_stop = self.kv_stop
         return BlockMask(self.kind, self.q_start, rows, self.kv_start, kv_stop, self.block)
@@ -109,6 +131,9 @@ class BlockMask:
         a ``positions`` block keeps its per-row/column data (it is relative to the rectangle)."""
         if self.kind == "empty":
             return self
+        if self.kv_index is not None:  # the columns are the gathered rows: move them, not the range
+            return dataclasses.replace(self, q_start=self.q_start + q_offset, q_stop=self.q_stop + q_offset,
+                                       kv_index=self.kv_index + kv_offset)
         return dataclasses.replace(self, q_start=self.q_start + q_offset, q_stop=self.q_stop + q_offset,
                                    kv_start=self.kv_start + kv_offset, kv_stop=self.kv_stop + kv_offset)
 
@@ -149,7 +174,10 @@ class BlockMask:
             sub = positions_visibility(*self.mask_data, rows.shape[0], cols.shape[1])
         else:
             sub = rows // self.block >= cols // self.block
-        m[self.q_slice, self.kv_slice] = sub
+        if self.kv_index is not None:
+            m[self.q_slice] = m[self.q_slice].index_copy(1, self.kv_index.cpu(), sub)
+        else:
+            m[self.q_slice, self.kv_slice] = sub
         return m
 
 

@@ -51,9 +51,9 @@ from megatron_burst.masks.layout import layout_indices_on
 from megatron_burst.masks.visible import visible_blocks
 from megatron_burst.masks.window import Window
 
-__all__ = ["TILE", "COLUMNS", "CPU_DENSE_COLUMN", "LONG_RUN", "PLAN_CHUNK", "PLAN_MASKS", "dense_column_for",
-           "VerticalSlash", "pack_bits", "unpack_bits", "SparseTile", "TilePlan", "PackedTiles", "as_packed",
-           "SparseRows", "key_floor", "plan_pair", "column_counts", "plan_tiles", "pattern_blocks"]
+__all__ = ["TILE", "COLUMNS", "CPU_DENSE_COLUMN", "LONG_RUN", "PLAN_CHUNK", "PLAN_MASKS", "MAX_RUN_BLOCKS",
+           "dense_column_for", "runs_apart_for", "SharedRuns", "run_blocks", "VerticalSlash", "pack_bits",
+           "unpack_bits", "SparseTile", "TilePlan", "PackedTiles", "as_packed", "SparseRows", "key_floor", "plan_pair", "column_counts", "plan_tiles", "pattern_blocks"]
 
 # rows and columns of the block-sparse kernel's tiles ($MEGATRON_BURST_SPARSE_TILE overrides, for measuring)
 TILE = env.sparse_tile(64)
@@ -78,6 +78,28 @@ PLAN_CHUNK = 1 << 24
 PLAN_MASKS = 4
 
 
+# Slash runs as dense blocks. A pattern whose query heads share one set of lines, with at most
+# MAX_RUN_BLOCKS runs of consecutive slash offsets (MTraining picks slash offsets in pools of 64:
+# its patterns are a local band and a few pools), runs as "positions" blocks instead of sparse
+# tiles: one block per run [lo, hi] (every key at offset lo..hi: band (hi, -lo)) and one per gap
+# between runs over the gathered vertical keys (a pair on both a vertical line and a run is the
+# run's). Why: an isolated diagonal is 1/64 of the tile columns it adds to a 64-row query tile,
+# and the block-sparse kernel gathers columns one by one; a band is a dense rectangle edge for
+# the fused masked kernels (torch's varlen flash with a window, or Triton). MEGATRON_BURST_SPARSE_RUNS
+# overrides the device rule (runs_apart_for) for measuring and for CPU tests of the GPU's plans.
+MAX_RUN_BLOCKS = 16
+_RUNS_OVERRIDE = env.sparse_runs()
+
+
+def runs_apart_for(device: torch.device) -> bool:
+    """Whether patterns planned on ``device`` put shared slash runs in dense blocks (see
+    MAX_RUN_BLOCKS): on CUDA yes; on CPU no (its gathered-pairs plan is measured there);
+    $MEGATRON_BURST_SPARSE_RUNS overrides both."""
+    if _RUNS_OVERRIDE is not None:
+        return _RUNS_OVERRIDE
+    return torch.device(device).type == "cuda"
+
+
 def dense_column_for(device: torch.device) -> float:
     """The split between a plan's two parts on ``device`` (:func:`plan_pair`'s default
     ``dense_column``): on CPU CPU_DENSE_COLUMN (scattered pairs are gathered row by row, measured
@@ -87,6 +109,26 @@ def dense_column_for(device: torch.device) -> float:
     if _DENSE_COLUMN_OVERRIDE is not None:
         return float(_DENSE_COLUMN_OVERRIDE)
     return CPU_DENSE_COLUMN if torch.device(device).type == "cpu" else 0.0
+
+
+@dataclass(frozen=True)
+class SharedRuns:
+    """A pattern whose query heads all have the same lines, as dense pieces (see MAX_RUN_BLOCKS):
+    ``vertical`` [nv] the distinct vertical key positions, increasing (CPU int64); ``runs`` the
+    maximal runs of consecutive slash offsets, ((lo, hi), ...) increasing."""
+
+    vertical: torch.Tensor
+    runs: tuple
+
+    def gaps(self) -> tuple:
+        """The offsets >= 0 outside every run, as ((lo, hi), ...) with hi None for the last, unbounded one."""
+        out, lo = [], 0
+        for a, b in self.runs:
+            if a > lo:
+                out.append((lo, a - 1))
+            lo = b + 1
+        out.append((lo, None))
+        return tuple(out)
 
 
 @dataclass(eq=False)  # hashed by identity: plans are cached per pattern object
@@ -171,6 +213,25 @@ class VerticalSlash:
             cached = (seq_len, is_v, is_s, diagonal, long_diagonal)
             self._lookup = cached
         return cached[1:]
+
+    def shared_runs(self, seq_len: int) -> Optional[SharedRuns]:
+        """The pattern as :class:`SharedRuns` when every query head has the same lines and the slash
+        offsets form at most MAX_RUN_BLOCKS runs; else None (cached per seq_len; one read-back)."""
+        cached = self.__dict__.setdefault("_shared", {})
+        if seq_len not in cached:
+            is_v, is_s = self.lookup(seq_len)
+            s0 = is_s[0].bool()
+            starts = s0.clone()
+            starts[1:] &= ~s0[:-1]
+            ends = s0.clone()
+            ends[:-1] &= ~s0[1:]
+            same, n_runs = torch.stack([(is_v == is_v[:1]).all() & (is_s == is_s[:1]).all(), starts.sum()]).tolist()
+            result = None
+            if same and n_runs <= MAX_RUN_BLOCKS:
+                lo, hi = starts.nonzero().squeeze(1).tolist(), ends.nonzero().squeeze(1).tolist()
+                result = SharedRuns(is_v[0].nonzero().squeeze(1).cpu(), tuple(zip(lo, hi)))
+            cached[seq_len] = result
+        return cached[seq_len]
 
     def slash_runs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The slash offsets as runs of consecutive distinct offsets, on the pattern's device (cached):
@@ -842,12 +903,67 @@ def _pair_plan(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: int, w
     return plans[key]
 
 
+def run_blocks(shared: SharedRuns, q_pos: torch.Tensor, kv_pos: torch.Tensor,
+               cu_seqlens: Optional[Sequence[int]] = None, window: Window = None,
+               device: Optional[torch.device] = None) -> list[BlockMask]:
+    """The "positions" blocks of queries at ``q_pos`` x keys at ``kv_pos`` (CPU, increasing global
+    positions) under a pattern split into shared runs: one per run [lo, hi] over every key (band
+    (hi, -lo)), one per gap between runs over the vertical keys (gathered: ``kv_index`` on
+    ``device``), each narrowed by ``window`` (its left bound) and ``cu_seqlens`` (document ids);
+    blocks no query sees anything of are left out. Together they hold every visible pair once:
+    a pair at an offset in a run is the run's; any other is a vertical line's, in its gap."""
+    q_pos, kv_pos = q_pos.cpu().long(), kv_pos.cpu().long()
+    nq = q_pos.numel()
+    q_doc = kv_doc = None
+    if cu_seqlens is not None and len(cu_seqlens) > 2:
+        starts = torch.tensor(list(cu_seqlens[:-1]), dtype=torch.long)
+        q_doc = torch.searchsorted(starts, q_pos, right=True) - 1
+        kv_doc = torch.searchsorted(starts, kv_pos, right=True) - 1
+    floor = key_floor(q_pos, cu_seqlens, window)
+    w_left = None if window is None else window[0]
+    on_line = torch.isin(kv_pos, shared.vertical).nonzero().squeeze(1)
+    out = []
+
+    def add(lo: int, hi: Optional[int], idx: Optional[torch.Tensor]) -> None:
+        left = hi if w_left is None else (w_left if hi is None else min(hi, w_left))
+        keys = kv_pos if idx is None else kv_pos[idx]
+        if (left is not None and left < lo) or not keys.numel():
+            return
+        top = torch.searchsorted(keys, q_pos - lo, right=True)  # each query's keys at offsets >= lo: [.., top)
+        bottom = torch.zeros_like(top) if floor is None else torch.searchsorted(keys, floor)
+        if hi is not None:
+            bottom = torch.maximum(bottom, torch.searchsorted(keys, q_pos - hi))
+        seeing = (top > bottom).nonzero().squeeze(1)
+        if not seeing.numel():
+            return
+        # trimmed to the rows that see a key and the keys seen (a prefix of rows sees nothing: torch's
+        # varlen op takes a block only if every row sees something)
+        r0, r1 = int(seeing[0]), int(seeing[-1]) + 1
+        c0, c1 = int(bottom[r0:r1].min()), int(top[r0:r1].max())
+        docs = None if kv_doc is None else (kv_doc if idx is None else kv_doc[idx])
+        cut = lambda t, a, b: None if t is None else t[a:b]  # noqa: E731
+        if idx is None:
+            kv_start, kv_stop, kv_index = c0, c1, None
+        else:
+            kv_start, kv_stop, kv_index = 0, c1 - c0, idx[c0:c1].to(device or "cpu")
+        out.append(BlockMask("positions", r0, r1, kv_start, kv_stop, 1, q_pos[r0:r1], keys[c0:c1],
+                             cut(q_doc, r0, r1), cut(docs, c0, c1), band=(left, -lo), kv_index=kv_index))
+
+    for lo, hi in shared.runs:
+        add(lo, hi, None)
+    for lo, hi in shared.gaps():
+        add(lo, hi, on_line)
+    return out
+
+
 def pattern_blocks(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: int, world_size: int,
                    local_len: int, stripe: int = 1, q_rows: Optional[int] = None, *,
                    documents: Optional[Documents] = None, window: Window = None) -> list[tuple[slice, BlockMask]]:
     """The (batch slice, BlockMask) list of a block pair under ``pattern``: a ``sparse`` block
     carrying its PackedTiles and a ``gather`` block carrying its row groups (each when it has
     any), or [] when nothing is visible (CPConfig.blocks' contract). Rows limited to [0, q_rows).
+    Where :func:`runs_apart_for` the pattern's device and the pattern splits into shared runs
+    (:meth:`VerticalSlash.shared_runs`), the pair is :func:`run_blocks`' ``positions`` blocks instead.
 
     ``documents`` (validated boundaries: one plan per group of samples sharing them) and
     ``window`` intersect the pattern with the document mask and the sliding window. A pair (or a
@@ -868,6 +984,16 @@ def pattern_blocks(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: in
             if not visible_blocks(alone, layout, q_rank, kv_rank, world_size, local_len, True, stripe, q_rows,
                                   window):
                 continue  # the dense mask (causal, documents, window) already sees nothing here
+            seq_len = local_len * world_size
+            shared = pattern.shared_runs(seq_len) if runs_apart_for(pattern.device) else None
+            if shared is not None:  # dense blocks (see MAX_RUN_BLOCKS)
+                q_pos = layout_indices_on(seq_len, q_rank, world_size, layout, stripe, "cpu")
+                kv_pos = layout_indices_on(seq_len, kv_rank, world_size, layout, stripe, "cpu")
+                for m in run_blocks(shared, q_pos, kv_pos, bounds, window, pattern.device):
+                    m = m if q_rows is None else m.clip_rows(q_rows)
+                    if m.kind != "empty":
+                        out.append((batch, m))
+                continue
             plan, rows = _pair_plan(pattern, layout, q_rank, kv_rank, world_size, local_len, stripe, bounds, window,
                                     cache["plans"])
             if q_rows is not None:

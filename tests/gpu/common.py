@@ -202,6 +202,18 @@ def static_pattern(seq: int, hq: int, seed: int = 0) -> tuple[torch.Tensor, torc
     return vertical.contiguous(), slash.contiguous()
 
 
+def shared_runs_pattern(seq: int, hq: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(vertical, slash) as :func:`static_pattern` but the same lines for every head, the slash
+    offsets a band and two pools of 64 (MTraining's selection): on CUDA the engine runs it as dense
+    positions blocks (megatron_burst.masks.vertical_slash.MAX_RUN_BLOCKS), not sparse tiles."""
+    g = torch.Generator().manual_seed(seed)
+    nv, band = L(640), L(512)
+    vertical = torch.cat([torch.arange(4), torch.randint(0, seq, (nv,), generator=g)])
+    starts = (band // 64 + 1 + torch.randperm(seq // 64 - band // 64 - 1, generator=g)[:2]) * 64
+    slash = torch.cat([torch.arange(band), (starts[:, None] + torch.arange(64)).reshape(-1)])
+    return vertical.expand(hq, -1).contiguous(), slash.expand(hq, -1).contiguous()
+
+
 def pattern_visibility(vertical: torch.Tensor, slash: torch.Tensor, seq: int) -> torch.Tensor:
     """Boolean [h, seq, seq]: query i of head h sees key j <= i iff j is a vertical line of h or
     i - j a slash offset of h (computed here from the definition, not by the engine)."""

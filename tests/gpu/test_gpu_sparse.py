@@ -1,5 +1,6 @@
-"""(d) sparse_cp_attention on the GPU: a static VerticalSlash pattern held in CUDA tensors and the
-dynamic pattern, at W=1 and W=2, against the dense masked fp32 reference."""
+"""(d) sparse_cp_attention on the GPU: a static VerticalSlash pattern held in CUDA tensors, one whose
+heads share a band and pools (run as dense positions blocks) and the dynamic pattern, at W=1 and
+W=2, against the dense masked fp32 reference."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,7 @@ from megatron_burst.kernels.choice import choose
 
 from gpu import ranks
 from gpu.common import DEV, DTYPE, L, ON_CPU, STRIPE_WIDE, check, errors, inputs, kernel_failures, \
-    pattern_visibility, reference, run_on_ranks, sdpa_errors, static_pattern
+    pattern_visibility, reference, run_on_ranks, sdpa_errors, shared_runs_pattern, static_pattern
 
 SEQ = L(2048)
 B, HQ, HKV, D = 1, 8, 2, (128 if not ON_CPU else 32)
@@ -109,4 +110,41 @@ def test_sparse_two_ranks_on_one_gpu(world_size):
             vis = pattern_visibility(*lines[0], SEQ)
         got = [mb.unshard([res["results"][case][i] for res in per_rank], 0, layout, stripe) for i in range(4)]
         table.append(_compare(got, vis, q, k, v, dout, what, fails, cache))
+    assert not fails, "\n".join(fails) + "\n" + "\n".join(table)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_sparse_shared_runs(world_size):
+    """Lines shared by every head, slash offsets a band and two pools of 64: on CUDA every block of
+    the call is a dense positions block (the runs over all keys, the vertical keys gathered), no
+    sparse tile; burst and ring x striped 64 / zigzag, W = 1 and 2 (host-staged on one GPU): out,
+    dq, dk, dv within 1.5x torch's bf16 SDPA error of the dense masked fp32 reference."""
+    from megatron_burst.masks import vertical_slash
+
+    W = world_size
+    vertical, slash = shared_runs_pattern(SEQ, HQ, seed=SEED)
+    pattern = mb.VerticalSlash(vertical.to(DEV), slash.to(DEV))
+    fails, table, cache = [], [], []
+    if DEV.type == "cuda":
+        kinds = {m.kind for q_rank in range(W) for kv_rank in range(W)
+                 for _, m in vertical_slash.pattern_blocks(pattern, "striped", q_rank, kv_rank, W, SEQ // W,
+                                                           STRIPE_WIDE)}
+        if kinds != {"positions"}:
+            fails.append(f"blocks of kinds {sorted(kinds)}: the shared runs were not split into positions blocks")
+    cases = [("static", algo, layout, stripe) for algo in ("burst", "ring")
+             for layout, stripe in (("striped", STRIPE_WIDE), ("zigzag", 1))]
+    per_rank = run_on_ranks(W, ranks.sparse_cases, cases, SEQ, B, HQ, HKV, D, vertical, slash, seed=SEED)
+    q, k, v, dout = (t.to(DEV) for t in inputs(SEQ, B, HQ, HKV, D, seed=SEED))
+    vis = pattern_visibility(vertical, slash, SEQ)
+    for rank, res in enumerate(per_rank):
+        if res["slow"]:
+            fails.append(f"rank {rank} ran plain-torch kernels: {res['slow']}")
+        for case, tb in res["errors"].items():
+            fails.append(f"W={W} {case} raised on rank {rank}:\n{tb}")
+    for case in cases:
+        _, algo, layout, stripe = case
+        if any(case not in res["results"] for res in per_rank):
+            continue
+        got = [mb.unshard([res["results"][case][i] for res in per_rank], 0, layout, stripe) for i in range(4)]
+        table.append(_compare(got, vis, q, k, v, dout, f"W={W} shared runs {algo} {layout}/{stripe}", fails, cache))
     assert not fails, "\n".join(fails) + "\n" + "\n".join(table)
