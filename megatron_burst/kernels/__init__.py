@@ -157,7 +157,11 @@ def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tens
     where a sparse block's row sees nothing; such a row's out_blk is 0).
     """
     new_lse = torch.logaddexp(lse_acc, lse_blk)
-    ref = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)  # -inf + -inf: weights 0, not NaN
-    out_acc.mul_(torch.exp(lse_acc - ref)[..., None])
-    out_acc.add_(out_blk.float() * torch.exp(lse_blk - ref)[..., None])
+    ref = new_lse.masked_fill(torch.isinf(new_lse), 0.0)  # -inf + -inf: weights 0, not NaN
+    # two passes over the [.., r, d] rows (a scale in place, then one fused multiply-add reading the
+    # block's output in its own dtype): no fp32 copy of out_blk, no temporary product
+    out_acc.mul_(torch.exp(lse_acc - ref).unsqueeze(-1))
+    if torch.promote_types(out_blk.dtype, out_acc.dtype) != out_acc.dtype:  # e.g. fp64 blocks into fp32
+        out_blk = out_blk.to(out_acc.dtype)
+    out_acc.addcmul_(out_blk, torch.exp(lse_blk - ref).unsqueeze(-1))
     lse_acc.copy_(new_lse)
