@@ -4,7 +4,8 @@
 #
 #   bash scripts/gpu_session.sh [OUT_DIR] [BUDGET_S]        (repository root, on the GPU machine)
 #
-# 1. benches: attention (dense 32K, documents/windows, sparse 64K, rank blocks), fused loss (--quick,
+# 1. benches: attention (sparse 64K, documents/windows, rank blocks, dense 32K: what is not yet
+#    re-measured first), fused loss (--quick,
 #    Liger / CCE), linear (fla) -- on a quiet GPU, in that order
 # 2. the whole GPU suite (tests/gpu: attention, sparse, fused loss, linear), xdist workers when installed
 # Shares of the budget: ATTN_BENCH_SHARE 20, LOSS_BENCH_SHARE 22, LINEAR_BENCH_SHARE 13, SUITE_SHARE 45,
@@ -51,7 +52,7 @@ done
 } 2>&1 | tee -a "$OUT_DIR/session.log"
 part cudnn-probe 40 bash -o pipefail -c "$PY scripts/gpu_probe_cudnn.py 2>&1 | tee -a '$OUT_DIR/session.log'"
 part attention-bench $(share ${ATTN_BENCH_SHARE:-20}) bash -o pipefail -c "$PY -m megatron_burst.bench gpu --out '$OUT_DIR/bench_gpu.jsonl' \
-  ${GPU_BENCH_ARGS:---sections dense documents sparse rank_block --seqs 32768 --doc-seqs 32768 --no-flex --repeats 5 --max-seconds 2} 2>&1 | tee '$OUT_DIR/bench_gpu.log'"
+  ${GPU_BENCH_ARGS:---sections sparse documents rank_block dense --seqs 32768 --doc-seqs 32768 --no-flex --repeats 5 --max-seconds 2} 2>&1 | tee '$OUT_DIR/bench_gpu.log'"
 part loss-bench $(share ${LOSS_BENCH_SHARE:-22}) bash -o pipefail -c "$PY -m megatron_burst.bench loss --quick --plot '' ${LOSS_BENCH_ARGS:-} 2>&1 | tee '$OUT_DIR/bench_loss.log'"
 part masked-tune $(share ${TUNE_SHARE:-0}) bash -o pipefail -c "$PY scripts/gpu_tune_masked.py --out '$OUT_DIR/tune_masked.jsonl' 2>&1 | tail -3"
 part linear-bench $(share ${LINEAR_BENCH_SHARE:-13}) bash -o pipefail -c "$PY -m megatron_burst.bench linear --gpu --out '$OUT_DIR/bench_linear.jsonl' \

@@ -26,7 +26,9 @@ NAMES = ("out", "lse", "dq", "dk", "dv")
 FP32_CASES = ["full_37x53", "full_53x37_gqa_d24", "causal_37x53", "causal_53x37_gqa_d24_sbhd", "causal_48_gqa_d80",
               "causal_dv_differs", "block_causal_b4_37", "block_causal_b4_45x29", "docs_only",
               "window_docs_l5_r0_gqa_sbhd", "band_l3_r2", "offset_q40_79_kv0_39", "offset_q40_79_kv20_59",
-              "zigzag_diag_gqa", "zigzag_q1_kv0_docs", "empty_rows", "empty_rows_finite_lse", "slash_run_l9_r-4_gqa"]
+              "zigzag_diag_gqa", "zigzag_q1_kv0_docs", "empty_rows", "empty_rows_finite_lse", "slash_run_l9_r-4_gqa",
+              # the dk/dv kernel's q tiles split among programs (partial dk / dv summed by the host)
+              "split_slash_run_l9_r-4_gqa", "split_window_docs_l5_r0_gqa_sbhd", "split_block_causal_b4_45x29"]
 LOW_CASES = ["bf16_causal_gqa", "bf16_window_docs_sbhd", "fp16_full_d24"]
 
 
@@ -236,6 +238,16 @@ def test_supports(monkeypatch):
     assert not tm.supports_block(q, k, "sparse") and not tm.supports_block(q.double(), k.double(), "full")
     assert not tm.supports_block(torch.zeros(1, 4, 8, 257), torch.zeros(1, 2, 8, 257), "full")
     assert not tm.supports_block(torch.zeros(1, 3, 8, 64), k, "full")  # 3 query heads over 2 kv heads
+
+
+def test_dkdv_splits():
+    """Enough dk/dv programs: one split; few kv tiles over many q tiles: splits of >= DKDV_SPLIT_TILES
+    q tiles covering every q tile, to about DKDV_PROGRAMS programs."""
+    assert tm.dkdv_splits(tm.DKDV_PROGRAMS, 4096) == (1, 4096)
+    splits, per = tm.dkdv_splits(64, 4096)  # ~1000 gathered keys x 8 kv heads, 64K queries
+    assert splits * 64 >= tm.DKDV_PROGRAMS and per >= tm.DKDV_SPLIT_TILES and splits * per >= 4096
+    assert (splits - 1) * per < 4096
+    assert tm.dkdv_splits(1, 3) == (1, 3)
 
 
 def test_launch_options():

@@ -301,6 +301,15 @@ def main() -> None:
             results[name] = run_case(**kw)
     if not only or "empty_rows_finite_lse" in only:
         results["empty_rows_finite_lse"] = run_case(**cases()["empty_rows"], lse_override=empty_rows_finite_lse)
+    # the dk/dv launch split over q tiles (as for a few keys and many queries on a GPU), forced here
+    saved = triton_masked.DKDV_PROGRAMS, triton_masked.DKDV_SPLIT_TILES
+    triton_masked.DKDV_PROGRAMS, triton_masked.DKDV_SPLIT_TILES = 1 << 20, 1
+    try:
+        for name in ("slash_run_l9_r-4_gqa", "window_docs_l5_r0_gqa_sbhd", "block_causal_b4_45x29"):
+            if not only or f"split_{name}" in only:
+                results[f"split_{name}"] = run_case(**cases()[name])
+    finally:
+        triton_masked.DKDV_PROGRAMS, triton_masked.DKDV_SPLIT_TILES = saved
     if not only or "engine_blocks" in only:
         results["engine_blocks"] = engine_blocks()
     if not only or "skipped_tiles_unread" in only:

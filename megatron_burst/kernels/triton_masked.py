@@ -98,6 +98,13 @@ GPU_CONFIG = {
     ("dq", 64, 32): (64, 32, 8, 2), ("dq", 128, 32): (32, 16, 8, 1),
     ("dq", 256, 32): (32, 32, 8, 1),
 }
+# The dk/dv kernel runs one program per (kv tile, batch x kv head); a block of few keys and many
+# queries (a sparse pattern's gathered vertical keys: ~1000 keys x 64K queries) would give far fewer
+# programs than the GPU has SMs, each walking every q tile. Such launches split the q tiles among
+# programs (grid dimension 2) until about DKDV_PROGRAMS run, each split at least DKDV_SPLIT_TILES
+# q tiles; the splits write fp32 partial dk / dv that the host sums in a fixed order (deterministic).
+DKDV_PROGRAMS = 512
+DKDV_SPLIT_TILES = 16
 # The interpreter is slow per program; small tiles keep its numpy temporaries small.
 INTERPRET_BLOCK = 16
 RANGE_CACHE = 256
@@ -418,17 +425,22 @@ def _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, LSE_ROW, DELTA_ROW, sqs, 
 
 
 def masked_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_, RANGES, QKEY, KKEY, QDOC, KDOC,
-                           scale, scale2, left, right, div, HKV, GROUP, SQ, SK,
+                           scale, scale2, left, right, div, HKV, GROUP, SQ, SK, SPLIT_TILES, sdk_split, sdv_split,
                            sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos,
                            sDb, sDh, slb, slh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
                            D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, POS: tl.constexpr,
                            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr,
                            WIDEN: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr):
-    """One (kv tile, b * hkv) program: DK (fp32, scaled) and DV rows of the tile, summed over the GROUP
-    query heads of its kv head and the q tiles that can see it, in registers."""
+    """One (kv tile, b * hkv, q split) program: DK (fp32, scaled) and DV rows of the tile, summed over
+    the GROUP query heads of its kv head and the q tiles of its split (q tiles [s * SPLIT_TILES,
+    (s + 1) * SPLIT_TILES)) that can see it, in registers; split s writes its own slice of DK / DV_
+    (strides sdk_split, sdv_split), which the host sums."""
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
+    split = tl.program_id(2)
+    s_lo = split * SPLIT_TILES
+    s_hi = s_lo + SPLIT_TILES
     b = (bhk // HKV).to(tl.int64)
     hk = (bhk % HKV).to(tl.int64)
     n0 = pid_n * BLOCK_N
@@ -446,10 +458,11 @@ def masked_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_, RANGES, QKEY, KKEY,
     cd = ck
     if HAS_DOC:
         cd = tl.load(KDOC + offs_n, mask=n_ok, other=-1)[:, None]
-    t_lo = tl.load(RANGES + pid_n * 4)
-    f_lo = tl.load(RANGES + pid_n * 4 + 1)
-    f_hi = tl.load(RANGES + pid_n * 4 + 2)
-    t_hi = tl.load(RANGES + pid_n * 4 + 3)
+    # this split's part of the three ranges (masked, full, masked): each clamped to [s_lo, s_hi)
+    t_lo = tl.minimum(tl.maximum(tl.load(RANGES + pid_n * 4), s_lo), s_hi)
+    f_lo = tl.minimum(tl.maximum(tl.load(RANGES + pid_n * 4 + 1), s_lo), s_hi)
+    f_hi = tl.minimum(tl.maximum(tl.load(RANGES + pid_n * 4 + 2), s_lo), s_hi)
+    t_hi = tl.minimum(tl.maximum(tl.load(RANGES + pid_n * 4 + 3), s_lo), s_hi)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for g in range(GROUP):
@@ -467,9 +480,9 @@ def masked_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_, RANGES, QKEY, KKEY,
         dk, dv = _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, lse_row, delta_row, sqs, sdos, QKEY, QDOC,
                              div, left, right, SQ, scale2, f_hi, t_hi, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True,
                              POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION)
-    tl.store(DK + b * sdkb + hk * sdkh + cols * sdks + offs_d[None, :], dk * scale,
+    tl.store(DK + split.to(tl.int64) * sdk_split + b * sdkb + hk * sdkh + cols * sdks + offs_d[None, :], dk * scale,
              mask=n_ok[:, None] & (offs_d < D)[None, :])
-    tl.store(DV_ + b * sdvb + hk * sdvh + cols * sdvs + offs_dv[None, :], dv,
+    tl.store(DV_ + split.to(tl.int64) * sdv_split + b * sdvb + hk * sdvh + cols * sdvs + offs_dv[None, :], dv,
              mask=n_ok[:, None] & (offs_dv < DV)[None, :])
 
 
@@ -698,6 +711,17 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def dkdv_splits(kv_programs: int, q_tiles: int) -> tuple[int, int]:
+    """(splits, q tiles per split) of a dk/dv launch of ``kv_programs`` (kv tiles x batch x kv heads)
+    over ``q_tiles`` q tiles: one split unless the launch has fewer than DKDV_PROGRAMS programs; then
+    as many as bring it to about DKDV_PROGRAMS, each of at least DKDV_SPLIT_TILES q tiles."""
+    want = min(_cdiv(DKDV_PROGRAMS, max(1, kv_programs)), _cdiv(q_tiles, DKDV_SPLIT_TILES))
+    if want <= 1:
+        return 1, max(1, q_tiles)
+    per = _cdiv(q_tiles, want)
+    return _cdiv(q_tiles, per), per
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str = "full", block: int = 1,
             scale: float = 1.0, positions: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [b, hq, sq, d], k [b, hkv, sk, d], v [b, hkv, sk, dv] (any strides) -> (out fp32 [b, hq, sq, dv],
@@ -750,10 +774,21 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     opts = launch_options("dkdv", dtypes, d, dv, interpreting())
     ranges = mask.ranges("kv", sk, sq, opts["BLOCK_N"], opts["BLOCK_M"], True, q.device)
-    kerns["masked_bwd_dkdv_kernel"][(_cdiv(sk, opts["BLOCK_N"]), b * hkv)](
-        q, k, v, dout, D, lse, dk, dvv, ranges, *mask.vectors(ranges), float(scale), scale2, *common,
-        hkv, hq // hkv, sq, sk, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
-        *D.stride()[:2], *lse.stride()[:2], *dk.stride()[:3], *dvv.stride()[:3], **opts, **mask.flags())
+    kv_programs = _cdiv(sk, opts["BLOCK_N"]) * b * hkv
+    splits, split_tiles = dkdv_splits(kv_programs, _cdiv(sq, opts["BLOCK_M"]))
+    dk_out, dv_out = dk, dvv
+    if splits > 1:  # fp32 partials, one per split, summed below
+        dk_out = torch.empty((splits,) + tuple(dk.shape), dtype=torch.float32, device=q.device)
+        dv_out = torch.empty((splits,) + tuple(dvv.shape), dtype=torch.float32, device=q.device)
+    kerns["masked_bwd_dkdv_kernel"][(_cdiv(sk, opts["BLOCK_N"]), b * hkv, splits)](
+        q, k, v, dout, D, lse, dk_out, dv_out, ranges, *mask.vectors(ranges), float(scale), scale2, *common,
+        hkv, hq // hkv, sq, sk, split_tiles, dk_out.stride(0) if splits > 1 else 0,
+        dv_out.stride(0) if splits > 1 else 0, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *dout.stride()[:3], *D.stride()[:2], *lse.stride()[:2], *dk_out.stride()[-4:-1], *dv_out.stride()[-4:-1],
+        **opts, **mask.flags())
+    if splits > 1:
+        torch.sum(dk_out, 0, out=dk)
+        torch.sum(dv_out, 0, out=dvv)
 
     opts = launch_options("dq", dtypes, d, dv, interpreting())
     ranges = mask.ranges("q", sq, sk, opts["BLOCK_M"], opts["BLOCK_N"], False, q.device)
