@@ -309,84 +309,59 @@ def _lpt_spread(items: list, bins: int) -> tuple:
     return max(h), mean
 
 
-class _Filler:
-    """Largest-first placement of whole documents into ranks with token room, choosing the rank with the
-    least projected work: load + free tokens x (mean work per token of the documents still to place).
+def _fill(ranks: list, tok: list, load: list, C: int, lengths: Sequence[int], works: Sequence[float],
+          pool_w: float, pool_t: int, bail: Optional[tuple] = None) -> Optional[list]:
+    """Largest-first placement of whole documents (``lengths`` decreasing, ``works``) into ``ranks`` with
+    token room, each to the rank with the least projected work: load + free tokens x rho, rho = the
+    mean work per token of the documents still to place (``pool_w`` / ``pool_t`` before the first).
+    ``tok`` / ``load`` (per rank) are updated in place. Returns the rank of each document (None where
+    no rank had room).
 
-    Documents should come in decreasing length. Ranks whose free tokens are below the current length
-    wait in a second heap (by free tokens) until the lengths come down to them, so each placement
-    costs O(log W) amortized. The density is refreshed (at most every 8 placements) when it drifts
-    by more than 10 %.
-    """
+    Ranks whose free tokens are below the current length wait in a second heap (by free tokens) until
+    the lengths come down to them, so a placement costs O(log W) amortized. rho is refreshed (at most
+    every 8 placements) when it drifts by more than 10 %; a refresh re-keys only the heap's entries
+    (a rank there that has run out of room moves to the waiting heap when it surfaces, as always).
 
-    def __init__(self, ranks: list, tok: list, load: list, C: int, pool_w: float, pool_t: int):
-        self.ranks, self.tok, self.load, self.C = ranks, tok, load, C
-        self.pool_w, self.pool_t = pool_w, pool_t
-        self.heap: list = []
-        self.waiting: list = []
-        self.rho = -1.0
-        self.since = 0
-
-    def place(self, length: int, work: float, pool_work: Optional[float] = None,
-              pool_tokens: Optional[int] = None) -> Optional[int]:
-        """The rank for a document (its work and tokens added), or None if no rank has room. ``pool_work``,
-        ``pool_tokens``: what to take off the pool if not ``work``, ``length`` (split documents: the
-        unit is one coset member)."""
-        return self.place_all((length,), (work,), (work if pool_work is None else pool_work,),
-                              (length if pool_tokens is None else pool_tokens,))[0]
-
-    def place_all(self, lengths: Sequence[int], works: Sequence[float], pool_works: Optional[Sequence[float]] = None,
-                  pool_tokens: Optional[Sequence[int]] = None) -> list:
-        """:meth:`place` for each document in turn (``pool_works`` / ``pool_tokens``: per document, None:
-        ``works`` / ``lengths``): the list of ranks (None where no rank had room).
-
-        One loop with the state in locals: the planner places ~2,500 documents per attempt (the
-        level-1 simulations of :func:`_promote` and the real placement), so attribute lookups and a
-        call per document were most of its time. Same arithmetic, same order, as one :meth:`place`
-        per document: the plan is bit-identical."""
-        heappush, heappop, heapreplace, heapify = heapq.heappush, heapq.heappop, heapq.heapreplace, heapq.heapify
-        ranks, tok, load, C = self.ranks, self.tok, self.load, self.C
-        heap, waiting = self.heap, self.waiting
-        pool_w, pool_t, rho, since = self.pool_w, self.pool_t, self.rho, self.since
-        out = []
-        for length, work, pw, pt in zip(lengths, works, works if pool_works is None else pool_works,
-                                        lengths if pool_tokens is None else pool_tokens):
-            since += 1
-            pool_w -= pw
-            pool_t -= pt
-            if rho < 0 or (since >= 8 and abs(pool_w - rho * pool_t) > 0.1 * rho * pool_t):
-                # refresh the density: every rank with room gets its projected work at the new rho
-                since = 0
-                rho = pool_w / pool_t if pool_t else 0.0
-                # comprehensions, not a loop of appends: ~100 refreshes per plan, each over every rank
-                free_of = [(C - tok[r], r) for r in ranks]
-                heap = [(load[r] + f * rho, r) for f, r in free_of if f >= length]
-                waiting = [(-f, r) for f, r in free_of if 0 < f < length]
-                heapify(heap)
-                heapify(waiting)
-            while waiting and -waiting[0][0] >= length:  # lengths came down to these ranks' room
-                r0 = heappop(waiting)[1]
-                heap_key = load[r0] + (C - tok[r0]) * rho
-                heappush(heap, (heap_key, r0))
-            placed = None
-            while heap:
-                r = heap[0][1]
-                free = C - tok[r]
-                if free >= length:
-                    tok[r] += length
-                    load[r] += work
-                    if free > length:
-                        heapreplace(heap, (load[r] + (free - length) * rho, r))
-                    else:
-                        heappop(heap)
-                    placed = r
-                    break
-                heappop(heap)
-                heappush(waiting, (-free, r))
-            out.append(placed)
-        self.heap, self.waiting = heap, waiting
-        self.pool_w, self.pool_t, self.rho, self.since = pool_w, pool_t, rho, since
-        return out
+    ``bail`` = (rho_min, limit): return None as soon as a rank's load + free tokens x rho_min exceeds
+    ``limit`` (:func:`_promote`'s trials: when every document still to place is denser than rho_min,
+    that projection only grows, so the trial has failed)."""
+    heappush, heappop, heapreplace, heapify = heapq.heappush, heapq.heappop, heapq.heapreplace, heapq.heapify
+    heap = [(0.0, r) for r in ranks if tok[r] < C]  # keyed at the first document's refresh
+    waiting: list = []
+    rho, since = -1.0, 0
+    bail_rho, bail_limit = bail if bail is not None else (0.0, float("inf"))
+    out = []
+    for length, work in zip(lengths, works):
+        since += 1
+        pool_w -= work
+        pool_t -= length
+        if rho < 0 or (since >= 8 and abs(pool_w - rho * pool_t) > 0.1 * rho * pool_t):
+            since = 0
+            rho = pool_w / pool_t if pool_t else 0.0
+            heap = [(load[r] + (C - tok[r]) * rho, r) for _, r in heap]
+            heapify(heap)
+        while waiting and -waiting[0][0] >= length:  # lengths came down to these ranks' room
+            r0 = heappop(waiting)[1]
+            heappush(heap, (load[r0] + (C - tok[r0]) * rho, r0))
+        placed = None
+        while heap:
+            r = heap[0][1]
+            free = C - tok[r]
+            if free >= length:
+                tok[r] += length
+                load[r] += work
+                if free > length:
+                    heapreplace(heap, (load[r] + (free - length) * rho, r))
+                else:
+                    heappop(heap)
+                placed = r
+                if load[r] + (free - length) * bail_rho > bail_limit:
+                    return None
+                break
+            heappop(heap)
+            heappush(waiting, (-free, r))
+        out.append(placed)
+    return out
 
 
 def _subset_moves(pos: list, neg: list, target: int) -> Optional[tuple]:
@@ -479,13 +454,13 @@ def _attempt(batch: _Batch, W: int, alpha: float, allow_w: bool, all_w: bool,
     group_np = np.asarray(group, dtype=np.int64)
 
     tok, load = [0] * W, [0.0] * W
+    # per rank: the split documents' work on one ring step where they are active. A level-k document
+    # gives each member w / k^2 on each of its k - 1 steps (2c^2 pairs, c = L / 2k), and every split
+    # document is active on the steps of the smallest cosets, so these sums must be even over the
+    # cosets of every level (the whole documents even the totals later).
+    step = [0.0] * W
     home = {}  # split documents: (coset size, anchor rank)
-    # per group: work and tokens not placed yet (rem_w a float, as the fillers take it: a float sum of
-    # integers below 2^53 is exact in any order), and the split documents per (level, group) in
-    # by_work order
-    rem_w = [float(sum(batch.wn[group_np == A].tolist())) for A in range(G)]
-    rem_t = [sum(batch.Ln[group_np == A].tolist()) for A in range(G)]
-    buckets: dict = {}
+    buckets: dict = {}  # the split documents per (level, group) in by_work order
     for d in by_work_np[(lev_np[by_work_np] > 1) & (group_np[by_work_np] >= 0)].tolist():
         buckets.setdefault((lev[d], group[d]), []).append(d)
 
@@ -496,8 +471,9 @@ def _attempt(batch: _Batch, W: int, alpha: float, allow_w: bool, all_w: bool,
             r = a + j * stride
             tok[r] += sh[j]
             load[r] += w[d] / k
+            step[r] += w[d] / (k * k)
 
-    for k in reversed(allowed):  # split documents, top level first: coset with least projected work
+    for k in reversed(allowed):  # split documents, top level first: the coset with the least work per step
         if k == 1:
             break
         stride = W // k
@@ -505,17 +481,17 @@ def _attempt(batch: _Batch, W: int, alpha: float, allow_w: bool, all_w: bool,
             docs = buckets.get((k, A))
             if not docs:
                 continue
-            units = list(range(A, stride, G))
-            ctok = [max(tok[a + j * stride] for j in range(k)) for a in range(stride)]
-            cload = load[:stride]
-            filler = _Filler(units, ctok, cload, C, rem_w[A], rem_t[A])
+            # a coset's members carry the same documents of the levels above (cosets nest), so the
+            # anchor's step work is the coset's; room = the fullest member's free tokens
+            units = range(A, stride, G)
+            room = [C - max(tok[a::stride]) for a in range(stride)]
             for d in docs:
-                sh = [L[d] * (j + 1) // k - L[d] * j // k for j in range(k)]
-                a = filler.place(sh[-1], w[d] / k, w[d], L[d])
-                rem_w[A] -= w[d]
-                rem_t[A] -= L[d]
-                if a is not None:
+                sh = [L[d] * (j + 1) // k - L[d] * j // k for j in range(k)]  # sh[-1]: the largest share
+                fit = [(step[a], a) for a in units if room[a] >= sh[-1]]
+                if fit:
+                    a = min(fit)[1]
                     put(d, k, a, sh)
+                    room[a] = C - max(tok[a::stride])
                     continue
                 k2 = k  # no coset has room: a larger coset of the group (shares shrink), else cut later
                 while k2 != top:
@@ -524,10 +500,8 @@ def _attempt(batch: _Batch, W: int, alpha: float, allow_w: bool, all_w: bool,
                     sh2 = [L[d] * (j + 1) // k2 - L[d] * j // k2 for j in range(k2)]
                     fits = [a2 for a2 in range(A, st2, G) if all(tok[a2 + j * st2] + sh2[j] <= C for j in range(k2))]
                     if fits:
-                        put(d, k2, min(fits, key=lambda a2: (load[a2], a2)), sh2)
-                        for a2 in range(stride):  # the filler's view of the cosets is stale now
-                            ctok[a2] = max(tok[a2 + j * stride] for j in range(k))
-                        filler.rho = -1.0
+                        put(d, k2, min(fits, key=lambda a2: (step[a2], a2)), sh2)
+                        room = [C - max(tok[a::stride]) for a in range(stride)]  # other cosets filled too
                         break
                 else:
                     lev[d] = 1  # placed whole below, or cut into holes
@@ -539,8 +513,8 @@ def _attempt(batch: _Batch, W: int, alpha: float, allow_w: bool, all_w: bool,
     for A in range(G):  # whole documents, by projected work
         pool = whole_desc[group_np[whole_desc] == A]
         pool_L, pool_w = batch.Ln[pool].tolist(), batch.wn[pool].tolist()
-        filler = _Filler(list(range(A, W, G)), tok, load, C, sum(pool_w), sum(pool_L))
-        for d, r in zip(pool.tolist(), filler.place_all(pool_L, pool_w)):
+        placed = _fill(list(range(A, W, G)), tok, load, C, pool_L, pool_w, sum(pool_w), sum(pool_L))
+        for d, r in zip(pool.tolist(), placed):
             if r is None:
                 rest.append(d)
             else:
@@ -664,11 +638,17 @@ def _promote(lev: np.ndarray, batch: _Batch, W: int, C: int, F: float, allowed: 
                     # documents below tol F / 2 are many and light: modelled as filling the holes evenly
                     i = max(p, int(np.searchsorted(neg_w, -tol * F / 2, side="left")))
                     small_w, small_t = pre_w[n_items] - pre_w[i], pre_L[n_items] - pre_L[i]
-                    filler = _Filler(list(range(W)), tok, load, C, (pre_w[i] - pre_w[p]) + small_w,
-                                     (pre_L[i] - pre_L[p]) + small_t)
-                    big_w = item_w[p:i]
-                    lost = [x for x, r in zip(big_w, filler.place_all(item_L[p:i], big_w)) if r is None]
+                    pool_w, pool_t = (pre_w[i] - pre_w[p]) + small_w, (pre_L[i] - pre_L[p]) + small_t
                     rho = small_w / small_t if small_t else 0.0
+                    # every big document is denser than the small ones, so a rank's load + free x rho only
+                    # grows: the trial has failed once one exceeds the final mean by tol F
+                    big_w = item_w[p:i]
+                    placed = _fill(list(range(W)), tok, load, C, item_L[p:i], big_w, pool_w, pool_t,
+                                   bail=(rho, load[0] + pool_w / W + tol * F))
+                    if placed is None:
+                        tried[p] = True
+                        return True
+                    lost = [x for x, r in zip(big_w, placed) if r is None]
                     load = [x + (C - t) * rho for x, t in zip(load, tok)]
                     if lost:  # cut into the holes later: modelled as landing on the least loaded ranks
                         heapq.heapify(load)
