@@ -326,41 +326,48 @@ def _fill(ranks: list, tok: list, load: list, C: int, lengths: Sequence[int], wo
     ``limit`` (:func:`_promote`'s trials: when every document still to place is denser than rho_min,
     that projection only grows, so the trial has failed)."""
     heappush, heappop, heapreplace, heapify = heapq.heappush, heapq.heappop, heapq.heapreplace, heapq.heapify
-    heap = [(0.0, r) for r in ranks if tok[r] < C]  # keyed at the first document's refresh
+    room = [C - t for t in tok]  # free tokens per rank (written back to tok at the end)
+    heap = [(0.0, r) for r in ranks if room[r] > 0]  # keyed at the first document's refresh
     waiting: list = []
-    rho, since = -1.0, 0
+    rho, since, first = 0.0, 0, True
     bail_rho, bail_limit = bail if bail is not None else (0.0, float("inf"))
     out = []
     for length, work in zip(lengths, works):
-        since += 1
         pool_w -= work
         pool_t -= length
-        if rho < 0 or (since >= 8 and abs(pool_w - rho * pool_t) > 0.1 * rho * pool_t):
-            since = 0
+        since += 1
+        if first or (since >= 8 and abs(pool_w - rho * pool_t) > 0.1 * rho * pool_t):
+            first, since = False, 0
             rho = pool_w / pool_t if pool_t else 0.0
-            heap = [(load[r] + (C - tok[r]) * rho, r) for _, r in heap]
+            heap = [(load[r] + room[r] * rho, r) for _, r in heap]
             heapify(heap)
         while waiting and -waiting[0][0] >= length:  # lengths came down to these ranks' room
-            r0 = heappop(waiting)[1]
-            heappush(heap, (load[r0] + (C - tok[r0]) * rho, r0))
+            r = heappop(waiting)[1]
+            heappush(heap, (load[r] + room[r] * rho, r))
         placed = None
         while heap:
             r = heap[0][1]
-            free = C - tok[r]
+            free = room[r]
             if free >= length:
-                tok[r] += length
-                load[r] += work
-                if free > length:
-                    heapreplace(heap, (load[r] + (free - length) * rho, r))
+                free -= length
+                room[r] = free
+                x = load[r] + work
+                load[r] = x
+                if free:
+                    heapreplace(heap, (x + free * rho, r))
                 else:
                     heappop(heap)
                 placed = r
-                if load[r] + (free - length) * bail_rho > bail_limit:
-                    return None
+                if x + free * bail_rho > bail_limit:
+                    out = None
                 break
             heappop(heap)
             heappush(waiting, (-free, r))
+        if out is None:
+            break
         out.append(placed)
+    for r in ranks:
+        tok[r] = C - room[r]
     return out
 
 
@@ -422,8 +429,9 @@ class _Batch:
 
 def _attempt(batch: _Batch, W: int, alpha: float, allow_w: bool, all_w: bool,
              tol: float = 0.03, pull_tol: float = 0.01, dp_items: int = 32) -> tuple:
-    """One configuration: returns (whole, pieces, levels, group_size): whole[d] = the rank of a document kept
-    whole (-1: in pieces), pieces: piece blocks (:data:`PieceBlock`) of the others."""
+    """One configuration: returns (whole, split, cut, levels, group_size): whole[d] = the rank of a document
+    kept whole (-1: in pieces), split: the documents split over cosets (:func:`_split_blocks`), cut: the
+    documents cut into holes, cut[d] = [[offset, size, rank], ...] by offset."""
     b, L, w, n, desc = batch.b, batch.L, batch.w, batch.n, batch.desc
     S = b[-1]
     C = S // W
@@ -549,20 +557,21 @@ def _attempt(batch: _Batch, W: int, alpha: float, allow_w: bool, all_w: bool,
         lev[d] = 0
     if any(t != C for t in tok):
         raise AssertionError(f"dispatch planner filled ranks unevenly: {tok}")
-    return whole, _split_pieces(home, batch.Ln, W) + _cut_pieces(cut), lev, max(max(lev), 1)
+    return whole, _split_blocks(home, batch.Ln, W), cut, lev, max(max(lev), 1)
 
 
-# A document in pieces is one row of a *piece block* (docs, offset, size, rank): int64 arrays [n] and
-# [n, m], every row m pieces by increasing offset (size-0 pieces allowed: they hold no token and add
-# no work, and let all documents split over cosets of one size share a block, so the pieces of a
-# plan are a few array operations rather than a Python loop over ~1000 chunks).
+# A document split over a coset is one row of a *piece block* (docs, offset, size, rank): int64 arrays
+# [n] and [n, m], every row m pieces by increasing offset (size-0 pieces allowed: they hold no token
+# and add no work, and let all documents split over cosets of one size share a block, so the pieces
+# of a plan are a few array operations rather than a Python loop over ~1000 chunks).
 PieceBlock = tuple
 
 
-def _split_pieces(home: dict, Ln: np.ndarray, W: int) -> list:
-    """Piece blocks of the documents split over cosets, ``home[d] = (k, a)``: one block per k. Zigzag
-    within the coset: member j of the coset {a + j W/k} holds chunks j and 2k-1-j of the 2k chunks;
-    member j's share L(j+1)//k - Lj//k is cut into its first chunk (the larger half) and its second."""
+def _split_blocks(home: dict, Ln: np.ndarray, W: int) -> list:
+    """The documents split over cosets, ``home[d] = (k, a)``, as one (k, docs, anchors, size) per k:
+    int64 [n], [n] and [n, 2k]. Zigzag within the coset: member j of the coset {a + j W/k} holds
+    chunks j and 2k-1-j of the 2k chunks; member j's share L(j+1)//k - Lj//k is cut into its first
+    chunk (the larger half) and its second; size[:, c] is chunk c's."""
     by_k: dict = {}
     for d, (k, a) in home.items():
         by_k.setdefault(k, ([], []))
@@ -575,26 +584,46 @@ def _split_pieces(home: dict, Ln: np.ndarray, W: int) -> list:
         j = np.arange(k, dtype=np.int64)
         share = length * (j + 1) // k - length * j // k  # [n, k]: what put() gave each member
         size = np.concatenate([share - share // 2, (share // 2)[:, ::-1]], axis=1)  # chunk c: member c or 2k-1-c
-        member = np.concatenate([j, j[::-1]])
-        rank = np.asarray(anchors, dtype=np.int64)[:, None] + member[None, :] * (W // k)
-        off = np.cumsum(size, axis=1) - size
-        blocks.append((docs_np, off, size, rank))
+        blocks.append((k, docs_np, np.asarray(anchors, dtype=np.int64), size))
     return blocks
 
 
-def _cut_pieces(cut: dict) -> list:
-    """Piece blocks of the documents cut into holes (``cut[d]`` = [[offset, size, rank], ...]), one block
-    per piece count."""
-    by_m: dict = {}
-    for d, ps in cut.items():
-        by_m.setdefault(len(ps), ([], []))
-        by_m[len(ps)][0].append(d)
-        by_m[len(ps)][1].append(ps)
+def _split_pieces(split: list, W: int) -> list:
+    """Piece blocks (:data:`PieceBlock`) of :func:`_split_blocks`' documents."""
     blocks = []
-    for docs, rows in by_m.values():
-        arr = np.asarray(rows, dtype=np.int64).reshape(len(docs), -1, 3)
-        blocks.append((np.asarray(docs, dtype=np.int64), arr[:, :, 0], arr[:, :, 1], arr[:, :, 2]))
+    for k, docs, anchors, size in split:
+        j = np.arange(k, dtype=np.int64)
+        member = np.concatenate([j, j[::-1]])
+        rank = anchors[:, None] + member[None, :] * (W // k)
+        blocks.append((docs, np.cumsum(size, axis=1) - size, size, rank))
     return blocks
+
+
+@functools.lru_cache(maxsize=None)
+def _coset_cells(k: int, W: int) -> np.ndarray:
+    """int64 [k, k]: the work cell (rank x W + ring step) of member q's queries against member o's keys of
+    a k-coset anchored at rank 0 (member j is rank j W/k; the step is (q - o) mod k times W/k)."""
+    stride = W // k
+    q, o = np.meshgrid(np.arange(k), np.arange(k), indexing="ij")
+    return q * stride * W + (q - o) % k * stride
+
+
+def _split_work(k: int, anchors: np.ndarray, size: np.ndarray, W: int, causal: bool) -> tuple:
+    """(cells, pairs) of :func:`_split_blocks`' block, per member pair, in closed form: member q holds
+    chunks q (a_q tokens) and 2k-1-q (b_q); against member o != q its queries see b_q a_o, plus
+    b_q b_o if o > q, plus a_q a_o if o < q (causal); its own block holds a_q(a_q+1)/2 + b_q(b_q+1)/2
+    + a_q b_q. Not causal: every member pair (q, o) sees (a_q + b_q)(a_o + b_o)."""
+    a = size[:, :k].astype(np.float64)
+    b = size[:, :k - 1:-1].astype(np.float64)  # b[:, j] = chunk 2k-1-j
+    if causal:
+        later = np.triu(np.ones((k, k)), 1)  # [q, o]: 1 where o > q
+        pairs = b[:, :, None] * (a[:, None, :] + later * b[:, None, :]) + later.T * a[:, :, None] * a[:, None, :]
+        pairs.reshape(len(a), k * k)[:, ::k + 1] += a * (a + 1) / 2 + b * (b + 1) / 2
+    else:
+        tokens = a + b
+        pairs = tokens[:, :, None] * tokens[:, None, :]
+    cells = (anchors * W)[:, None] + _coset_cells(k, W).ravel()[None, :]
+    return cells.ravel(), pairs.ravel()
 
 
 def _promote(lev: np.ndarray, batch: _Batch, W: int, C: int, F: float, allowed: list, nxt: dict,
@@ -731,17 +760,35 @@ def _groups(lev, L, w, C, G, top, by_work, dp_items, desc) -> tuple:
     budget = top * C
     asc = desc[::-1]
     group, gtok, gw, left = [-1] * n, [0] * G, [0.0] * G, []
-    for d in by_work:
-        A, x = -1, L[d]
-        for g in range(G):  # the least (work, tokens) with room, first on ties (no tuples: a hot loop)
-            if gtok[g] + x <= budget and (A < 0 or gw[g] < gw[A] or (gw[g] == gw[A] and gtok[g] < gtok[A])):
-                A = g
-        if A < 0:
-            left.append(d)
-            continue
-        group[d] = A
-        gw[A] += w[d]
-        gtok[A] += L[d]
+    if G == 2:  # the usual case (even W), a hot loop: the same choice as below, in locals
+        t0 = t1 = 0
+        w0 = w1 = 0.0
+        for d in by_work:
+            x = L[d]
+            room0, room1 = t0 + x <= budget, t1 + x <= budget
+            if room0 and (not room1 or w0 < w1 or (w0 == w1 and t0 <= t1)):
+                group[d] = 0
+                w0 += w[d]
+                t0 += x
+            elif room1:
+                group[d] = 1
+                w1 += w[d]
+                t1 += x
+            else:
+                left.append(d)
+        gtok, gw = [t0, t1], [w0, w1]
+    else:
+        for d in by_work:
+            A, x = -1, L[d]
+            for g in range(G):  # the least (work, tokens) with room, first on ties (no tuples: a hot loop)
+                if gtok[g] + x <= budget and (A < 0 or gw[g] < gw[A] or (gw[g] == gw[A] and gtok[g] < gtok[A])):
+                    A = g
+            if A < 0:
+                left.append(d)
+                continue
+            group[d] = A
+            gw[A] += w[d]
+            gtok[A] += L[d]
     for _ in range(2 * G):
         hole = [budget - t for t in gtok]
         if not left and not any(hole):
@@ -780,46 +827,49 @@ def _groups(lev, L, w, C, G, top, by_work, dp_items, desc) -> tuple:
 # exact work of a plan
 
 
-@functools.lru_cache(maxsize=None)
-def _piece_pairs(m: int, causal: bool) -> tuple:
-    """(query piece, key piece) index arrays of the pairs of distinct pieces of an m-piece document that see
-    each other (causal: the later sees the earlier)."""
-    return np.tril_indices(m, -1) if causal else np.nonzero(~np.eye(m, dtype=bool))
-
-
-def _plan_work(whole: list, blocks: list, w: np.ndarray, W: int, causal: bool) -> np.ndarray:
-    """[W, W] visible pairs of rank r at ring step t, exactly, from the documents' placement (``blocks``:
-    piece blocks; a piece sees every earlier piece of its document entirely). Every count is an
-    integer below 2^53 held in float64, so the sums are exact whatever their order: one bincount
-    over all (cell, pairs) entries."""
+def _plan_work(whole: list, split: list, cut: dict, w: np.ndarray, W: int, causal: bool) -> np.ndarray:
+    """[W, W] visible pairs of rank r at ring step t, exactly, from the documents' placement (``split``:
+    :func:`_split_blocks`; ``cut``: pieces [offset, size, rank] of the documents cut into holes, a piece
+    sees every earlier piece of its document entirely). Every count is an integer below 2^53 held in float64, so the sums are exact whatever
+    their order: one bincount over all (cell, pairs) entries."""
     r = np.asarray(whole, dtype=np.int64)
     keep = r >= 0
     cells, weights = [r[keep] * W], [np.asarray(w, dtype=np.float64)[keep]]
-    for _, _, size_i, rank in blocks:
-        m = size_i.shape[1]
-        size = size_i.astype(np.float64)
-        cells.append((rank * W).ravel())
-        weights.append((size * (size + 1) / 2 if causal else size * size).ravel())
-        if m == 1:
-            continue
-        qi, kj = _piece_pairs(m, causal)
-        cells.append((rank[:, qi] * W + (rank[:, qi] - rank[:, kj]) % W).ravel())
-        weights.append((size[:, qi] * size[:, kj]).ravel())
+    for k, _, anchors, size in split:
+        c, x = _split_work(k, anchors, size, W, causal)
+        cells.append(c)
+        weights.append(x)
+    cut_cells, cut_pairs = [], []  # a dozen documents of a few pieces: a Python loop beats array calls
+    for ps in cut.values():
+        for i, (_, m, r) in enumerate(ps):
+            cut_cells.append(r * W)
+            cut_pairs.append(m * (m + 1) // 2 if causal else m * m)
+            for j, (_, m2, r2) in enumerate(ps):
+                if j < i or (j > i and not causal):  # a piece sees every earlier piece (causal)
+                    cut_cells.append(r * W + (r - r2) % W)
+                    cut_pairs.append(m * m2)
+    cells.append(np.asarray(cut_cells, dtype=np.int64))
+    weights.append(np.asarray(cut_pairs, dtype=np.float64))
     work = np.bincount(np.concatenate(cells), weights=np.concatenate(weights), minlength=W * W)
     return work.astype(np.float64, copy=False).reshape(W, W)
 
 
-def _runs(bn: np.ndarray, whole: list, blocks: list, order: tuple) -> tuple:
+def _runs(bn: np.ndarray, whole: list, split: list, cut: dict, order: tuple) -> tuple:
     """The plan's runs (start, length, physical rank), sorted by start, from plan positions (``bn``: the
     boundaries, int64): the whole documents and every non-empty piece."""
     pos = np.asarray(whole, dtype=np.int64)
     keep = pos >= 0
     starts, lengths, ranks = [bn[:-1][keep]], [(bn[1:] - bn[:-1])[keep]], [pos[keep]]
-    for docs, off, size, rank in blocks:
+    for docs, off, size, rank in _split_pieces(split, len(order)):
         full = size > 0
         starts.append((bn[docs][:, None] + off)[full])
         lengths.append(size[full])
         ranks.append(rank[full])
+    cut_runs = np.asarray([(int(bn[d]) + off, m, r) for d, ps in cut.items() for off, m, r in ps],
+                          dtype=np.int64).reshape(-1, 3)
+    starts.append(cut_runs[:, 0])
+    lengths.append(cut_runs[:, 1])
+    ranks.append(cut_runs[:, 2])
     start = np.concatenate(starts)
     by_start = np.argsort(start, kind="stable")  # starts are distinct: runs tile [0, S)
     phys = np.asarray(order, dtype=np.int64)[np.concatenate(ranks)[by_start]]
@@ -869,18 +919,18 @@ def plan_dispatch(cu_seqlens: CuSeqlens, world_size: int, *, ranks_per_node: Opt
     batch = _Batch(b, causal)
     best = None
     for i, (alpha, allow_w, all_w) in enumerate(ATTEMPTS if W > 1 else ATTEMPTS[:1]):
-        whole, pieces, lev, gsize = _attempt(batch, W, alpha, allow_w, all_w)
-        work = _plan_work(whole, pieces, batch.wn, W, causal)
+        whole, split, cut, lev, gsize = _attempt(batch, W, alpha, allow_w, all_w)
+        work = _plan_work(whole, split, cut, batch.wn, W, causal)
         m = _metrics(work)
         score = max(m["worker_total"] - 1, (m["worker"] - 1) / 3)
         if best is None or score < best[0] - 1e-12:
-            best = (score, i, whole, pieces, lev, gsize, work)
+            best = (score, i, whole, split, cut, lev, gsize, work)
         if m["worker_total"] <= max_imbalance and m["worker"] <= max_step_imbalance:
-            best = (score, i, whole, pieces, lev, gsize, work)
+            best = (score, i, whole, split, cut, lev, gsize, work)
             break
-    _, i, whole, pieces, lev, gsize, work = best
+    _, i, whole, split, cut, lev, gsize, work = best
     # whole / pieces name plan positions; runs name the physical rank each position is placed on
-    runs = _runs(batch.bn, whole, pieces, order)
+    runs = _runs(batch.bn, whole, split, cut, order)
     return DispatchPlan(S, W, tuple(b), runs, tuple(lev), gsize, causal, i, work, ranks_per_node)
 
 
