@@ -475,11 +475,10 @@ def _attempt(batch: _Batch, W: int, alpha: float, allow_w: bool, all_w: bool,
     def put(d: int, k: int, a: int, sh: list) -> None:
         lev[d], home[d] = k, (k, a)
         stride = W // k
-        for j in range(k):
-            r = a + j * stride
-            tok[r] += sh[j]
-            load[r] += w[d] / k
-            step[r] += w[d] / (k * k)
+        per_member, per_step = w[d] / k, w[d] / (k * k)
+        tok[a::stride] = [t + x for t, x in zip(tok[a::stride], sh)]  # the coset's members, in order
+        load[a::stride] = [x + per_member for x in load[a::stride]]
+        step[a::stride] = [x + per_step for x in step[a::stride]]
 
     for k in reversed(allowed):  # split documents, top level first: the coset with the least work per step
         if k == 1:
@@ -532,16 +531,17 @@ def _attempt(batch: _Batch, W: int, alpha: float, allow_w: bool, all_w: bool,
     cut = {}  # documents cut into holes: [[offset, size, rank], ...] by offset
     for d in sorted(rest, key=lambda d: (-L[d], d)):  # cut into holes: own group, least work first
         A = group[d] if group[d] >= 0 else None
-        holes = [r for r in range(W) if tok[r] < C]
-        fit = [r for r in holes if C - tok[r] >= L[d] and (A is None or r % G == A)]
-        if fit:
-            r = min(fit, key=lambda r: (load[r], r))
+        # the holes by (not in the group, work, rank): sorted() is stable and they come by rank
+        holes = sorted([r for r in range(W) if tok[r] < C], key=load.__getitem__)
+        if A is not None:
+            holes = [r for r in holes if r % G == A] + [r for r in holes if r % G != A]
+        r = next((r for r in holes if C - tok[r] >= L[d] and (A is None or r % G == A)), None)
+        if r is not None:  # it fits whole: the least loaded hole of its group
             whole[d] = r
             lev[d] = 1
             tok[r] += L[d]
             load[r] += w[d]
             continue
-        holes.sort(key=lambda r: (A is not None and r % G != A, load[r], r))
         ps, off = [], 0
         for r in holes:
             if off >= L[d]:
