@@ -319,8 +319,9 @@ def _fill(ranks: list, tok: list, load: list, C: int, lengths: Sequence[int], wo
 
     Ranks whose free tokens are below the current length wait in a second heap (by free tokens) until
     the lengths come down to them, so a placement costs O(log W) amortized. rho is refreshed (at most
-    every 8 placements) when it drifts by more than 10 %; a refresh re-keys only the heap's entries
-    (a rank there that has run out of room moves to the waiting heap when it surfaces, as always).
+    every 8 placements) when it drifts by more than 20 % (10 % re-keyed twice as often for plans of the
+    same balance); a refresh re-keys only the heap's entries (a rank there that has run out of room
+    moves to the waiting heap when it surfaces).
 
     ``bail`` = (rho_min, limit): return None as soon as a rank's load + free tokens x rho_min exceeds
     ``limit`` (:func:`_promote`'s trials: when every document still to place is denser than rho_min,
@@ -336,7 +337,7 @@ def _fill(ranks: list, tok: list, load: list, C: int, lengths: Sequence[int], wo
         pool_w -= work
         pool_t -= length
         since += 1
-        if first or (since >= 8 and abs(pool_w - rho * pool_t) > 0.1 * rho * pool_t):
+        if first or (since >= 8 and abs(pool_w - rho * pool_t) > 0.2 * rho * pool_t):
             first, since = False, 0
             rho = pool_w / pool_t if pool_t else 0.0
             heap = [(load[r] + room[r] * rho, r) for _, r in heap]
