@@ -328,17 +328,22 @@ def _fill(ranks: list, tok: list, load: list, C: int, lengths: Sequence[int], wo
     that projection only grows, so the trial has failed)."""
     heappush, heappop, heapreplace, heapify = heapq.heappush, heapq.heappop, heapq.heapreplace, heapq.heapify
     room = [C - t for t in tok]  # free tokens per rank (written back to tok at the end)
-    heap = [(0.0, r) for r in ranks if room[r] > 0]  # keyed at the first document's refresh
+    rho = 0.0
+    if lengths:  # keyed at the density after the first document is taken off the pool
+        rest_w, rest_t = pool_w - works[0], pool_t - lengths[0]
+        rho = rest_w / rest_t if rest_t else 0.0
+    heap = [(load[r] + room[r] * rho, r) for r in ranks if room[r] > 0]
+    heapify(heap)
     waiting: list = []
-    rho, since, first = 0.0, 0, True
-    bail_rho, bail_limit = bail if bail is not None else (0.0, float("inf"))
+    since = -1
+    bail_rho, bail_limit = bail if bail is not None else (0.0, 0.0)
     out = []
     for length, work in zip(lengths, works):
         pool_w -= work
         pool_t -= length
         since += 1
-        if first or (since >= 8 and abs(pool_w - rho * pool_t) > 0.2 * rho * pool_t):
-            first, since = False, 0
+        if since >= 8 and abs(pool_w - rho * pool_t) > 0.2 * rho * pool_t:
+            since = 0
             rho = pool_w / pool_t if pool_t else 0.0
             heap = [(load[r] + room[r] * rho, r) for _, r in heap]
             heapify(heap)
@@ -359,13 +364,13 @@ def _fill(ranks: list, tok: list, load: list, C: int, lengths: Sequence[int], wo
                 else:
                     heappop(heap)
                 placed = r
-                if x + free * bail_rho > bail_limit:
-                    out = None
+                if bail is not None and x + free * bail_rho > bail_limit:
+                    for r in ranks:
+                        tok[r] = C - room[r]
+                    return None
                 break
             heappop(heap)
             heappush(waiting, (-free, r))
-        if out is None:
-            break
         out.append(placed)
     for r in ranks:
         tok[r] = C - room[r]
