@@ -47,8 +47,13 @@ the cosets carry equal work, and balanced in total when the ranks' sums are.
    Documents are dealt to them largest work first (the group with the least work that has token
    room), and their token totals are made exact by moving a subset of the smallest documents
    (a bitset subset-sum over their lengths).
-3. Split documents, top level first, go to the coset of their group with the least projected
-   work that has room on every member (else one level up).
+3. Split documents, top level first, go to the coset of their group with the least work per
+   ring step that has room on every member (else one level up): the sum of w / k^2 over the
+   split documents it holds, what a level-k document gives each member on each step it is
+   active on. Every split document is active on the smallest cosets' steps, so these sums are
+   what per-step balance needs; the totals are evened by the whole documents (4). (By projected
+   work, as in 4, a document sparser than its group's mean would lower its coset's projection
+   and draw the next ones there: light documents piled onto one coset.)
 4. Whole documents, largest work first, go to the rank of their group with the least *projected*
    work, work + (free tokens) x (mean work per token of the documents still to place), among the
    ranks with room. Projecting the free tokens is what reconciles equal tokens with equal work:
@@ -80,13 +85,16 @@ and :func:`megatron_burst.masks.documents.balanced_documents`).
 
 Cost: Python/numpy, O(documents log documents + W) per attempt plus a few largest-first
 simulations. The greedy placements are inherently sequential and run as tight Python loops
-(:meth:`_Filler.place_all`, ~2,400 placements per attempt at 1000 documents); selections, prefix
-sums, pieces, runs and the exact work are array operations. 1M tokens, 1000 lognormal documents,
-W = 64, one CPU core, first attempt succeeding: ~6 ms median on a loaded shared 2-core machine,
-where the previous implementation took ~8.5 ms in the same run (the issue asks for 5 ms; the
-placements are now ~60 % of it). The per-rank index lists cost another ~4 ms (one numpy pass over
-S; an engine would build them on the device). tests/dispatch_reference.py keeps the previous
-planner: the plans are bit-identical.
+(:func:`_fill`, ~1,700 placements per attempt at 1000 documents: the real one and about two
+:func:`_promote` trials, failing trials stop early); selections, prefix sums, pieces, runs and the
+exact work are array operations. 1M tokens, 1000 lognormal documents, W = 64, one CPU core: every
+lognormal seed 0-99 succeeds at the first attempt, ~3.5-4 ms median on a loaded shared 2-core
+machine (scripts/plan_dispatch_timing.py), where the pre-speed-up planner took ~8 ms in the same
+run and 15-20 ms on the seeds it retried (the issue asks for 5 ms; the placements are ~half of
+it). The per-rank index lists cost another ~4 ms (one numpy pass over S; an engine would build
+them on the device). tests/dispatch_reference.py keeps the pre-speed-up planner; the plans differ
+where documents are split (3), and tests/test_dispatch.py checks they are never worse (attempt,
+group size, targets).
 
 Measured with :func:`megatron_burst.masks.imbalance.document_imbalance` and ``python -m megatron_burst.bench
 documents`` (tests/test_dispatch.py: the issue's mixes at W = 8 and 32 reach <= 1.02 / 1.08).
@@ -637,13 +645,12 @@ def _promote(lev: np.ndarray, batch: _Batch, W: int, C: int, F: float, allowed: 
     """Bottom-up: a level whose documents a largest-first greedy cannot balance over its cosets sends its
     largest documents one level up: the p largest for the smallest p found that balances (at level 1
     first all documents above a quarter of a rank's share, then doubling, then two halvings back).
-    Level 1 is simulated with the token capacity (:class:`_Filler`, the documents below tol x F / 2
-    modelled as filling the holes evenly); higher levels by work alone. ``lev`` (int64 array) is
-    updated in place.
+    Level 1 is simulated with the token capacity (:func:`_fill`, the documents below tol x F / 2
+    modelled as filling the holes evenly; a trial stops as soon as it has failed); higher levels
+    by work alone. ``lev`` (int64 array) is updated in place.
 
     The selections are array operations and the sums over the p largest are prefix sums (Python
-    ints: exact), so a trial costs its simulation only. Float sums stay sequential Python sums in
-    the documents' order (the same rounding as ever: the plan is bit-identical)."""
+    ints: exact), so a trial costs its simulation only."""
     Ln, wn = batch.Ln, batch.wn
     for k in allowed[:-1]:
         k2, bins = nxt[k], W // k
