@@ -614,12 +614,13 @@ def _split_pieces(split: list, W: int) -> list:
 
 
 @functools.lru_cache(maxsize=None)
-def _coset_cells(k: int, W: int) -> np.ndarray:
-    """int64 [k, k]: the work cell (rank x W + ring step) of member q's queries against member o's keys of
-    a k-coset anchored at rank 0 (member j is rank j W/k; the step is (q - o) mod k times W/k)."""
+def _coset_pairs(k: int, W: int) -> tuple:
+    """(cells, later) for member pairs (q, o) of a k-coset anchored at rank 0: cells int64 [k * k], the
+    work cell (rank x W + ring step) of q's queries against o's keys (member j is rank j W/k, the
+    step is (q - o) mod k times W/k); later float64 [k, k], 1 where o > q."""
     stride = W // k
     q, o = np.meshgrid(np.arange(k), np.arange(k), indexing="ij")
-    return q * stride * W + (q - o) % k * stride
+    return (q * stride * W + (q - o) % k * stride).ravel(), np.triu(np.ones((k, k)), 1)
 
 
 def _split_work(k: int, anchors: np.ndarray, size: np.ndarray, W: int, causal: bool) -> tuple:
@@ -627,17 +628,16 @@ def _split_work(k: int, anchors: np.ndarray, size: np.ndarray, W: int, causal: b
     chunks q (a_q tokens) and 2k-1-q (b_q); against member o != q its queries see b_q a_o, plus
     b_q b_o if o > q, plus a_q a_o if o < q (causal); its own block holds a_q(a_q+1)/2 + b_q(b_q+1)/2
     + a_q b_q. Not causal: every member pair (q, o) sees (a_q + b_q)(a_o + b_o)."""
-    a = size[:, :k].astype(np.float64)
-    b = size[:, :k - 1:-1].astype(np.float64)  # b[:, j] = chunk 2k-1-j
+    cells, later = _coset_pairs(k, W)
+    chunks = size.astype(np.float64)
+    a, b = chunks[:, :k], chunks[:, :k - 1:-1]  # b[:, j] = chunk 2k-1-j
     if causal:
-        later = np.triu(np.ones((k, k)), 1)  # [q, o]: 1 where o > q
-        pairs = b[:, :, None] * (a[:, None, :] + later * b[:, None, :]) + later.T * a[:, :, None] * a[:, None, :]
+        pairs = b[:, :, None] * (a[:, None, :] + later * b[:, None, :]) + later.T * (a[:, :, None] * a[:, None, :])
         pairs.reshape(len(a), k * k)[:, ::k + 1] += a * (a + 1) / 2 + b * (b + 1) / 2
     else:
         tokens = a + b
         pairs = tokens[:, :, None] * tokens[:, None, :]
-    cells = (anchors * W)[:, None] + _coset_cells(k, W).ravel()[None, :]
-    return cells.ravel(), pairs.ravel()
+    return ((anchors * W)[:, None] + cells).ravel(), pairs.ravel()
 
 
 def _promote(lev: np.ndarray, batch: _Batch, W: int, C: int, F: float, allowed: list, nxt: dict,
