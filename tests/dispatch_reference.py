@@ -1,8 +1,10 @@
 """A frozen copy of the balanced dispatch planner as it was before its speed-up (issue L: <= 5 ms
-for 1M tokens, 1000 documents, W = 64), kept to check that the fast planner's plans are
-bit-identical: :func:`reference_plan_dispatch` returns (runs, levels, group_size, attempt, work)
-of what :func:`megatron_burst.masks.dispatch.plan_dispatch` returns. Slow on purpose (pure Python
-loops); tests only. Do not "fix" it: its value is that it does not change.
+for 1M tokens, 1000 documents, W = 64), kept as the baseline: tests/test_dispatch.py checks that
+:func:`megatron_burst.masks.dispatch.plan_dispatch` is no worse than it (attempt, group size, balance
+targets; the plans differ since split documents go by work per ring step) and
+scripts/plan_dispatch_timing.py times against it. :func:`reference_plan_dispatch` returns (runs,
+levels, group_size, attempt, work). Slow on purpose (pure Python loops); tests only. Do not "fix"
+it: its value is that it does not change.
 """
 from __future__ import annotations
 

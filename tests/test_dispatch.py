@@ -17,7 +17,7 @@ import torch
 
 from megatron_burst.bench.documents import lognormal_mix, long_plus_short, uniform_mix
 from megatron_burst.masks import layout
-from megatron_burst.masks.dispatch import ATTEMPTS, level_chain, plan_dispatch
+from megatron_burst.masks.dispatch import ATTEMPTS, MAX_IMBALANCE, MAX_STEP_IMBALANCE, level_chain, plan_dispatch
 from megatron_burst.masks.documents import dense_document_mask
 from megatron_burst.masks.imbalance import document_imbalance, thd_padded
 
@@ -313,21 +313,25 @@ def test_node_placement_refuses_a_node_size_not_dividing_W():
     assert plan_dispatch(MIXES["16x8K"], 8, ranks_per_node=8) == plan_dispatch(MIXES["16x8K"], 8)
 
 
-# ------------------------------------------------------------------------ the fast planner is the old one
-def test_plan_is_bit_identical_to_the_reference_planner():
-    """The sped-up planner (issue L: <= 5 ms at 1M tokens, 1000 documents, W = 64) returns exactly the plan
-    of the frozen pre-speed-up copy (tests/dispatch_reference.py): runs, levels, group size, attempt and
-    work, on random mixes, several W (prime factors 2 and 3), node placements and both causalities."""
+# ------------------------------------------------------------------------ the planner against the old one
+def test_plan_is_no_worse_than_the_reference_planner():
+    """The planner (issue L: <= 5 ms at 1M tokens, 1000 documents, W = 64) against the frozen pre-speed-up
+    copy (tests/dispatch_reference.py) on random mixes, several W (prime factors 2 and 3), node placements,
+    both causalities and the issue's size: never a later attempt (more splitting) nor a larger group
+    (more traffic), and the planner's own targets met wherever the reference met them. Split documents
+    now go to the coset with the least work per ring step, so the plans differ where some are split."""
     from dispatch_reference import reference_plan_dispatch
 
     cases = [(fuzz_mix(seed, S - S % W), W, R, causal)
              for seed, W, R, causal in ((0, 8, None, True), (1, 32, 8, True), (2, 64, None, True), (3, 12, 4, False),
                                         (4, 24, None, True), (5, 6, None, True), (6, 64, 16, True), (7, 1, None, True))]
-    cases.append((lognormal_mix(1 << 20, 1000, 1.0, 3), 64, None, True))  # the issue's size
-    cases.append((lognormal_mix(1 << 20, 1000, 1.0, 2), 64, 8, True))  # needs attempt 2
+    cases += [(lognormal_mix(1 << 20, 1000, 1.0, seed), 64, None, True) for seed in (3, 2, 7)]  # the issue's size
     cases.append(([0, 3, 10, 11, 40], 4, None, True))  # tiny: fill cuts dominate
     for bounds, W, R, causal in cases:
         plan = plan_dispatch(bounds, W, ranks_per_node=R, causal=causal)
-        runs, levels, group_size, attempt, work = reference_plan_dispatch(bounds, W, ranks_per_node=R, causal=causal)
-        assert (plan.runs, plan.levels, plan.group_size, plan.attempt) == (runs, levels, group_size, attempt), (W, R)
-        assert np.array_equal(plan.work, work) and plan.work.dtype == work.dtype
+        _, _, group_size, attempt, work = reference_plan_dispatch(bounds, W, ranks_per_node=R, causal=causal)
+        assert plan.attempt <= attempt and plan.group_size <= group_size, (W, R, plan.attempt, attempt)
+        mean = work.sum() / W  # the reference's worker_total / worker (per ring step), as plan.metrics()
+        if work.sum(1).max() / mean <= MAX_IMBALANCE and work.max(0).sum() / mean <= MAX_STEP_IMBALANCE:
+            m = plan.metrics()
+            assert m["worker_total"] <= MAX_IMBALANCE and m["worker"] <= MAX_STEP_IMBALANCE, (W, R, m)

@@ -47,8 +47,13 @@ the cosets carry equal work, and balanced in total when the ranks' sums are.
    Documents are dealt to them largest work first (the group with the least work that has token
    room), and their token totals are made exact by moving a subset of the smallest documents
    (a bitset subset-sum over their lengths).
-3. Split documents, top level first, go to the coset of their group with the least projected
-   work that has room on every member (else one level up).
+3. Split documents, top level first, go to the coset of their group with the least work per
+   ring step that has room on every member (else one level up): the sum of w / k^2 over the
+   split documents it holds, what a level-k document gives each member on each step it is
+   active on. Every split document is active on the smallest cosets' steps, so these sums are
+   what per-step balance needs; the totals are evened by the whole documents (4). (By projected
+   work, as in 4, a document sparser than its group's mean would lower its coset's projection
+   and draw the next ones there: light documents piled onto one coset.)
 4. Whole documents, largest work first, go to the rank of their group with the least *projected*
    work, work + (free tokens) x (mean work per token of the documents still to place), among the
    ranks with room. Projecting the free tokens is what reconciles equal tokens with equal work:
@@ -80,13 +85,16 @@ and :func:`megatron_burst.masks.documents.balanced_documents`).
 
 Cost: Python/numpy, O(documents log documents + W) per attempt plus a few largest-first
 simulations. The greedy placements are inherently sequential and run as tight Python loops
-(:meth:`_Filler.place_all`, ~2,400 placements per attempt at 1000 documents); selections, prefix
-sums, pieces, runs and the exact work are array operations. 1M tokens, 1000 lognormal documents,
-W = 64, one CPU core, first attempt succeeding: ~6 ms median on a loaded shared 2-core machine,
-where the previous implementation took ~8.5 ms in the same run (the issue asks for 5 ms; the
-placements are now ~60 % of it). The per-rank index lists cost another ~4 ms (one numpy pass over
-S; an engine would build them on the device). tests/dispatch_reference.py keeps the previous
-planner: the plans are bit-identical.
+(:func:`_fill`, ~1,700 placements per attempt at 1000 documents: the real one and about two
+:func:`_promote` trials, failing trials stop early); selections, prefix sums, pieces, runs and the
+exact work are array operations. 1M tokens, 1000 lognormal documents, W = 64, one CPU core: every
+lognormal seed 0-99 succeeds at the first attempt, ~3.5-4 ms median on a loaded shared 2-core
+machine (scripts/plan_dispatch_timing.py), where the pre-speed-up planner took ~8 ms in the same
+run and 15-20 ms on the seeds it retried (the issue asks for 5 ms; the placements are ~half of
+it). The per-rank index lists cost another ~4 ms (one numpy pass over S; an engine would build
+them on the device). tests/dispatch_reference.py keeps the pre-speed-up planner; the plans differ
+where documents are split (3), and tests/test_dispatch.py checks they are never worse (attempt,
+group size, targets).
 
 Measured with :func:`megatron_burst.masks.imbalance.document_imbalance` and ``python -m megatron_burst.bench
 documents`` (tests/test_dispatch.py: the issue's mixes at W = 8 and 32 reach <= 1.02 / 1.08).
@@ -309,84 +317,72 @@ def _lpt_spread(items: list, bins: int) -> tuple:
     return max(h), mean
 
 
-class _Filler:
-    """Largest-first placement of whole documents into ranks with token room, choosing the rank with the
-    least projected work: load + free tokens x (mean work per token of the documents still to place).
+def _fill(ranks: list, tok: list, load: list, C: int, lengths: Sequence[int], works: Sequence[float],
+          pool_w: float, pool_t: int, bail: Optional[tuple] = None) -> Optional[list]:
+    """Largest-first placement of whole documents (``lengths`` decreasing, ``works``) into ``ranks`` with
+    token room, each to the rank with the least projected work: load + free tokens x rho, rho = the
+    mean work per token of the documents still to place (``pool_w`` / ``pool_t`` before the first).
+    ``tok`` / ``load`` (per rank) are updated in place. Returns the rank of each document (None where
+    no rank had room).
 
-    Documents should come in decreasing length. Ranks whose free tokens are below the current length
-    wait in a second heap (by free tokens) until the lengths come down to them, so each placement
-    costs O(log W) amortized. The density is refreshed (at most every 8 placements) when it drifts
-    by more than 10 %.
-    """
+    Ranks whose free tokens are below the current length wait in a second heap (by free tokens) until
+    the lengths come down to them, so a placement costs O(log W) amortized. rho is refreshed (at most
+    every 8 placements) when it drifts by more than 20 % (10 % re-keyed twice as often for plans of the
+    same balance); a refresh re-keys only the heap's entries (a rank there that has run out of room
+    moves to the waiting heap when it surfaces).
 
-    def __init__(self, ranks: list, tok: list, load: list, C: int, pool_w: float, pool_t: int):
-        self.ranks, self.tok, self.load, self.C = ranks, tok, load, C
-        self.pool_w, self.pool_t = pool_w, pool_t
-        self.heap: list = []
-        self.waiting: list = []
-        self.rho = -1.0
-        self.since = 0
-
-    def place(self, length: int, work: float, pool_work: Optional[float] = None,
-              pool_tokens: Optional[int] = None) -> Optional[int]:
-        """The rank for a document (its work and tokens added), or None if no rank has room. ``pool_work``,
-        ``pool_tokens``: what to take off the pool if not ``work``, ``length`` (split documents: the
-        unit is one coset member)."""
-        return self.place_all((length,), (work,), (work if pool_work is None else pool_work,),
-                              (length if pool_tokens is None else pool_tokens,))[0]
-
-    def place_all(self, lengths: Sequence[int], works: Sequence[float], pool_works: Optional[Sequence[float]] = None,
-                  pool_tokens: Optional[Sequence[int]] = None) -> list:
-        """:meth:`place` for each document in turn (``pool_works`` / ``pool_tokens``: per document, None:
-        ``works`` / ``lengths``): the list of ranks (None where no rank had room).
-
-        One loop with the state in locals: the planner places ~2,500 documents per attempt (the
-        level-1 simulations of :func:`_promote` and the real placement), so attribute lookups and a
-        call per document were most of its time. Same arithmetic, same order, as one :meth:`place`
-        per document: the plan is bit-identical."""
-        heappush, heappop, heapreplace, heapify = heapq.heappush, heapq.heappop, heapq.heapreplace, heapq.heapify
-        ranks, tok, load, C = self.ranks, self.tok, self.load, self.C
-        heap, waiting = self.heap, self.waiting
-        pool_w, pool_t, rho, since = self.pool_w, self.pool_t, self.rho, self.since
-        out = []
-        for length, work, pw, pt in zip(lengths, works, works if pool_works is None else pool_works,
-                                        lengths if pool_tokens is None else pool_tokens):
-            since += 1
-            pool_w -= pw
-            pool_t -= pt
-            if rho < 0 or (since >= 8 and abs(pool_w - rho * pool_t) > 0.1 * rho * pool_t):
-                # refresh the density: every rank with room gets its projected work at the new rho
-                since = 0
-                rho = pool_w / pool_t if pool_t else 0.0
-                # comprehensions, not a loop of appends: ~100 refreshes per plan, each over every rank
-                free_of = [(C - tok[r], r) for r in ranks]
-                heap = [(load[r] + f * rho, r) for f, r in free_of if f >= length]
-                waiting = [(-f, r) for f, r in free_of if 0 < f < length]
-                heapify(heap)
-                heapify(waiting)
-            while waiting and -waiting[0][0] >= length:  # lengths came down to these ranks' room
-                r0 = heappop(waiting)[1]
-                heap_key = load[r0] + (C - tok[r0]) * rho
-                heappush(heap, (heap_key, r0))
-            placed = None
-            while heap:
-                r = heap[0][1]
-                free = C - tok[r]
-                if free >= length:
-                    tok[r] += length
-                    load[r] += work
-                    if free > length:
-                        heapreplace(heap, (load[r] + (free - length) * rho, r))
-                    else:
-                        heappop(heap)
-                    placed = r
-                    break
-                heappop(heap)
-                heappush(waiting, (-free, r))
-            out.append(placed)
-        self.heap, self.waiting = heap, waiting
-        self.pool_w, self.pool_t, self.rho, self.since = pool_w, pool_t, rho, since
-        return out
+    ``bail`` = (rho_min, limit): return None as soon as a rank's load + free tokens x rho_min exceeds
+    ``limit`` (:func:`_promote`'s trials: when every document still to place is denser than rho_min,
+    that projection only grows, so the trial has failed)."""
+    heappush, heappop, heapreplace, heapify = heapq.heappush, heapq.heappop, heapq.heapreplace, heapq.heapify
+    room = [C - t for t in tok]  # free tokens per rank (written back to tok at the end)
+    rho = 0.0
+    if lengths:  # keyed at the density after the first document is taken off the pool
+        rest_w, rest_t = pool_w - works[0], pool_t - lengths[0]
+        rho = rest_w / rest_t if rest_t else 0.0
+    heap = [(load[r] + room[r] * rho, r) for r in ranks if room[r] > 0]
+    heapify(heap)
+    waiting: list = []
+    since = -1
+    bail_rho, bail_limit = bail if bail is not None else (0.0, 0.0)
+    out = []
+    for length, work in zip(lengths, works):
+        pool_w -= work
+        pool_t -= length
+        since += 1
+        if since >= 8 and abs(pool_w - rho * pool_t) > 0.2 * rho * pool_t:
+            since = 0
+            rho = pool_w / pool_t if pool_t else 0.0
+            heap = [(load[r] + room[r] * rho, r) for _, r in heap]
+            heapify(heap)
+        while waiting and -waiting[0][0] >= length:  # lengths came down to these ranks' room
+            r = heappop(waiting)[1]
+            heappush(heap, (load[r] + room[r] * rho, r))
+        placed = None
+        while heap:
+            r = heap[0][1]
+            free = room[r]
+            if free >= length:
+                free -= length
+                room[r] = free
+                x = load[r] + work
+                load[r] = x
+                if free:
+                    heapreplace(heap, (x + free * rho, r))
+                else:
+                    heappop(heap)
+                placed = r
+                if bail is not None and x + free * bail_rho > bail_limit:
+                    for r in ranks:
+                        tok[r] = C - room[r]
+                    return None
+                break
+            heappop(heap)
+            heappush(waiting, (-free, r))
+        out.append(placed)
+    for r in ranks:
+        tok[r] = C - room[r]
+    return out
 
 
 def _subset_moves(pos: list, neg: list, target: int) -> Optional[tuple]:
@@ -447,8 +443,9 @@ class _Batch:
 
 def _attempt(batch: _Batch, W: int, alpha: float, allow_w: bool, all_w: bool,
              tol: float = 0.03, pull_tol: float = 0.01, dp_items: int = 32) -> tuple:
-    """One configuration: returns (whole, pieces, levels, group_size): whole[d] = the rank of a document kept
-    whole (-1: in pieces), pieces: piece blocks (:data:`PieceBlock`) of the others."""
+    """One configuration: returns (whole, split, cut, levels, group_size): whole[d] = the rank of a document
+    kept whole (-1: in pieces), split: the documents split over cosets (:func:`_split_blocks`), cut: the
+    documents cut into holes, cut[d] = [[offset, size, rank], ...] by offset."""
     b, L, w, n, desc = batch.b, batch.L, batch.w, batch.n, batch.desc
     S = b[-1]
     C = S // W
@@ -479,25 +476,25 @@ def _attempt(batch: _Batch, W: int, alpha: float, allow_w: bool, all_w: bool,
     group_np = np.asarray(group, dtype=np.int64)
 
     tok, load = [0] * W, [0.0] * W
+    # per rank: the split documents' work on one ring step where they are active. A level-k document
+    # gives each member w / k^2 on each of its k - 1 steps (2c^2 pairs, c = L / 2k), and every split
+    # document is active on the steps of the smallest cosets, so these sums must be even over the
+    # cosets of every level (the whole documents even the totals later).
+    step = [0.0] * W
     home = {}  # split documents: (coset size, anchor rank)
-    # per group: work and tokens not placed yet (rem_w a float, as the fillers take it: a float sum of
-    # integers below 2^53 is exact in any order), and the split documents per (level, group) in
-    # by_work order
-    rem_w = [float(sum(batch.wn[group_np == A].tolist())) for A in range(G)]
-    rem_t = [sum(batch.Ln[group_np == A].tolist()) for A in range(G)]
-    buckets: dict = {}
+    buckets: dict = {}  # the split documents per (level, group) in by_work order
     for d in by_work_np[(lev_np[by_work_np] > 1) & (group_np[by_work_np] >= 0)].tolist():
         buckets.setdefault((lev[d], group[d]), []).append(d)
 
     def put(d: int, k: int, a: int, sh: list) -> None:
         lev[d], home[d] = k, (k, a)
         stride = W // k
-        for j in range(k):
-            r = a + j * stride
-            tok[r] += sh[j]
-            load[r] += w[d] / k
+        per_member, per_step = w[d] / k, w[d] / (k * k)
+        tok[a::stride] = [t + x for t, x in zip(tok[a::stride], sh)]  # the coset's members, in order
+        load[a::stride] = [x + per_member for x in load[a::stride]]
+        step[a::stride] = [x + per_step for x in step[a::stride]]
 
-    for k in reversed(allowed):  # split documents, top level first: coset with least projected work
+    for k in reversed(allowed):  # split documents, top level first: the coset with the least work per step
         if k == 1:
             break
         stride = W // k
@@ -505,17 +502,17 @@ def _attempt(batch: _Batch, W: int, alpha: float, allow_w: bool, all_w: bool,
             docs = buckets.get((k, A))
             if not docs:
                 continue
-            units = list(range(A, stride, G))
-            ctok = [max(tok[a + j * stride] for j in range(k)) for a in range(stride)]
-            cload = load[:stride]
-            filler = _Filler(units, ctok, cload, C, rem_w[A], rem_t[A])
+            # a coset's members carry the same documents of the levels above (cosets nest), so the
+            # anchor's step work is the coset's; room = the fullest member's free tokens
+            units = range(A, stride, G)
+            room = [C - max(tok[a::stride]) for a in range(stride)]
             for d in docs:
-                sh = [L[d] * (j + 1) // k - L[d] * j // k for j in range(k)]
-                a = filler.place(sh[-1], w[d] / k, w[d], L[d])
-                rem_w[A] -= w[d]
-                rem_t[A] -= L[d]
-                if a is not None:
+                sh = [L[d] * (j + 1) // k - L[d] * j // k for j in range(k)]  # sh[-1]: the largest share
+                fit = [(step[a], a) for a in units if room[a] >= sh[-1]]
+                if fit:
+                    a = min(fit)[1]
                     put(d, k, a, sh)
+                    room[a] = C - max(tok[a::stride])
                     continue
                 k2 = k  # no coset has room: a larger coset of the group (shares shrink), else cut later
                 while k2 != top:
@@ -524,10 +521,8 @@ def _attempt(batch: _Batch, W: int, alpha: float, allow_w: bool, all_w: bool,
                     sh2 = [L[d] * (j + 1) // k2 - L[d] * j // k2 for j in range(k2)]
                     fits = [a2 for a2 in range(A, st2, G) if all(tok[a2 + j * st2] + sh2[j] <= C for j in range(k2))]
                     if fits:
-                        put(d, k2, min(fits, key=lambda a2: (load[a2], a2)), sh2)
-                        for a2 in range(stride):  # the filler's view of the cosets is stale now
-                            ctok[a2] = max(tok[a2 + j * stride] for j in range(k))
-                        filler.rho = -1.0
+                        put(d, k2, min(fits, key=lambda a2: (step[a2], a2)), sh2)
+                        room = [C - max(tok[a::stride]) for a in range(stride)]  # other cosets filled too
                         break
                 else:
                     lev[d] = 1  # placed whole below, or cut into holes
@@ -539,8 +534,8 @@ def _attempt(batch: _Batch, W: int, alpha: float, allow_w: bool, all_w: bool,
     for A in range(G):  # whole documents, by projected work
         pool = whole_desc[group_np[whole_desc] == A]
         pool_L, pool_w = batch.Ln[pool].tolist(), batch.wn[pool].tolist()
-        filler = _Filler(list(range(A, W, G)), tok, load, C, sum(pool_w), sum(pool_L))
-        for d, r in zip(pool.tolist(), filler.place_all(pool_L, pool_w)):
+        placed = _fill(list(range(A, W, G)), tok, load, C, pool_L, pool_w, sum(pool_w), sum(pool_L))
+        for d, r in zip(pool.tolist(), placed):
             if r is None:
                 rest.append(d)
             else:
@@ -550,16 +545,17 @@ def _attempt(batch: _Batch, W: int, alpha: float, allow_w: bool, all_w: bool,
     cut = {}  # documents cut into holes: [[offset, size, rank], ...] by offset
     for d in sorted(rest, key=lambda d: (-L[d], d)):  # cut into holes: own group, least work first
         A = group[d] if group[d] >= 0 else None
-        holes = [r for r in range(W) if tok[r] < C]
-        fit = [r for r in holes if C - tok[r] >= L[d] and (A is None or r % G == A)]
-        if fit:
-            r = min(fit, key=lambda r: (load[r], r))
+        # the holes by (not in the group, work, rank): sorted() is stable and they come by rank
+        holes = sorted([r for r in range(W) if tok[r] < C], key=load.__getitem__)
+        if A is not None:
+            holes = [r for r in holes if r % G == A] + [r for r in holes if r % G != A]
+        r = next((r for r in holes if C - tok[r] >= L[d] and (A is None or r % G == A)), None)
+        if r is not None:  # it fits whole: the least loaded hole of its group
             whole[d] = r
             lev[d] = 1
             tok[r] += L[d]
             load[r] += w[d]
             continue
-        holes.sort(key=lambda r: (A is not None and r % G != A, load[r], r))
         ps, off = [], 0
         for r in holes:
             if off >= L[d]:
@@ -575,20 +571,21 @@ def _attempt(batch: _Batch, W: int, alpha: float, allow_w: bool, all_w: bool,
         lev[d] = 0
     if any(t != C for t in tok):
         raise AssertionError(f"dispatch planner filled ranks unevenly: {tok}")
-    return whole, _split_pieces(home, batch.Ln, W) + _cut_pieces(cut), lev, max(max(lev), 1)
+    return whole, _split_blocks(home, batch.Ln, W), cut, lev, max(max(lev), 1)
 
 
-# A document in pieces is one row of a *piece block* (docs, offset, size, rank): int64 arrays [n] and
-# [n, m], every row m pieces by increasing offset (size-0 pieces allowed: they hold no token and add
-# no work, and let all documents split over cosets of one size share a block, so the pieces of a
-# plan are a few array operations rather than a Python loop over ~1000 chunks).
+# A document split over a coset is one row of a *piece block* (docs, offset, size, rank): int64 arrays
+# [n] and [n, m], every row m pieces by increasing offset (size-0 pieces allowed: they hold no token
+# and add no work, and let all documents split over cosets of one size share a block, so the pieces
+# of a plan are a few array operations rather than a Python loop over ~1000 chunks).
 PieceBlock = tuple
 
 
-def _split_pieces(home: dict, Ln: np.ndarray, W: int) -> list:
-    """Piece blocks of the documents split over cosets, ``home[d] = (k, a)``: one block per k. Zigzag
-    within the coset: member j of the coset {a + j W/k} holds chunks j and 2k-1-j of the 2k chunks;
-    member j's share L(j+1)//k - Lj//k is cut into its first chunk (the larger half) and its second."""
+def _split_blocks(home: dict, Ln: np.ndarray, W: int) -> list:
+    """The documents split over cosets, ``home[d] = (k, a)``, as one (k, docs, anchors, size) per k:
+    int64 [n], [n] and [n, 2k]. Zigzag within the coset: member j of the coset {a + j W/k} holds
+    chunks j and 2k-1-j of the 2k chunks; member j's share L(j+1)//k - Lj//k is cut into its first
+    chunk (the larger half) and its second; size[:, c] is chunk c's."""
     by_k: dict = {}
     for d, (k, a) in home.items():
         by_k.setdefault(k, ([], []))
@@ -601,26 +598,46 @@ def _split_pieces(home: dict, Ln: np.ndarray, W: int) -> list:
         j = np.arange(k, dtype=np.int64)
         share = length * (j + 1) // k - length * j // k  # [n, k]: what put() gave each member
         size = np.concatenate([share - share // 2, (share // 2)[:, ::-1]], axis=1)  # chunk c: member c or 2k-1-c
-        member = np.concatenate([j, j[::-1]])
-        rank = np.asarray(anchors, dtype=np.int64)[:, None] + member[None, :] * (W // k)
-        off = np.cumsum(size, axis=1) - size
-        blocks.append((docs_np, off, size, rank))
+        blocks.append((k, docs_np, np.asarray(anchors, dtype=np.int64), size))
     return blocks
 
 
-def _cut_pieces(cut: dict) -> list:
-    """Piece blocks of the documents cut into holes (``cut[d]`` = [[offset, size, rank], ...]), one block
-    per piece count."""
-    by_m: dict = {}
-    for d, ps in cut.items():
-        by_m.setdefault(len(ps), ([], []))
-        by_m[len(ps)][0].append(d)
-        by_m[len(ps)][1].append(ps)
+def _split_pieces(split: list, W: int) -> list:
+    """Piece blocks (:data:`PieceBlock`) of :func:`_split_blocks`' documents."""
     blocks = []
-    for docs, rows in by_m.values():
-        arr = np.asarray(rows, dtype=np.int64).reshape(len(docs), -1, 3)
-        blocks.append((np.asarray(docs, dtype=np.int64), arr[:, :, 0], arr[:, :, 1], arr[:, :, 2]))
+    for k, docs, anchors, size in split:
+        j = np.arange(k, dtype=np.int64)
+        member = np.concatenate([j, j[::-1]])
+        rank = anchors[:, None] + member[None, :] * (W // k)
+        blocks.append((docs, np.cumsum(size, axis=1) - size, size, rank))
     return blocks
+
+
+@functools.lru_cache(maxsize=None)
+def _coset_pairs(k: int, W: int) -> tuple:
+    """(cells, later) for member pairs (q, o) of a k-coset anchored at rank 0: cells int64 [k * k], the
+    work cell (rank x W + ring step) of q's queries against o's keys (member j is rank j W/k, the
+    step is (q - o) mod k times W/k); later float64 [k, k], 1 where o > q."""
+    stride = W // k
+    q, o = np.meshgrid(np.arange(k), np.arange(k), indexing="ij")
+    return (q * stride * W + (q - o) % k * stride).ravel(), np.triu(np.ones((k, k)), 1)
+
+
+def _split_work(k: int, anchors: np.ndarray, size: np.ndarray, W: int, causal: bool) -> tuple:
+    """(cells, pairs) of :func:`_split_blocks`' block, per member pair, in closed form: member q holds
+    chunks q (a_q tokens) and 2k-1-q (b_q); against member o != q its queries see b_q a_o, plus
+    b_q b_o if o > q, plus a_q a_o if o < q (causal); its own block holds a_q(a_q+1)/2 + b_q(b_q+1)/2
+    + a_q b_q. Not causal: every member pair (q, o) sees (a_q + b_q)(a_o + b_o)."""
+    cells, later = _coset_pairs(k, W)
+    chunks = size.astype(np.float64)
+    a, b = chunks[:, :k], chunks[:, :k - 1:-1]  # b[:, j] = chunk 2k-1-j
+    if causal:
+        pairs = b[:, :, None] * (a[:, None, :] + later * b[:, None, :]) + later.T * (a[:, :, None] * a[:, None, :])
+        pairs.reshape(len(a), k * k)[:, ::k + 1] += a * (a + 1) / 2 + b * (b + 1) / 2
+    else:
+        tokens = a + b
+        pairs = tokens[:, :, None] * tokens[:, None, :]
+    return ((anchors * W)[:, None] + cells).ravel(), pairs.ravel()
 
 
 def _promote(lev: np.ndarray, batch: _Batch, W: int, C: int, F: float, allowed: list, nxt: dict,
@@ -628,13 +645,12 @@ def _promote(lev: np.ndarray, batch: _Batch, W: int, C: int, F: float, allowed: 
     """Bottom-up: a level whose documents a largest-first greedy cannot balance over its cosets sends its
     largest documents one level up: the p largest for the smallest p found that balances (at level 1
     first all documents above a quarter of a rank's share, then doubling, then two halvings back).
-    Level 1 is simulated with the token capacity (:class:`_Filler`, the documents below tol x F / 2
-    modelled as filling the holes evenly); higher levels by work alone. ``lev`` (int64 array) is
-    updated in place.
+    Level 1 is simulated with the token capacity (:func:`_fill`, the documents below tol x F / 2
+    modelled as filling the holes evenly; a trial stops as soon as it has failed); higher levels
+    by work alone. ``lev`` (int64 array) is updated in place.
 
     The selections are array operations and the sums over the p largest are prefix sums (Python
-    ints: exact), so a trial costs its simulation only. Float sums stay sequential Python sums in
-    the documents' order (the same rounding as ever: the plan is bit-identical)."""
+    ints: exact), so a trial costs its simulation only."""
     Ln, wn = batch.Ln, batch.wn
     for k in allowed[:-1]:
         k2, bins = nxt[k], W // k
@@ -664,11 +680,17 @@ def _promote(lev: np.ndarray, batch: _Batch, W: int, C: int, F: float, allowed: 
                     # documents below tol F / 2 are many and light: modelled as filling the holes evenly
                     i = max(p, int(np.searchsorted(neg_w, -tol * F / 2, side="left")))
                     small_w, small_t = pre_w[n_items] - pre_w[i], pre_L[n_items] - pre_L[i]
-                    filler = _Filler(list(range(W)), tok, load, C, (pre_w[i] - pre_w[p]) + small_w,
-                                     (pre_L[i] - pre_L[p]) + small_t)
-                    big_w = item_w[p:i]
-                    lost = [x for x, r in zip(big_w, filler.place_all(item_L[p:i], big_w)) if r is None]
+                    pool_w, pool_t = (pre_w[i] - pre_w[p]) + small_w, (pre_L[i] - pre_L[p]) + small_t
                     rho = small_w / small_t if small_t else 0.0
+                    # every big document is denser than the small ones, so a rank's load + free x rho only
+                    # grows: the trial has failed once one exceeds the final mean by tol F
+                    big_w = item_w[p:i]
+                    placed = _fill(list(range(W)), tok, load, C, item_L[p:i], big_w, pool_w, pool_t,
+                                   bail=(rho, load[0] + pool_w / W + tol * F))
+                    if placed is None:
+                        tried[p] = True
+                        return True
+                    lost = [x for x, r in zip(big_w, placed) if r is None]
                     load = [x + (C - t) * rho for x, t in zip(load, tok)]
                     if lost:  # cut into the holes later: modelled as landing on the least loaded ranks
                         heapq.heapify(load)
@@ -751,17 +773,35 @@ def _groups(lev, L, w, C, G, top, by_work, dp_items, desc) -> tuple:
     budget = top * C
     asc = desc[::-1]
     group, gtok, gw, left = [-1] * n, [0] * G, [0.0] * G, []
-    for d in by_work:
-        A, x = -1, L[d]
-        for g in range(G):  # the least (work, tokens) with room, first on ties (no tuples: a hot loop)
-            if gtok[g] + x <= budget and (A < 0 or gw[g] < gw[A] or (gw[g] == gw[A] and gtok[g] < gtok[A])):
-                A = g
-        if A < 0:
-            left.append(d)
-            continue
-        group[d] = A
-        gw[A] += w[d]
-        gtok[A] += L[d]
+    if G == 2:  # the usual case (even W), a hot loop: the same choice as below, in locals
+        t0 = t1 = 0
+        w0 = w1 = 0.0
+        for d in by_work:
+            x = L[d]
+            room0, room1 = t0 + x <= budget, t1 + x <= budget
+            if room0 and (not room1 or w0 < w1 or (w0 == w1 and t0 <= t1)):
+                group[d] = 0
+                w0 += w[d]
+                t0 += x
+            elif room1:
+                group[d] = 1
+                w1 += w[d]
+                t1 += x
+            else:
+                left.append(d)
+        gtok, gw = [t0, t1], [w0, w1]
+    else:
+        for d in by_work:
+            A, x = -1, L[d]
+            for g in range(G):  # the least (work, tokens) with room, first on ties (no tuples: a hot loop)
+                if gtok[g] + x <= budget and (A < 0 or gw[g] < gw[A] or (gw[g] == gw[A] and gtok[g] < gtok[A])):
+                    A = g
+            if A < 0:
+                left.append(d)
+                continue
+            group[d] = A
+            gw[A] += w[d]
+            gtok[A] += L[d]
     for _ in range(2 * G):
         hole = [budget - t for t in gtok]
         if not left and not any(hole):
@@ -800,46 +840,49 @@ def _groups(lev, L, w, C, G, top, by_work, dp_items, desc) -> tuple:
 # exact work of a plan
 
 
-@functools.lru_cache(maxsize=None)
-def _piece_pairs(m: int, causal: bool) -> tuple:
-    """(query piece, key piece) index arrays of the pairs of distinct pieces of an m-piece document that see
-    each other (causal: the later sees the earlier)."""
-    return np.tril_indices(m, -1) if causal else np.nonzero(~np.eye(m, dtype=bool))
-
-
-def _plan_work(whole: list, blocks: list, w: np.ndarray, W: int, causal: bool) -> np.ndarray:
-    """[W, W] visible pairs of rank r at ring step t, exactly, from the documents' placement (``blocks``:
-    piece blocks; a piece sees every earlier piece of its document entirely). Every count is an
-    integer below 2^53 held in float64, so the sums are exact whatever their order: one bincount
-    over all (cell, pairs) entries."""
+def _plan_work(whole: list, split: list, cut: dict, w: np.ndarray, W: int, causal: bool) -> np.ndarray:
+    """[W, W] visible pairs of rank r at ring step t, exactly, from the documents' placement (``split``:
+    :func:`_split_blocks`; ``cut``: pieces [offset, size, rank] of the documents cut into holes, a piece
+    sees every earlier piece of its document entirely). Every count is an integer below 2^53 held in float64, so the sums are exact whatever
+    their order: one bincount over all (cell, pairs) entries."""
     r = np.asarray(whole, dtype=np.int64)
     keep = r >= 0
     cells, weights = [r[keep] * W], [np.asarray(w, dtype=np.float64)[keep]]
-    for _, _, size_i, rank in blocks:
-        m = size_i.shape[1]
-        size = size_i.astype(np.float64)
-        cells.append((rank * W).ravel())
-        weights.append((size * (size + 1) / 2 if causal else size * size).ravel())
-        if m == 1:
-            continue
-        qi, kj = _piece_pairs(m, causal)
-        cells.append((rank[:, qi] * W + (rank[:, qi] - rank[:, kj]) % W).ravel())
-        weights.append((size[:, qi] * size[:, kj]).ravel())
+    for k, _, anchors, size in split:
+        c, x = _split_work(k, anchors, size, W, causal)
+        cells.append(c)
+        weights.append(x)
+    cut_cells, cut_pairs = [], []  # a dozen documents of a few pieces: a Python loop beats array calls
+    for ps in cut.values():
+        for i, (_, m, r) in enumerate(ps):
+            cut_cells.append(r * W)
+            cut_pairs.append(m * (m + 1) // 2 if causal else m * m)
+            for j, (_, m2, r2) in enumerate(ps):
+                if j < i or (j > i and not causal):  # a piece sees every earlier piece (causal)
+                    cut_cells.append(r * W + (r - r2) % W)
+                    cut_pairs.append(m * m2)
+    cells.append(np.asarray(cut_cells, dtype=np.int64))
+    weights.append(np.asarray(cut_pairs, dtype=np.float64))
     work = np.bincount(np.concatenate(cells), weights=np.concatenate(weights), minlength=W * W)
     return work.astype(np.float64, copy=False).reshape(W, W)
 
 
-def _runs(bn: np.ndarray, whole: list, blocks: list, order: tuple) -> tuple:
+def _runs(bn: np.ndarray, whole: list, split: list, cut: dict, order: tuple) -> tuple:
     """The plan's runs (start, length, physical rank), sorted by start, from plan positions (``bn``: the
     boundaries, int64): the whole documents and every non-empty piece."""
     pos = np.asarray(whole, dtype=np.int64)
     keep = pos >= 0
     starts, lengths, ranks = [bn[:-1][keep]], [(bn[1:] - bn[:-1])[keep]], [pos[keep]]
-    for docs, off, size, rank in blocks:
+    for docs, off, size, rank in _split_pieces(split, len(order)):
         full = size > 0
         starts.append((bn[docs][:, None] + off)[full])
         lengths.append(size[full])
         ranks.append(rank[full])
+    cut_runs = np.asarray([(int(bn[d]) + off, m, r) for d, ps in cut.items() for off, m, r in ps],
+                          dtype=np.int64).reshape(-1, 3)
+    starts.append(cut_runs[:, 0])
+    lengths.append(cut_runs[:, 1])
+    ranks.append(cut_runs[:, 2])
     start = np.concatenate(starts)
     by_start = np.argsort(start, kind="stable")  # starts are distinct: runs tile [0, S)
     phys = np.asarray(order, dtype=np.int64)[np.concatenate(ranks)[by_start]]
@@ -889,18 +932,18 @@ def plan_dispatch(cu_seqlens: CuSeqlens, world_size: int, *, ranks_per_node: Opt
     batch = _Batch(b, causal)
     best = None
     for i, (alpha, allow_w, all_w) in enumerate(ATTEMPTS if W > 1 else ATTEMPTS[:1]):
-        whole, pieces, lev, gsize = _attempt(batch, W, alpha, allow_w, all_w)
-        work = _plan_work(whole, pieces, batch.wn, W, causal)
+        whole, split, cut, lev, gsize = _attempt(batch, W, alpha, allow_w, all_w)
+        work = _plan_work(whole, split, cut, batch.wn, W, causal)
         m = _metrics(work)
         score = max(m["worker_total"] - 1, (m["worker"] - 1) / 3)
         if best is None or score < best[0] - 1e-12:
-            best = (score, i, whole, pieces, lev, gsize, work)
+            best = (score, i, whole, split, cut, lev, gsize, work)
         if m["worker_total"] <= max_imbalance and m["worker"] <= max_step_imbalance:
-            best = (score, i, whole, pieces, lev, gsize, work)
+            best = (score, i, whole, split, cut, lev, gsize, work)
             break
-    _, i, whole, pieces, lev, gsize, work = best
+    _, i, whole, split, cut, lev, gsize, work = best
     # whole / pieces name plan positions; runs name the physical rank each position is placed on
-    runs = _runs(batch.bn, whole, pieces, order)
+    runs = _runs(batch.bn, whole, split, cut, order)
     return DispatchPlan(S, W, tuple(b), runs, tuple(lev), gsize, causal, i, work, ranks_per_node)
 
 
