@@ -77,15 +77,18 @@ def reference_mask(pattern_vis: torch.Tensor, seq: int, window, bounds: Optional
 
 def run_mask_cases(layout: str, stripe: int, local_len: int, algos=("burst", "ring"), masks=MASKS, b: int = 2,
                    d: int = 8, seed: int = 0, dynamic: bool = False, ranks_per_node: Optional[int] = None,
-                   ring: Optional[str] = None, replay: bool = False, shared_runs: bool = False) -> list[dict]:
+                   ring: Optional[str] = None, replay: bool = False, shared_runs: bool = False,
+                   runs_apart: bool = False) -> list[dict]:
     """For each algo x mask: max abs errors of out, dq, dk, dv on this rank against the dense
     reference; bytes sent per phase and those of a ring pruned by the dense window/document mask;
-    sparsity; rows seeing nothing; (``replay``) the NCCL replays. ``shared_runs``: the pattern of
-    :func:`shared_runs_pattern`, planned as on CUDA (its runs as dense positions blocks; the
-    blocks' kinds are in res["kinds"])."""
+    sparsity; rows seeing nothing; (``replay``) the NCCL replays. ``runs_apart``: planned as on
+    CUDA (slash runs as dense positions blocks: shared by every head, or per head, with the rest in
+    sparse tiles; the blocks' kinds in res["kinds"], "positions per head" for per-head bands);
+    ``shared_runs``: that and the pattern of :func:`shared_runs_pattern`."""
     from megatron_burst.masks import vertical_slash
+    from megatron_burst.masks.block import HeadBands
 
-    if shared_runs:
+    if shared_runs or runs_apart:
         vertical_slash._RUNS_OVERRIDE = True
     group = mb.build_cp_topology(None, ranks_per_node) if ranks_per_node else None
     W, r = dist.get_world_size(), dist.get_rank()
@@ -129,7 +132,8 @@ def run_mask_cases(layout: str, stripe: int, local_len: int, algos=("burst", "ri
             res = {n: (a.double() - sh(e)).abs().max().item() for n, a, e in zip(("out", "dq", "dk", "dv"), got, ref)}
             res["scale"] = {n: e.abs().max().item() for n, e in zip(("out", "dq", "dk", "dv"), ref)}
             res.update(algo=algo, mask=name, finite=all(bool(torch.isfinite(t).all()) for t in got))
-            res["kinds"] = sorted({m.kind for q_rank in range(W) for kv_rank in range(W) for _, m in
+            res["kinds"] = sorted({m.kind + (" per head" if isinstance(m.band, HeadBands) else "")
+                                   for q_rank in range(W) for kv_rank in range(W) for _, m in
                                    vertical_slash.pattern_blocks(used, layout, q_rank, kv_rank, W, local_len, stripe,
                                                                  documents=None if cu is None else
                                                                  check_cu_seqlens(cu, seq, b),

@@ -213,6 +213,20 @@ def test_shared_runs_as_dense_blocks_exact(W, layout, stripe):
     _check(rows, f"shared runs {layout}/{stripe} W={W}")
 
 
+@pytest.mark.parametrize("W,layout,stripe", [(2, "striped", 16), (3, "zigzag", 1)])
+def test_per_head_runs_as_dense_blocks_exact(W, layout, stripe):
+    """The heads' own lines (mask_pattern: a band per head, the last head's shifted), planned as on
+    CUDA: each head's band in per-head positions blocks (HeadBands), the vertical lines and isolated
+    offsets in sparse tiles without the band's pairs; ring and burst with documents and windows:
+    exact against the dense reference."""
+    rows = run_ranks(W, smc.run_mask_cases, layout, stripe, 80 if layout == "striped" else 72, seed=W,
+                     runs_apart=True, masks=smc.MASKS[:3])
+    for per_rank in rows:
+        for res in per_rank:
+            assert "positions per head" in res["kinds"] and "sparse" in res["kinds"], res["kinds"]
+    _check(rows, f"per-head runs {layout}/{stripe} W={W}")
+
+
 @pytest.mark.parametrize("W", [2, 4])
 def test_window_prunes_the_sparse_ring_and_replays_under_nccl(W):
     """Contiguous, a narrow window: the sparse ring stops where the dense window's does (bytes below

@@ -27,6 +27,7 @@ FP32_CASES = ["full_37x53", "full_53x37_gqa_d24", "causal_37x53", "causal_53x37_
               "causal_dv_differs", "block_causal_b4_37", "block_causal_b4_45x29", "docs_only",
               "window_docs_l5_r0_gqa_sbhd", "band_l3_r2", "offset_q40_79_kv0_39", "offset_q40_79_kv20_59",
               "zigzag_diag_gqa", "zigzag_q1_kv0_docs", "empty_rows", "empty_rows_finite_lse", "slash_run_l9_r-4_gqa",
+              "head_bands_gqa", "head_bands_docs_zigzag", "split_head_bands_gqa",
               # the dk/dv kernel's q tiles split among programs (partial dk / dv summed by the host)
               "split_slash_run_l9_r-4_gqa", "split_window_docs_l5_r0_gqa_sbhd", "split_block_causal_b4_45x29"]
 LOW_CASES = ["bf16_causal_gqa", "bf16_window_docs_sbhd", "fp16_full_d24"]
@@ -175,7 +176,15 @@ def test_mask_data():
     assert (m.pos, m.div, m.left, m.right, m.has_doc) == (1, 4, None, 0, False)
     m = tm._Mask("positions", 1, (ar(8), ar(8), ar(8) // 3, ar(8) // 3, (5, None)), 8, 8, torch.device("cpu"))
     assert (m.pos, m.left, m.right, m.has_doc) == (2, 5, None, True)
-    assert all(t.dtype == torch.int32 for t in m.vectors(torch.zeros(1)))  # small CPU keys: int32
+    assert all(t.dtype == torch.int32 for t in m.vectors(torch.zeros(1))[:4])  # small CPU keys: int32
+    assert not m.flags()["PER_HEAD"]
+    # per-head bands: the envelope as the scalars, every head's (left, right) as an int32 vector
+    from megatron_burst.masks.block import HeadBands
+    m = tm._Mask("positions", 1, (ar(8), ar(8), None, None, HeadBands(torch.tensor([[3, -1], [5, -4]]))), 8, 8,
+                 "cpu")
+    assert (m.pos, m.left, m.right, m.flags()["PER_HEAD"]) == (2, 5, -1, True)
+    assert m.vectors(torch.zeros(1))[4].tolist() == [3, -1, 5, -4]
+    assert tuple(m.ranges("q", 8, 8, 4, 4, False, torch.device("cpu")).shape) == (2, 2, 4)  # [tiles, heads, 4]
     # documents only (positions None), or a band without bounds: no key condition
     assert tm._Mask("positions", 1, (None, None, ar(8), ar(8), (None, 0)), 8, 8, "cpu").pos == 0
     assert tm._Mask("positions", 1, (ar(8), ar(8), None, None, (None, None)), 8, 8, "cpu").pos == 0
@@ -205,7 +214,8 @@ def test_every_block_the_engine_produces(interpreted):
     two-sided window, a sparse pattern's slash runs and gathered vertical keys) through the
     dispatcher: the Triton kernel equals the reference."""
     r = interpreted["engine_blocks"]
-    assert {"full", "causal", "block_causal", "positions", "positions gathered"} <= set(r["kinds"]), r["kinds"]
+    assert {"full", "causal", "block_causal", "positions", "positions gathered",
+            "positions per head"} <= set(r["kinds"]), r["kinds"]
     assert r["worst"] <= 1e-5, r
 
 

@@ -20,6 +20,7 @@ import time
 import torch
 
 from megatron_burst.kernels import reference, tiled, triton_masked
+from megatron_burst.masks.block import HeadBands
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 SCALE = 0.3
@@ -40,7 +41,8 @@ def dense_reference(q, k, v, dout, kind, block, positions):
     q, k, v, dout = (t.double() for t in (q, k, v, dout))
     sq, sk = q.shape[2], k.shape[2]
     vis = reference.visibility(kind, block, sq, sk, q.device, positions)
-    keep = torch.ones(sq, dtype=torch.bool) if vis is None else vis.any(1)
+    # rows no head sees anything in (per-head bands: rows seen by some heads stay, with their empty heads' lse -inf)
+    keep = torch.ones(sq, dtype=torch.bool) if vis is None else vis.reshape(-1, sq, sk).any(-1).any(0)
     rows = keep.nonzero().flatten()
     pos = positions
     if positions is not None and not bool(keep.all()):
@@ -149,6 +151,13 @@ def cases() -> dict:
         # a slash run of a sparse pattern: keys at offsets 4..9 (band (9, -4)); rows 0..3 see nothing
         "slash_run_l9_r-4_gqa": dict(kind="positions", hq=4, hkv=2, sq=50, sk=47,
                                      positions=(ar(50), ar(47), None, None, (9, -4))),
+        # per-head slash runs (HeadBands): head 0 offsets 4..9, head 1 0..3, head 2 15..20, head 3 nothing
+        "head_bands_gqa": dict(kind="positions", hq=4, hkv=2, sq=50, sk=47,
+                               positions=(ar(50), ar(47), None, None, HeadBands(torch.tensor(
+                                   [[9, -4], [3, 0], [20, -15], [-1, 0]])))),
+        "head_bands_docs_zigzag": dict(kind="positions", hq=2, sq=32, sk=32,
+                                       positions=(zigzag(1, 2, 16), zigzag(0, 2, 16), docs(20, 12), docs(6, 26),
+                                                  HeadBands(torch.tensor([[12, -2], [40, -30]])))),
         "bf16_causal_gqa": dict(kind="causal", hq=4, hkv=2, sq=48, sk=48, dtype=torch.bfloat16),
         "bf16_window_docs_sbhd": dict(kind="positions", sq=48, sk=48, dtype=torch.bfloat16, sbhd=True,
                                       positions=(ar(48), ar(48), doc48, doc48, (5, 0))),
@@ -201,10 +210,10 @@ def compile_for_gpu(kernel: str, dtype: torch.dtype, d: int, capability: int = 9
     fn = triton_masked._kernels()[NAMES_OF_KERNELS[kernel]]
     opts = triton_masked.launch_options(kernel, {dtype}, d, d, interpret=False)
     warps, stages = opts.pop("num_warps"), opts.pop("num_stages")
-    opts.update(flags or dict(POS=2, HAS_LEFT=True, HAS_RIGHT=True, HAS_DOC=True))
+    opts.update(flags or dict(POS=2, HAS_LEFT=True, HAS_RIGHT=True, HAS_DOC=True, PER_HEAD=True))
     elem = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     pointers = {"Q": elem, "K": elem, "V": elem, "DO": elem, "RANGES": "i32", "QKEY": "i32", "KKEY": "i32",
-                "QDOC": "i32", "KDOC": "i32", "OUT": "fp32", "LSE": "fp32", "DELTA": "fp32", "DQ": "fp32",
+                "QDOC": "i32", "KDOC": "i32", "HBAND": "i32", "OUT": "fp32", "LSE": "fp32", "DELTA": "fp32", "DQ": "fp32",
                 "DK": "fp32", "DV_": "fp32"}
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -247,6 +256,17 @@ def _shared_runs_pattern(seq: int, heads: int):
                                         slash.expand(heads, -1).contiguous())
 
 
+def _per_head_runs_pattern(seq: int, heads: int):
+    """Vertical line 30; slash offsets 0..19 for every head but the last (3..22), and 41; the band
+    in per-head dense blocks, the rest in sparse tiles (vertical_slash.runs_apart_for forced)."""
+    from megatron_burst.masks import vertical_slash
+
+    vertical_slash._RUNS_OVERRIDE = True
+    slash = torch.cat([torch.arange(20), torch.tensor([41])]).expand(heads, -1).clone()
+    slash[-1, :20] += 3
+    return vertical_slash.VerticalSlash(torch.tensor([30]).expand(heads, -1).contiguous(), slash)
+
+
 def engine_blocks() -> dict:
     """Every block the CP engine produces at W = 3 (documents + window under zigzag, block-striped,
     THD, a two-sided window without causality), through kernels.block_forward/block_backward with
@@ -269,6 +289,10 @@ def engine_blocks() -> dict:
         # positions blocks (bands with a negative right bound, rows that see nothing, kv_index)
         "pattern_shared_runs": CPConfig(topo, "flat", "striped", 4, True, 0.3, window=(40, 0),
                                         pattern=_shared_runs_pattern(72, 4)),
+        # each head its own band (the last head's shifted): per-head positions blocks (HeadBands)
+        "pattern_per_head_runs": CPConfig(topo, "flat", "zigzag", 1, True, 0.3,
+                                          documents=check_cu_seqlens(torch.tensor([0, 30, 72]), 72, 1),
+                                          pattern=_per_head_runs_pattern(72, 4)),
     }
     worst, kinds = 0.0, set()
     g = torch.Generator().manual_seed(5)
@@ -276,7 +300,10 @@ def engine_blocks() -> dict:
         for qr in range(W):
             for kr in range(W):
                 for bs, mask in cfg.blocks(qr, kr, n):
-                    kinds.add(mask.kind + (" gathered" if mask.kv_index is not None else ""))
+                    if mask.kind not in triton_masked.KINDS:  # a pattern's sparse tiles: another kernel
+                        continue
+                    kinds.add(mask.kind + (" gathered" if mask.kv_index is not None else "")
+                              + (" per head" if isinstance(mask.band, HeadBands) else ""))
                     q, do = torch.randn(1, 4, n, 16, generator=g), torch.randn(1, 4, n, 16, generator=g)
                     k, v = torch.randn(1, 2, n, 16, generator=g), torch.randn(1, 2, n, 16, generator=g)
                     D, lse = torch.randn(1, 4, n, generator=g), torch.randn(1, 4, n, generator=g) + 4
@@ -305,7 +332,7 @@ def main() -> None:
     saved = triton_masked.DKDV_PROGRAMS, triton_masked.DKDV_SPLIT_TILES
     triton_masked.DKDV_PROGRAMS, triton_masked.DKDV_SPLIT_TILES = 1 << 20, 1
     try:
-        for name in ("slash_run_l9_r-4_gqa", "window_docs_l5_r0_gqa_sbhd", "block_causal_b4_45x29"):
+        for name in ("slash_run_l9_r-4_gqa", "window_docs_l5_r0_gqa_sbhd", "block_causal_b4_45x29", "head_bands_gqa"):
             if not only or f"split_{name}" in only:
                 results[f"split_{name}"] = run_case(**cases()[name])
     finally:

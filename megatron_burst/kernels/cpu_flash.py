@@ -25,13 +25,14 @@ def _mask_args(kind, block, sq, sk, dtype, device, positions=None):
         return False, None, None
     if kind == "causal":
         return True, None, None
-    vis = visibility(kind, block, sq, sk, device, positions)
-    empty = ~vis.any(1)
+    vis = visibility(kind, block, sq, sk, device, positions)  # [sq, sk], or [h, sq, sk] (per-head bands)
+    empty = ~vis.any(-1)
     if bool(empty.any()):
-        vis = vis | empty[:, None]
+        vis = vis | empty[..., None]
     else:
         empty = None
-    return False, torch.zeros(sq, sk, dtype=dtype, device=device).masked_fill_(~vis, float("-inf")), empty
+    mask = torch.zeros(vis.shape, dtype=dtype, device=device).masked_fill_(~vis, float("-inf"))
+    return False, (mask[None] if mask.dim() == 3 else mask), empty  # the op takes 2-d or 4-d masks
 
 
 def forward(q, k, v, kind="full", block=1, scale=1.0, positions=None):
@@ -43,7 +44,7 @@ def forward(q, k, v, kind="full", block=1, scale=1.0, positions=None):
     hq = q.shape[1]
     out, lse = _fwd(q, expand_kv(k, hq), expand_kv(v, hq), 0.0, is_causal, attn_mask=mask, scale=scale)
     if empty is not None:
-        out = out.masked_fill(empty[:, None], 0.0)
+        out = out.masked_fill(empty[..., None], 0.0)
         lse = lse.masked_fill(empty, float("-inf"))
     return out, lse
 
@@ -61,7 +62,7 @@ def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0, positions=N
     is_causal, mask, empty = _mask_args(kind, block, q.shape[2], k.shape[2], q.dtype, q.device, positions)
     hq, hkv = q.shape[1], k.shape[1]
     if empty is not None:  # rows that see nothing: no gradient (dO 0, and P 0 through lse +inf)
-        dout = dout.masked_fill(empty[:, None], 0.0)
+        dout = dout.masked_fill(empty[..., None], 0.0)
         D = D.masked_fill(empty, 0.0)
         lse = lse.masked_fill(empty, float("inf"))
     out = stand_in_output(dout, D)

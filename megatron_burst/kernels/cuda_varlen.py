@@ -39,6 +39,7 @@ import torch
 
 from megatron_burst.kernels import torch_ops
 from megatron_burst.kernels.cpu_flash import stand_in_output
+from megatron_burst.masks.block import HeadBands
 
 NAME = "cuda_varlen"
 KINDS = ("positions",)
@@ -165,6 +166,8 @@ def block_plan(positions: tuple, sq: int, sk: int) -> Union[VarlenPlan, str]:
     if positions is None:
         return "no positions data (a 'positions' block carries (q_pos, kv_pos, q_doc, kv_doc, band))"
     q_pos, kv_pos, q_doc, kv_doc, band = positions
+    if isinstance(band, HeadBands):
+        return "per-head bands (a sparse pattern's slash runs differ between heads): the op takes one window per call"
     left_band, right_band = band if band is not None else (None, None)
     for what, t in (("q_pos", q_pos), ("kv_pos", kv_pos), ("q_doc", q_doc), ("kv_doc", kv_doc)):
         if t is not None and t.device.type != "cpu":

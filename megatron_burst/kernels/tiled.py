@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from megatron_burst.kernels.reference import expand_kv, finite_lse, reduce_kv
-from megatron_burst.masks.block import positions_visibility
+from megatron_burst.masks.block import HeadBands, positions_visibility
 
 TILE_Q = 512
 TILE_K = 512
@@ -19,7 +19,9 @@ def _tile_mask(kind, block, q0, q1, k0, k1, device, positions=None):
     if kind == "full":
         return None
     if kind == "positions":  # all increasing: compare the tile's corners before building anything
-        q_pos, kv_pos, q_doc, kv_doc, (left, right) = positions
+        q_pos, kv_pos, q_doc, kv_doc, band = positions
+        per_head = isinstance(band, HeadBands)  # corners against the envelope; the mask always built
+        left, right = band.envelope if per_head else band
         if q_pos is not None and right is not None and int(kv_pos[k0]) > int(q_pos[q1 - 1]) + right:
             return False
         if q_pos is not None and left is not None and int(kv_pos[k1 - 1]) < int(q_pos[q0]) - left:
@@ -29,11 +31,11 @@ def _tile_mask(kind, block, q0, q1, k0, k1, device, positions=None):
         one_doc = q_doc is None or int(q_doc[q0]) == int(q_doc[q1 - 1]) == int(kv_doc[k0]) == int(kv_doc[k1 - 1])
         in_band = q_pos is None or ((right is None or int(kv_pos[k1 - 1]) <= int(q_pos[q0]) + right)
                                     and (left is None or int(kv_pos[k0]) >= int(q_pos[q1 - 1]) - left))
-        if one_doc and in_band:
+        if one_doc and in_band and not per_head:
             return None
         sl = lambda t, a, b: None if t is None else t[a:b]  # noqa: E731
         return positions_visibility(sl(q_pos, q0, q1), sl(kv_pos, k0, k1), sl(q_doc, q0, q1), sl(kv_doc, k0, k1),
-                                    (left, right), q1 - q0, k1 - k0, device)
+                                    band, q1 - q0, k1 - k0, device)
     if kind == "causal":
         lo_q, hi_k = q0, k1 - 1
         if hi_k <= lo_q:

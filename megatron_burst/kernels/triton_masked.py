@@ -72,6 +72,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_burst.kernels.triton_env import AVAILABLE, interpreting, unavailable  # noqa: F401  (module face)
+from megatron_burst.masks.block import HeadBands
 
 KINDS = ("full", "causal", "block_causal", "positions")
 MAX_HEAD_DIM = 256
@@ -236,13 +237,25 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, d
     return acc, l_i, m_i
 
 
-def masked_fwd_kernel(Q, K, V, OUT, LSE, RANGES, QKEY, KKEY, QDOC, KDOC,
+def _head_band(HBAND, RANGES, pid, h, HQ, left, right, PER_HEAD: tl.constexpr):
+    """(left, right, ranges pointer) of head ``h`` in the program of tile ``pid``: per head (HBAND
+    [HQ, 2] bounds, RANGES [tiles, HQ, 4]) or the block's (scalars, RANGES [tiles, 4])."""
+    if PER_HEAD:
+        left = tl.load(HBAND + h * 2)
+        right = tl.load(HBAND + h * 2 + 1)
+        at = RANGES + (pid * HQ + h) * 4
+    else:
+        at = RANGES + pid * 4
+    return left, right, at
+
+
+def masked_fwd_kernel(Q, K, V, OUT, LSE, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND,
                       scale2, left, right, div, HQ, GROUP, SQ, SK,
                       sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh,
                       D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, POS: tl.constexpr,
                       HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr,
-                      WIDEN: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr):
+                      WIDEN: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, PER_HEAD: tl.constexpr):
     """One (q tile, b * hq) program: OUT rows (fp32, 0 where nothing is seen) and LSE (natural log, -inf)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -263,10 +276,11 @@ def masked_fwd_kernel(Q, K, V, OUT, LSE, RANGES, QKEY, KKEY, QDOC, KDOC,
     rd = rk
     if HAS_DOC:
         rd = tl.load(QDOC + offs_m, mask=m_ok, other=-1)[:, None]
-    t_lo = tl.load(RANGES + pid_m * 4)
-    f_lo = tl.load(RANGES + pid_m * 4 + 1)
-    f_hi = tl.load(RANGES + pid_m * 4 + 2)
-    t_hi = tl.load(RANGES + pid_m * 4 + 3)
+    left, right, at = _head_band(HBAND, RANGES, pid_m, h, HQ, left, right, PER_HEAD)
+    t_lo = tl.load(at)
+    f_lo = tl.load(at + 1)
+    f_hi = tl.load(at + 2)
+    t_hi = tl.load(at + 3)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -334,14 +348,14 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KD
     return dq
 
 
-def masked_bwd_dq_kernel(Q, K, V, DO, DELTA, LSE, DQ, RANGES, QKEY, KKEY, QDOC, KDOC,
+def masked_bwd_dq_kernel(Q, K, V, DO, DELTA, LSE, DQ, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND,
                          scale, scale2, left, right, div, HQ, GROUP, SQ, SK,
                          sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos,
                          sDb, sDh, slb, slh, sdqb, sdqh, sdqs,
                          D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, POS: tl.constexpr,
                          HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr,
-                         WIDEN: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr):
+                         WIDEN: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, PER_HEAD: tl.constexpr):
     """One (q tile, b * hq) program: DQ rows (fp32) = scale * sum over visible kv tiles of dS.K."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -365,10 +379,11 @@ def masked_bwd_dq_kernel(Q, K, V, DO, DELTA, LSE, DQ, RANGES, QKEY, KKEY, QDOC, 
     rd = rk
     if HAS_DOC:
         rd = tl.load(QDOC + offs_m, mask=m_ok, other=-1)[:, None]
-    t_lo = tl.load(RANGES + pid_m * 4)
-    f_lo = tl.load(RANGES + pid_m * 4 + 1)
-    f_hi = tl.load(RANGES + pid_m * 4 + 2)
-    t_hi = tl.load(RANGES + pid_m * 4 + 3)
+    left, right, at = _head_band(HBAND, RANGES, pid_m, h, HQ, left, right, PER_HEAD)
+    t_lo = tl.load(at)
+    f_lo = tl.load(at + 1)
+    f_hi = tl.load(at + 2)
+    t_hi = tl.load(at + 3)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -424,14 +439,14 @@ def _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, LSE_ROW, DELTA_ROW, sqs, 
     return dk, dv
 
 
-def masked_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_, RANGES, QKEY, KKEY, QDOC, KDOC,
+def masked_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND,
                            scale, scale2, left, right, div, HKV, GROUP, SQ, SK, SPLIT_TILES, sdk_split, sdv_split,
                            sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos,
                            sDb, sDh, slb, slh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
                            D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, POS: tl.constexpr,
                            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr,
-                           WIDEN: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr):
+                           WIDEN: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, PER_HEAD: tl.constexpr):
     """One (kv tile, b * hkv, q split) program: DK (fp32, scaled) and DV rows of the tile, summed over
     the GROUP query heads of its kv head and the q tiles of its split (q tiles [s * SPLIT_TILES,
     (s + 1) * SPLIT_TILES)) that can see it, in registers; split s writes its own slice of DK / DV_
@@ -458,27 +473,28 @@ def masked_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_, RANGES, QKEY, KKEY,
     cd = ck
     if HAS_DOC:
         cd = tl.load(KDOC + offs_n, mask=n_ok, other=-1)[:, None]
-    # this split's part of the three ranges (masked, full, masked): each clamped to [s_lo, s_hi)
-    t_lo = tl.minimum(tl.maximum(tl.load(RANGES + pid_n * 4), s_lo), s_hi)
-    f_lo = tl.minimum(tl.maximum(tl.load(RANGES + pid_n * 4 + 1), s_lo), s_hi)
-    f_hi = tl.minimum(tl.maximum(tl.load(RANGES + pid_n * 4 + 2), s_lo), s_hi)
-    t_hi = tl.minimum(tl.maximum(tl.load(RANGES + pid_n * 4 + 3), s_lo), s_hi)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for g in range(GROUP):
         h = hk * GROUP + g
+        left_h, right_h, at = _head_band(HBAND, RANGES, pid_n, h, HKV * GROUP, left, right, PER_HEAD)
+        # this split's part of the three ranges (masked, full, masked): each clamped to [s_lo, s_hi)
+        t_lo = tl.minimum(tl.maximum(tl.load(at), s_lo), s_hi)
+        f_lo = tl.minimum(tl.maximum(tl.load(at + 1), s_lo), s_hi)
+        f_hi = tl.minimum(tl.maximum(tl.load(at + 2), s_lo), s_hi)
+        t_hi = tl.minimum(tl.maximum(tl.load(at + 3), s_lo), s_hi)
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdob + h * sdoh
         lse_row = LSE + b * slb + h * slh
         delta_row = DELTA + b * sDb + h * sDh
         dk, dv = _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, lse_row, delta_row, sqs, sdos, QKEY, QDOC,
-                             div, left, right, SQ, scale2, t_lo, f_lo, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True,
+                             div, left_h, right_h, SQ, scale2, t_lo, f_lo, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True,
                              POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, lse_row, delta_row, sqs, sdos, QKEY, QDOC,
-                             div, left, right, SQ, scale2, f_lo, f_hi, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, False,
+                             div, left_h, right_h, SQ, scale2, f_lo, f_hi, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, False,
                              POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, lse_row, delta_row, sqs, sdos, QKEY, QDOC,
-                             div, left, right, SQ, scale2, f_hi, t_hi, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True,
+                             div, left_h, right_h, SQ, scale2, f_hi, t_hi, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True,
                              POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION)
     tl.store(DK + split.to(tl.int64) * sdk_split + b * sdkb + hk * sdkh + cols * sdks + offs_d[None, :], dk * scale,
              mask=n_ok[:, None] & (offs_d < D)[None, :])
@@ -486,7 +502,8 @@ def masked_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_, RANGES, QKEY, KKEY,
              mask=n_ok[:, None] & (offs_dv < DV)[None, :])
 
 
-_HELPERS = ("_ld", "_keys", "_visible", "_operand", "_row_stats", "_fwd_tiles", "_dq_tiles", "_dkdv_tiles")
+_HELPERS = ("_ld", "_keys", "_visible", "_operand", "_row_stats", "_head_band", "_fwd_tiles", "_dq_tiles",
+            "_dkdv_tiles")
 _KERNELS = ("masked_fwd_kernel", "masked_bwd_dq_kernel", "masked_bwd_dkdv_kernel")
 _SOURCES = {name: globals()[name] for name in _HELPERS + _KERNELS}
 _jitted: dict[bool, dict[str, Any]] = {}
@@ -549,6 +566,7 @@ class _Mask:
 
     def __init__(self, kind: str, block: int, positions: Optional[tuple], sq: int, sk: int, device: torch.device):
         self.div, self.qkey, self.kkey, self.qdoc, self.kdoc = 1, None, None, None, None
+        self.head_bounds: Optional[torch.Tensor] = None  # [hq * 2] (left, right) per head (HeadBands)
         self.left: Optional[int] = None
         self.right: Optional[int] = None
         self.pos = 0
@@ -566,6 +584,9 @@ class _Mask:
         if positions is None:
             raise ValueError("kind 'positions' needs positions=(q_pos, kv_pos, q_doc, kv_doc, band)")
         q_pos, kv_pos, q_doc, kv_doc, band = positions
+        per_head = isinstance(band, HeadBands)
+        if per_head and q_pos is None:
+            raise ValueError("positions: per-head bands (HeadBands) need q_pos and kv_pos")
         if (q_pos is None) != (kv_pos is None) or (q_doc is None) != (kv_doc is None):
             raise ValueError("positions: q_pos/kv_pos and q_doc/kv_doc must be given in pairs (or both None)")
         given = [(t, n, what) for t, n, what in ((q_pos, sq, "q_pos"), (kv_pos, sk, "kv_pos"), (q_doc, sq, "q_doc"),
@@ -578,7 +599,13 @@ class _Mask:
                     for t, _, _ in given)
         self.key_dtype = torch.int32 if small else torch.int64
         on = lambda t: t.to(self.key_dtype).to(device, non_blocking=True).contiguous()  # noqa: E731
-        if q_pos is not None and (band[0] is not None or band[1] is not None):
+        if per_head:  # both bounds per head; the envelope passes as the scalars (unused by the kernels)
+            self.pos = 2
+            self.qkey, self.kkey = on(q_pos), on(kv_pos)
+            self.left, self.right = (self._bound(int(x), small) for x in band.envelope)
+            limit = KEY_LIMIT if small else 1 << 62
+            self.head_bounds = on(band.bounds.clamp(-limit, limit - 1).reshape(-1))
+        elif q_pos is not None and (band[0] is not None or band[1] is not None):
             self.pos = 2
             self.qkey, self.kkey = on(q_pos), on(kv_pos)
             self.left, self.right = (None if x is None else self._bound(int(x), small) for x in band)
@@ -599,7 +626,7 @@ class _Mask:
 
     def flags(self) -> dict:
         return dict(POS=self.pos, HAS_LEFT=self.left is not None, HAS_RIGHT=self.right is not None,
-                    HAS_DOC=self.has_doc)
+                    HAS_DOC=self.has_doc, PER_HEAD=self.head_bounds is not None)
 
     def ranges(self, outer: str, n_outer: int, n_inner: int, tile_outer: int, tile_inner: int,
                partial_ok: bool, device: torch.device) -> torch.Tensor:
@@ -607,6 +634,9 @@ class _Mask:
         (tiles of q rows over kv tiles) or "kv" (tiles of kv rows over q tiles)."""
         q_side = outer == "q"
         lo_off, hi_off = (self.left, self.right) if q_side else (self.right, self.left)
+        if self.head_bounds is not None:  # [tiles, hq, 4]: each head's own ranges
+            left, right = self.head_bounds.view(-1, 2).long().unbind(1)
+            lo_off, hi_off = (left, right) if q_side else (right, left)
         if self.pos != 2 and not self.has_doc:  # depends on the shapes only: cached
             key = (outer, self.pos, self.div, lo_off, hi_off, n_outer, n_inner, tile_outer, tile_inner, partial_ok,
                    device)
@@ -626,8 +656,9 @@ class _Mask:
         return _tile_ranges(a, b, ad, bd, lo_off, hi_off, n_outer, n_inner, tile_outer, tile_inner, partial_ok)
 
     def vectors(self, dummy: torch.Tensor) -> tuple:
-        """(QKEY, KKEY, QDOC, KDOC) kernel arguments; ``dummy`` stands in for absent ones."""
-        return tuple(dummy if t is None else t for t in (self.qkey, self.kkey, self.qdoc, self.kdoc))
+        """(QKEY, KKEY, QDOC, KDOC, HBAND) kernel arguments; ``dummy`` stands in for absent ones."""
+        return tuple(dummy if t is None else t for t in (self.qkey, self.kkey, self.qdoc, self.kdoc,
+                                                         self.head_bounds))
 
     def scalars(self) -> tuple:
         return (0 if self.left is None else self.left, 0 if self.right is None else self.right, self.div)
@@ -643,7 +674,8 @@ def _tile_ranges(a: Optional[torch.Tensor], b: Optional[torch.Tensor], ad: Optio
     """Per tile of ``tile_outer`` outer rows, the inner tiles (of ``tile_inner``) to visit, on the device.
 
     Outer row i sees inner row j iff a[i] - lo_off <= b[j] <= a[i] + hi_off (keys a, b nondecreasing,
-    or None: no key condition; a None offset: unbounded) and ad[i] == bd[j] (documents, nondecreasing,
+    or None: no key condition; a None offset: unbounded; tensors [h] of offsets: per head, the result
+    [tiles, h, 4]) and ad[i] == bd[j] (documents, nondecreasing,
     or None). Returns int32 [tiles, 4]: (lo, full_lo, full_hi, hi) with lo <= full_lo <= full_hi <= hi;
     inner tiles [lo, hi) hold every visible pair of the outer tile, and each of [full_lo, full_hi) is
     visible to every outer row of the tile entirely (a partial last inner tile only if ``partial_ok``).
@@ -657,13 +689,16 @@ def _tile_ranges(a: Optional[torch.Tensor], b: Optional[torch.Tensor], ad: Optio
     full_lo = torch.zeros_like(o0)  # inner rows [full_lo, full_hi) are visible to all rows of the tile
     full_hi = torch.full_like(o0, n_inner)
     ss = torch.searchsorted
+    per_head = isinstance(hi_off, torch.Tensor)
+    if per_head:  # [h, tiles] below: each head's offsets against the same tiles
+        hi_off, lo_off = hi_off.to(dev)[:, None], lo_off.to(dev)[:, None]
     if a is not None:
         if hi_off is not None:
-            hi = torch.minimum(hi, ss(b, a[o1] + hi_off, right=True))
-            full_hi = torch.minimum(full_hi, ss(b, a[o0] + hi_off, right=True))
+            hi = torch.minimum(hi, ss(b, (a[o1] + hi_off).contiguous(), right=True))
+            full_hi = torch.minimum(full_hi, ss(b, (a[o0] + hi_off).contiguous(), right=True))
         if lo_off is not None:
-            lo = torch.maximum(lo, ss(b, a[o0] - lo_off))
-            full_lo = torch.maximum(full_lo, ss(b, a[o1] - lo_off))
+            lo = torch.maximum(lo, ss(b, (a[o0] - lo_off).contiguous()))
+            full_lo = torch.maximum(full_lo, ss(b, (a[o1] - lo_off).contiguous()))
     if ad is not None:
         first, last = ad[o0], ad[o1]
         lo = torch.maximum(lo, ss(bd, first))
@@ -683,7 +718,9 @@ def _tile_ranges(a: Optional[torch.Tensor], b: Optional[torch.Tensor], ad: Optio
     none_full = f_hi <= f_lo
     f_lo = torch.where(none_full, t_lo, f_lo)
     f_hi = torch.where(none_full, t_lo, f_hi)
-    return torch.stack([t_lo, f_lo, f_hi, t_hi], dim=1).to(torch.int32).contiguous()
+    t_lo, f_lo, f_hi, t_hi = torch.broadcast_tensors(t_lo, f_lo, f_hi, t_hi)
+    out = torch.stack([t_lo, f_lo, f_hi, t_hi], dim=-1)  # [tiles, 4], or [h, tiles, 4] per head
+    return (out.transpose(0, 1) if per_head else out).to(torch.int32).contiguous()
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,29 @@ from typing import Optional
 
 import torch
 
-__all__ = ["BlockMask", "positions_visibility", "split_block_causal"]
+__all__ = ["BlockMask", "HeadBands", "positions_visibility", "split_block_causal"]
+
+
+@dataclass(frozen=True, eq=False)
+class HeadBands:
+    """Per-query-head bands of a ``positions`` block (a sparse pattern's slash runs, which differ
+    between heads): head h sees kv_pos in [q_pos - left, q_pos + right] with (left, right) =
+    ``bounds[h]`` ([h, 2] int64 on the CPU, both bounded; left + right < 0: the head sees nothing).
+    :attr:`envelope` = (max left, max right) bounds every head's band (host-side trimming reads it).
+    Deliberately not a tuple: a kernel that unpacks ``left, right = band`` fails on it rather than
+    running the envelope; the kernels that take it (reference, tiled, cpu_flash, triton_masked)
+    check for it."""
+
+    bounds: torch.Tensor
+
+    @property
+    def envelope(self) -> tuple[int, int]:
+        left, right = self.bounds.max(0).values.tolist()
+        return int(left), int(right)
+
+    @property
+    def heads(self) -> int:
+        return self.bounds.shape[0]
 
 
 @dataclass(frozen=True)
@@ -69,7 +91,8 @@ class BlockMask:
     kv_doc: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
     # ``sparse``: the block-sparse plan (tuple of megatron_burst.masks.vertical_slash.SparseTile); ``gather``: a SparseRows
     plan: Optional[tuple] = field(default=None, compare=False, repr=False)
-    band: tuple = (None, 0)  # ``positions`` only: (left, right) bounds of kv_pos - q_pos (see kind)
+    # ``positions`` only: (left, right) bounds of kv_pos - q_pos (see kind), or per query head (HeadBands)
+    band: "tuple | HeadBands" = (None, 0)
     # gathered columns (see above): local kv rows on the device of the kv block, or None (a slice)
     kv_index: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
 
@@ -112,8 +135,9 @@ class BlockMask:
             kv_stop = min(self.kv_stop, self.kv_start + ((height - 1) // self.block + 1) * self.block)
         elif self.kind == "positions":  # the last kept row's position and document bound the columns
             seen = self.kv_stop - self.kv_start
-            if self.q_pos is not None and self.band[1] is not None:
-                last = self.q_pos[height - 1:height] + self.band[1]
+            right = self.band.envelope[1] if isinstance(self.band, HeadBands) else self.band[1]
+            if self.q_pos is not None and right is not None:
+                last = self.q_pos[height - 1:height] + right
                 seen = min(seen, int(torch.searchsorted(self.kv_pos, last, right=True)[0]))
             if self.q_doc is not None:
                 seen = min(seen, int(torch.searchsorted(self.kv_doc, self.q_doc[height - 1:height], right=True)[0]))
@@ -160,8 +184,10 @@ class BlockMask:
         return BlockMask(self.kind, q_start, self.q_stop, lo, hi, self.block)
 
     def dense(self, q_len: int, kv_len: int) -> torch.Tensor:
-        """Boolean [q_len, kv_len] visibility matrix (tests and fallback kernels)."""
-        m = torch.zeros(q_len, kv_len, dtype=torch.bool)
+        """Boolean [q_len, kv_len] visibility matrix (tests and fallback kernels); [h, q_len, kv_len]
+        for a ``positions`` block with per-head bands."""
+        heads = (self.band.heads,) if isinstance(self.band, HeadBands) and self.kind == "positions" else ()
+        m = torch.zeros(*heads, q_len, kv_len, dtype=torch.bool)
         if self.kind == "empty":
             return m
         rows = torch.arange(self.q_stop - self.q_start)[:, None]
@@ -175,9 +201,9 @@ class BlockMask:
         else:
             sub = rows // self.block >= cols // self.block
         if self.kv_index is not None:
-            m[self.q_slice] = m[self.q_slice].index_copy(1, self.kv_index.cpu(), sub)
+            m[..., self.q_slice, :] = m[..., self.q_slice, :].index_copy(-1, self.kv_index.cpu(), sub)
         else:
-            m[self.q_slice, self.kv_slice] = sub
+            m[..., self.q_slice, self.kv_slice] = sub
         return m
 
 
@@ -186,9 +212,14 @@ def positions_visibility(q_pos: Optional[torch.Tensor], kv_pos: Optional[torch.T
                          device: Optional[torch.device] = None) -> torch.Tensor:
     """Boolean [sq, sk] visibility of a ``positions`` block: q_pos - left <= kv_pos <= q_pos + right
     with band = (left, right) (if positions are given; a None bound is unbounded) and
-    q_doc == kv_doc (if given), from the (already sliced) per-row and per-column vectors."""
+    q_doc == kv_doc (if given), from the (already sliced) per-row and per-column vectors; [h, sq, sk]
+    when the band is per head (:class:`HeadBands`)."""
     vis = torch.ones(sq, sk, dtype=torch.bool, device=device)
-    if q_pos is not None:
+    if isinstance(band, HeadBands):
+        diff = q_pos.to(device)[:, None] - kv_pos.to(device)[None, :]
+        bounds = band.bounds.to(device)
+        vis = (diff >= -bounds[:, 1, None, None]) & (diff <= bounds[:, 0, None, None])
+    elif q_pos is not None:
         left, right = band
         diff = q_pos.to(device)[:, None] - kv_pos.to(device)[None, :]  # q_pos - kv_pos
         if right is not None:

@@ -45,14 +45,15 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from megatron_burst import env
-from megatron_burst.masks.block import BlockMask
+from megatron_burst.masks.block import BlockMask, HeadBands
 from megatron_burst.masks.documents import Documents
 from megatron_burst.masks.layout import layout_indices_on
 from megatron_burst.masks.visible import visible_blocks
 from megatron_burst.masks.window import Window
 
 __all__ = ["TILE", "COLUMNS", "CPU_DENSE_COLUMN", "LONG_RUN", "PLAN_CHUNK", "PLAN_MASKS", "MAX_RUN_BLOCKS",
-           "dense_column_for", "runs_apart_for", "SharedRuns", "run_blocks", "VerticalSlash", "pack_bits",
+           "dense_column_for", "runs_apart_for", "SharedRuns", "run_blocks", "head_run_blocks", "dense_runs_per_head",
+           "VerticalSlash", "pack_bits",
            "unpack_bits", "SparseTile", "TilePlan", "PackedTiles", "as_packed", "SparseRows", "key_floor", "plan_pair", "column_counts", "plan_tiles", "pattern_blocks"]
 
 # rows and columns of the block-sparse kernel's tiles ($MEGATRON_BURST_SPARSE_TILE overrides, for measuring)
@@ -185,11 +186,18 @@ class VerticalSlash:
         is_v, is_s, _, _ = self._tables(seq_len)
         return is_v, is_s
 
-    def diagonal_table(self, seq_len: int, long_runs_only: bool = False) -> torch.Tensor:
+    def diagonal_table(self, seq_len: int, long_runs_only: bool = False, short_only: bool = False) -> torch.Tensor:
         """[2 seq_len, h] uint8 on the pattern's device (cached): row seq_len + o holds, per head,
         whether o is a slash offset (``long_runs_only``: an offset of a run of at least LONG_RUN,
         :meth:`slash_runs`); rows below seq_len (a query before its key) hold 0. The planner looks
         up query q and key j at row q - j + seq_len: an int32 index, no clamp, the heads in one row."""
+        if short_only:  # the offsets of runs shorter than LONG_RUN (long runs in dense blocks)
+            cached = self.__dict__.setdefault("_short_diagonal", {})
+            if seq_len not in cached:
+                _, _, diagonal, long_diagonal = self._tables(seq_len)
+                cached.clear()
+                cached[seq_len] = diagonal & (1 - long_diagonal)
+            return cached[seq_len]
         return self._tables(seq_len)[3 if long_runs_only else 2]
 
     def _tables(self, seq_len: int) -> tuple[torch.Tensor, ...]:
@@ -536,7 +544,7 @@ def key_floor(q_pos: torch.Tensor, cu_seqlens: Optional[Sequence[int]] = None, w
 
 def plan_pair(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos: torch.Tensor,
               tile: Optional[int] = None, columns: Optional[str] = None, dense_column: Optional[float] = None,
-              *, cu_seqlens: Optional[Sequence[int]] = None, window: Window = None
+              *, cu_seqlens: Optional[Sequence[int]] = None, window: Window = None, long_runs_apart: bool = False
               ) -> tuple[PackedTiles, tuple[SparseRows, ...]]:
     """The sparse plan of queries at ``q_pos`` x keys at ``kv_pos``: (tiles, row groups), on the
     pattern's device.
@@ -557,11 +565,17 @@ def plan_pair(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos:
     read-back of the parts' sizes, then the packed tiles and the gathered pairs written at those
     sizes, and one read-back of the row groups' sizes (a constant number of synchronisations,
     whatever the number of tiles; one more when the gathered slash pairs come in several chunks).
+
+    ``long_runs_apart``: the plan leaves out every pair at an offset of a long slash run (>= LONG_RUN
+    offsets; :func:`head_run_blocks` runs those as dense blocks) and puts every visible column in
+    the tiles (``dense_column`` 0).
     """
     tile = tile or TILE
     columns = columns or COLUMNS
     threshold = dense_column_for(pattern.device) if dense_column is None else dense_column
-    pair = _Pair.of(pattern, seq_len, q_pos, kv_pos, tile, cu_seqlens, window)
+    if long_runs_apart:
+        threshold = 0.0
+    pair = _Pair.of(pattern, seq_len, q_pos, kv_pos, tile, cu_seqlens, window, long_runs_apart)
     device, T, sk, h = pair.device, pair.T, pair.sk, pair.h
     if not pair.nq or not sk:
         return PackedTiles.from_tiles((), h, device), ()
@@ -612,10 +626,14 @@ class _Pair:
     # and [T, tile] the same per tile row (past the last query: seq_len, above every key); None: no floor
     floor32: Optional[torch.Tensor] = None
     floor_tiles: Optional[torch.Tensor] = None
+    # the long slash runs (>= LONG_RUN offsets) run elsewhere as dense blocks (head_run_blocks): the
+    # plan leaves out every pair at their offsets, vertical lines' pairs there included
+    long_runs_apart: bool = False
 
     @classmethod
     def of(cls, pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos: torch.Tensor, tile: int,
-           cu_seqlens: Optional[Sequence[int]] = None, window: Window = None) -> "_Pair":
+           cu_seqlens: Optional[Sequence[int]] = None, window: Window = None,
+           long_runs_apart: bool = False) -> "_Pair":
         device = pattern.device
         q_pos, kv_pos = q_pos.to(device).long(), kv_pos.to(device).long()
         nq = q_pos.numel()
@@ -630,7 +648,8 @@ class _Pair:
             floor32 = floor.int()
             floor_tiles = torch.nn.functional.pad(floor32, (0, T * tile - nq), value=seq_len).view(T, tile)
         return cls(pattern, seq_len, tile, q_pos, kv_pos, q32, kv_pos.int(),
-                   pattern.lookup(seq_len)[0].index_select(1, kv_pos), q_shift, index, floor32, floor_tiles)
+                   pattern.lookup(seq_len)[0].index_select(1, kv_pos), q_shift, index, floor32, floor_tiles,
+                   long_runs_apart)
 
     @property
     def device(self) -> torch.device:
@@ -717,7 +736,7 @@ class _Pair:
         add_ranges(after, first, torch.searchsorted(kv_sorted, self.q32, right=True, out_int32=True), query_row)
         by_lines = after.cumsum(1, dtype=torch.int32)[:, :sk] * on_line.sum(0, dtype=torch.int32)
         _, _, long_head, long_lo, long_hi = self.pattern.slash_runs()
-        per_head = self.pattern.long_runs_per_head()
+        per_head = [0] * self.h if self.long_runs_apart else self.pattern.long_runs_per_head()
         heads = max(1, PLAN_CHUNK // max(1, 2 * T * (sk + 1)))
         run0 = 0
         for h0 in range(0, self.h, heads):  # chunks of heads, each with its runs (runs are ordered by head)
@@ -759,7 +778,8 @@ class _Pair:
         cols = torch.nonzero_static(dense[picked], size=N)[:, 1]  # tile after tile, increasing inside a tile
         vis = torch.zeros(T_sel, h, R, words, dtype=torch.int32, device=device)
         if N:
-            diagonal = self.pattern.diagonal_table(S)
+            diagonal = self.pattern.diagonal_table(S, short_only=self.long_runs_apart)
+            long_runs = self.pattern.diagonal_table(S, long_runs_only=True) if self.long_runs_apart else None
             step = max(1, PLAN_CHUNK // max(1, h * R * C))
             for a in range(0, T_sel, step):  # chunks of tiles: the [tiles, R, C, h] masks stay bounded
                 b = min(a + step, T_sel)
@@ -767,7 +787,10 @@ class _Pair:
                 col = cols[slot.clamp(max=N - 1)]
                 x = self.q_shift[picked[a:b], :R, None] - self.kv32[col][:, None, :]  # [t, R, C]: q - j + S
                 seen = diagonal.index_select(0, x.view(-1)).view(*x.shape, h).view(torch.bool)
-                seen |= self.on_line[:, col].permute(1, 2, 0)[:, None] & (x >= S)[..., None]
+                on_line = self.on_line[:, col].permute(1, 2, 0)[:, None] & (x >= S)[..., None]
+                if long_runs is not None:  # a line's pairs at long-run offsets are the dense blocks'
+                    on_line &= ~long_runs.index_select(0, x.view(-1)).view(*x.shape, h).view(torch.bool)
+                seen |= on_line
                 seen &= (slot < col_end[a:b, None])[:, None, :, None]
                 if self.floor_tiles is not None:  # documents, window
                     seen &= (self.kv32[col][:, None, :] >= self.floor_tiles[picked[a:b], :R, None])[..., None]
@@ -890,16 +913,18 @@ def _mask_cache(pattern: VerticalSlash, documents: Optional[Documents], window: 
 
 def _pair_plan(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: int, world_size: int, local_len: int,
                stripe: int, bounds: Optional[tuple[int, ...]] = None, window: Window = None,
-               plans: Optional[dict] = None) -> tuple[PackedTiles, tuple[SparseRows, ...]]:
+               plans: Optional[dict] = None, long_runs_apart: bool = False
+               ) -> tuple[PackedTiles, tuple[SparseRows, ...]]:
     """The plan of a block pair under document boundaries ``bounds`` and ``window``, on the
     pattern's device, kept in ``plans`` (the mask's cache on the pattern)."""
     plans = _mask_cache(pattern, None, window)["plans"] if plans is None else plans
-    key = (layout, q_rank, kv_rank, world_size, local_len, stripe, bounds)
+    key = (layout, q_rank, kv_rank, world_size, local_len, stripe, bounds, long_runs_apart)
     if key not in plans:
         seq_len = local_len * world_size
         q_pos = layout_indices_on(seq_len, q_rank, world_size, layout, stripe, pattern.device)
         kv_pos = layout_indices_on(seq_len, kv_rank, world_size, layout, stripe, pattern.device)
-        plans[key] = plan_pair(pattern, seq_len, q_pos, kv_pos, cu_seqlens=bounds, window=window)
+        plans[key] = plan_pair(pattern, seq_len, q_pos, kv_pos, cu_seqlens=bounds, window=window,
+                               long_runs_apart=long_runs_apart)
     return plans[key]
 
 
@@ -956,6 +981,60 @@ def run_blocks(shared: SharedRuns, q_pos: torch.Tensor, kv_pos: torch.Tensor,
     return out
 
 
+def head_run_blocks(pattern: VerticalSlash, q_pos: torch.Tensor, kv_pos: torch.Tensor,
+                    cu_seqlens: Optional[Sequence[int]] = None, window: Window = None) -> list[BlockMask]:
+    """The "positions" blocks of the pattern's long slash runs (>= LONG_RUN offsets,
+    :meth:`VerticalSlash.slash_runs`) for queries at ``q_pos`` x keys at ``kv_pos`` (CPU, increasing):
+    block r holds every head's r-th run [lo, hi] as that head's band (hi, -lo) (:class:`HeadBands`;
+    a head with fewer runs sees nothing there; one shared band when all heads agree), over every key,
+    narrowed by ``window`` and ``cu_seqlens`` and trimmed to the rows and keys seen. The rest of the
+    pattern is :func:`plan_pair` with ``long_runs_apart``."""
+    q_pos, kv_pos = q_pos.cpu().long(), kv_pos.cpu().long()
+    h = pattern.vertical.shape[0]
+    _, _, head, lo, hi = (t.cpu() for t in pattern.slash_runs())
+    per_head = pattern.long_runs_per_head()
+    q_doc = kv_doc = None
+    if cu_seqlens is not None and len(cu_seqlens) > 2:
+        starts = torch.tensor(list(cu_seqlens[:-1]), dtype=torch.long)
+        q_doc = torch.searchsorted(starts, q_pos, right=True) - 1
+        kv_doc = torch.searchsorted(starts, kv_pos, right=True) - 1
+    floor = key_floor(q_pos, cu_seqlens, window)
+    first = torch.tensor([0] + per_head[:-1]).cumsum(0)  # each head's first run (runs are ordered by head, lo)
+    out = []
+    for r in range(max(per_head, default=0)):
+        has = torch.tensor(per_head) > r
+        at = torch.where(has, first + r, 0)
+        run_lo, run_hi = torch.where(has, lo[at], 1), torch.where(has, hi[at], 0)  # no run: lo > hi, empty
+        left = run_hi if window is None else torch.minimum(run_hi, torch.tensor(window[0]))
+        empty = left < run_lo
+        bounds = torch.stack([torch.where(empty, -1, left), torch.where(empty, 0, -run_lo)], 1)  # [h, 2]
+        # per head and query: keys at offsets run_lo..left, at or above the floor
+        top = torch.searchsorted(kv_pos, (q_pos[None, :] + bounds[:, 1:2]).contiguous(), right=True)
+        low = q_pos[None, :] - bounds[:, 0:1]
+        if floor is not None:
+            low = torch.maximum(low, floor[None, :])
+        bottom = torch.searchsorted(kv_pos, low.contiguous())
+        sees = (top > bottom) & ~empty[:, None]
+        rows = sees.any(0).nonzero().squeeze(1)
+        if not rows.numel():
+            continue
+        r0, r1 = int(rows[0]), int(rows[-1]) + 1
+        c0 = int(torch.where(sees, bottom, kv_pos.numel())[:, r0:r1].min())
+        c1 = int(torch.where(sees, top, 0)[:, r0:r1].max())
+        band = (int(bounds[0, 0]), int(bounds[0, 1])) if bool((bounds == bounds[:1]).all()) else HeadBands(bounds)
+        cut = lambda t, a, b: None if t is None else t[a:b]  # noqa: E731
+        out.append(BlockMask("positions", r0, r1, c0, c1, 1, q_pos[r0:r1], kv_pos[c0:c1], cut(q_doc, r0, r1),
+                             cut(kv_doc, c0, c1), band=band))
+    return out
+
+
+def dense_runs_per_head(pattern: VerticalSlash) -> bool:
+    """Whether :func:`head_run_blocks` takes the pattern's long slash runs: some head has one, and
+    no head more than MAX_RUN_BLOCKS (one block per run index)."""
+    per_head = pattern.long_runs_per_head()
+    return 0 < max(per_head, default=0) <= MAX_RUN_BLOCKS
+
+
 def pattern_blocks(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: int, world_size: int,
                    local_len: int, stripe: int = 1, q_rows: Optional[int] = None, *,
                    documents: Optional[Documents] = None, window: Window = None) -> list[tuple[slice, BlockMask]]:
@@ -974,7 +1053,7 @@ def pattern_blocks(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: in
         raise ValueError(f"sparse patterns do not run on layout {documents.layout!r} (placed by documents): use "
                          "layout 'zigzag', 'contiguous' or 'striped'")
     cache = _mask_cache(pattern, documents, window)
-    key = (layout, q_rank, kv_rank, world_size, local_len, stripe, q_rows)
+    key = (layout, q_rank, kv_rank, world_size, local_len, stripe, q_rows, runs_apart_for(pattern.device))
     if key not in cache["blocks"]:
         out = []
         groups = documents.groups if documents is not None else ((None, None, None),)
@@ -985,17 +1064,23 @@ def pattern_blocks(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: in
                                   window):
                 continue  # the dense mask (causal, documents, window) already sees nothing here
             seq_len = local_len * world_size
-            shared = pattern.shared_runs(seq_len) if runs_apart_for(pattern.device) else None
-            if shared is not None:  # dense blocks (see MAX_RUN_BLOCKS)
+            apart = runs_apart_for(pattern.device)
+            shared = pattern.shared_runs(seq_len) if apart else None
+            per_head = apart and shared is None and dense_runs_per_head(pattern)
+            dense = []
+            if shared is not None or per_head:  # dense blocks (see MAX_RUN_BLOCKS)
                 q_pos = layout_indices_on(seq_len, q_rank, world_size, layout, stripe, "cpu")
                 kv_pos = layout_indices_on(seq_len, kv_rank, world_size, layout, stripe, "cpu")
-                for m in run_blocks(shared, q_pos, kv_pos, bounds, window, pattern.device):
-                    m = m if q_rows is None else m.clip_rows(q_rows)
-                    if m.kind != "empty":
-                        out.append((batch, m))
+                dense = (run_blocks(shared, q_pos, kv_pos, bounds, window, pattern.device) if shared is not None
+                         else head_run_blocks(pattern, q_pos, kv_pos, bounds, window))
+            for m in dense:
+                m = m if q_rows is None else m.clip_rows(q_rows)
+                if m.kind != "empty":
+                    out.append((batch, m))
+            if shared is not None:
                 continue
             plan, rows = _pair_plan(pattern, layout, q_rank, kv_rank, world_size, local_len, stripe, bounds, window,
-                                    cache["plans"])
+                                    cache["plans"], long_runs_apart=per_head)
             if q_rows is not None:
                 plan = plan.first_rows(q_rows)
                 rows = tuple(g for g in (group.first(q_rows) for group in rows) if g is not None)
