@@ -66,10 +66,16 @@ def run_sparse_case(algo: str, layout: str, heads: tuple, local_len: int, *, str
 
 
 def run_dynamic_case(layout: str, stripe: int, local_len: int, heads=(4, 2), algo: str = "burst", last_q: int = 24,
-                     b: int = 2, d: int = 8, seq: Optional[int] = None) -> dict:
+                     b: int = 2, d: int = 8, seq: Optional[int] = None, slash_lines: str = "offsets", pool: int = 4,
+                     runs_apart: bool = False) -> dict:
     """The dynamic pattern on every rank (to compare), the single-process estimate over the whole
-    sequence, and the attention's errors vs the dense reference under the estimated pattern."""
+    sequence, and the attention's errors vs the dense reference under the estimated pattern.
+    ``runs_apart``: planned as on CUDA (long slash runs as per-head dense blocks)."""
+    from megatron_burst.masks import vertical_slash
     from megatron_burst.masks.dynamic import Dynamic, estimate
+
+    if runs_apart:
+        vertical_slash._RUNS_OVERRIDE = True
 
     W, r = dist.get_world_size(), dist.get_rank()
     hq, hkv = heads
@@ -79,7 +85,7 @@ def run_dynamic_case(layout: str, stripe: int, local_len: int, heads=(4, 2), alg
     mk = lambda h: torch.randn(seq, b, h, d, generator=gen)  # noqa: E731
     q, k, v, dout = mk(hq), mk(hkv), mk(hkv), mk(hq)
     q = q * 3  # peaky attention, as trained models have: top-p keeps few lines
-    budgets = Dynamic(p_v=0.5, p_s=0.5, last_q=last_q, pool=4)
+    budgets = Dynamic(p_v=0.5, p_s=0.5, last_q=last_q, pool=pool, slash_lines=slash_lines)
     sh = lambda t: mb.shard(t, 0, r, W, layout, stripe)  # noqa: E731
     bhsd = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731
     pattern = estimate(bhsd(sh(q)), bhsd(sh(k)), budgets, layout=layout, stripe=stripe)
@@ -92,6 +98,7 @@ def run_dynamic_case(layout: str, stripe: int, local_len: int, heads=(4, 2), alg
     got = (out, ql.grad, kl.grad, vl.grad)
     res = {name: (a.double() - sh(e)).abs().max().item() for name, a, e in zip(("out", "dq", "dk", "dv"), got, ref)}
     res["finite"] = all(bool(torch.isfinite(t).all()) for t in got)
+    res["scale"] = {name: e.abs().max().item() for name, e in zip(("out", "dq", "dk", "dv"), ref)}
     as_sets = lambda p: [(sorted(set(p.vertical[h].tolist())), sorted(set(p.slash[h].tolist())))  # noqa: E731
                          for h in range(hq)]
     res["pattern"] = as_sets(pattern)

@@ -16,7 +16,7 @@ SECTIONS = ("dense", "rank_block", "documents", "sparse", "multi_rank")
 # lines that measure the engine: they must never carry an error (baselines may, on a GPU machine
 # whose peer libraries fail; on CPU nothing may)
 ENGINE_VARIANTS = {"engine_w1_burst", "engine_blocks", "dense_engine_w1_burst", "sparse_static", "sparse_static_tiles",
-                   "sparse_static_isolated", "sparse_dynamic",
+                   "sparse_static_isolated", "sparse_dynamic", "sparse_dynamic_pools",
                    "burst", "ring", "run", "single_rank_reference", "inputs", "plan", "-"}
 SUMMARY_PREFIXES = ("ratio", "speedup")
 

@@ -46,7 +46,7 @@ def test_flag_boundary_builds_one_options_object():
     options = options_from_args(args)
     assert isinstance(options, BurstOptions) and isinstance(options.cp, CPOptions)
     assert (options.cp.algo, options.cp.layout, options.cp.stripe) == ("burst", "striped", 4)
-    assert options.cp.sparse == (0.9, 0.9, 8) and options.cp.requested_algo is None
+    assert options.cp.sparse == (0.9, 0.9, 8, "offsets") and options.cp.requested_algo is None
     assert options.linear is None and options.fused_lm_loss and not options.stock_attention
     per_layer = options_from_args(_flags([], cp_comm_type=["p2p", "a2a"], num_layers=2)).cp
     assert per_layer.algo == "per-layer" and per_layer.layer_comm_types == ("p2p", "a2a")
@@ -153,7 +153,7 @@ def sparse_through_the_patch() -> list:
 
 def test_megatron_lm_builder_passes_the_sparse_pattern():
     """The attention used to find --sparse-attention only in Megatron-LM's global args."""
-    assert run_ranks(1, sparse_through_the_patch)[0] == [(True, (0.9, 0.9, 8), "striped", 2)] * 2
+    assert run_ranks(1, sparse_through_the_patch)[0] == [(True, (0.9, 0.9, 8, "offsets"), "striped", 2)] * 2
 
 
 def test_usp_on_megatrons_groups_trains_like_cp1():

@@ -279,11 +279,31 @@ def test_dynamic_pattern_identical_on_all_ranks_and_exact(W, layout, stripe):
     _check(res, f"dynamic {layout}/{stripe} W={W}")
 
 
+@pytest.mark.parametrize("W,layout,stripe", [(2, "zigzag", 1), (3, "striped", 8)])
+def test_dynamic_pools_as_dense_blocks_exact(W, layout, stripe):
+    """slash_lines="pools": every head's slash lines are whole pools of 16 offsets, the same on every
+    rank as from the whole sequence; planned as on CUDA (the pools' runs in per-head dense blocks)
+    the attention is exact."""
+    res = run_ranks(W, sc.run_dynamic_case, layout, stripe, 64, slash_lines="pools", pool=16, runs_apart=True)
+    whole = run_ranks(1, sc.run_dynamic_case, "contiguous", 1, 0, seq=64 * W, slash_lines="pools", pool=16)[0]["whole"]
+    S = 64 * W
+    for rank, r in enumerate(res):
+        assert r["pattern"] == res[0]["pattern"] == whole, f"rank {rank}"
+    for _, slash in res[0]["pattern"]:
+        assert slash and set(slash) == {o for p in {x // 16 for x in slash} for o in range(16 * p, min(S, 16 * p + 16))}
+    for rank, r in enumerate(res):  # relative to the largest entry where that exceeds 1 (peaky queries)
+        assert r["finite"], rank
+        for name in ("out", "dq", "dk", "dv"):
+            allowed = TOL * max(1.0, r["scale"][name])
+            assert r[name] < allowed, f"dynamic pools {layout}/{stripe} W={W} rank {rank}: {name} off by {r[name]:.2e}"
+
+
 def test_dynamic_budgets_validated():
     from megatron_burst.masks.dynamic import Dynamic
 
     q = torch.zeros(16, 1, 2, 4)
-    for bad, needle in ((Dynamic(p_v=0.0), "p_v=0.0"), (Dynamic(p_s=1.5), "p_s=1.5"), (Dynamic(last_q=17), "last_q=17")):
+    for bad, needle in ((Dynamic(p_v=0.0), "p_v=0.0"), (Dynamic(p_s=1.5), "p_s=1.5"), (Dynamic(last_q=17), "last_q=17"),
+                        (Dynamic(last_q=8, slash_lines="runs"), "slash_lines=.runs.")):
         with pytest.raises(ValueError, match=needle):
             mb.sparse_cp_attention(q, q, q, bad, layout="contiguous", stripe=1)
 

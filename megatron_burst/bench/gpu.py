@@ -867,27 +867,30 @@ def section_sparse(B: Bench) -> None:
         finally:
             vertical_slash._RUNS_OVERRIDE = saved
         speedups(line)
-    # dynamic: estimated from this call's q and k (every call: its cost is part of the time)
-    budgets = Dynamic(p_v=a.p_v, p_s=a.p_s)
-    try:
-        with torch.no_grad():
-            est = estimate(bhsd(q), bhsd(k), budgets, layout="striped", stripe=64)
-        pairs_all, sparsity = pattern_pairs(est, s)
-        shape = {**base_shape, "p_v": a.p_v, "p_s": a.p_s, "max_verticals": int(est.vertical.shape[1]),
-                 "max_slashes": int(est.slash.shape[1]), "layout": "striped", "stripe": 64}
-        del est
-    except Exception as e:  # noqa: BLE001
-        B.rec.error(S, f"dynamic_s{s}", "sparse_dynamic", e, shape=base_shape)
-    else:
+    # dynamic: estimated from this call's q and k (every call: its cost is part of the time), with the
+    # top slash offsets (Algorithm 1) and with whole top pools (runs: dense blocks on CUDA)
+    for variant, lines in (("sparse_dynamic", "offsets"), ("sparse_dynamic_pools", "pools")):
+        budgets = Dynamic(p_v=a.p_v, p_s=a.p_s, slash_lines=lines)
+        try:
+            with torch.no_grad():
+                est = estimate(bhsd(q), bhsd(k), budgets, layout="striped", stripe=64)
+            pairs_all, sparsity = pattern_pairs(est, s)
+            shape = {**base_shape, "p_v": a.p_v, "p_s": a.p_s, "slash_lines": lines,
+                     "max_verticals": int(est.vertical.shape[1]), "max_slashes": int(est.slash.shape[1]),
+                     "layout": "striped", "stripe": 64}
+            del est
+        except Exception as e:  # noqa: BLE001
+            B.rec.error(S, f"dynamic_s{s}", variant, e, shape=base_shape)
+            continue
         if 1 - sparsity > a.dynamic_max_density:
-            B.rec.skip(S, f"dynamic_s{s}", "sparse_dynamic", f"the estimated dynamic pattern keeps {1 - sparsity:.1%} "
+            B.rec.skip(S, f"dynamic_s{s}", variant, f"the estimated dynamic pattern keeps {1 - sparsity:.1%} "
                        f"of causal pairs (> --dynamic-max-density {a.dynamic_max_density})", shape=shape,
                        sparsity=sparsity)
-        else:
-            line = B.measure(S, f"dynamic_s{s}", "sparse_dynamic", *autograd_pair(
-                lambda q_, k_, v_: mb.sparse_cp_attention(q_, k_, v_, budgets, algo="burst"), q, k, v, dout),
-                pairs_all / hq, shape, sparsity=sparsity)
-            speedups(line)
+            continue
+        line = B.measure(S, f"dynamic_s{s}", variant, *autograd_pair(
+            lambda q_, k_, v_: mb.sparse_cp_attention(q_, k_, v_, budgets, algo="burst"), q, k, v, dout),
+            pairs_all / hq, shape, sparsity=sparsity)
+        speedups(line)
     del q, k, v, dout
     free_memory(dev)
 

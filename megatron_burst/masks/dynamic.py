@@ -6,7 +6,10 @@ attention A = softmax(Q_last K^T / sqrt(d) + causal) is estimated over all keys;
 * vertical budget k_v = the fewest keys whose column mass reaches ``p_v`` of the total (top-p),
   lines = the k_v keys of largest column mass;
 * slash budget k_s = 64 x the fewest 64-offset pools (``pool``) whose diagonal mass reaches
-  ``p_s`` (top-p over pooled sums), lines = the k_s diagonal offsets of largest mass.
+  ``p_s`` (top-p over pooled sums), lines = the k_s diagonal offsets of largest mass
+  (``slash_lines="offsets"``, Algorithm 1 as written), or every offset of those pools
+  (``slash_lines="pools"``: the granularity MTraining's kernel computes at; runs of 64 offsets,
+  which the engine runs as dense blocks on CUDA, see megatron_burst.masks.vertical_slash).
 
 Under CP each rank scores the gathered last queries against its own keys; the softmax max and
 sum and the column/diagonal masses are all-reduced, so every rank computes the same pattern from
@@ -37,6 +40,7 @@ class Dynamic:
     p_s: float = 0.9
     last_q: int = 64
     pool: int = 64
+    slash_lines: str = "offsets"  # "offsets": the top k_s offsets; "pools": every offset of the top pools
 
     def check(self, seq_len: int) -> None:
         for name in ("p_v", "p_s"):
@@ -47,6 +51,9 @@ class Dynamic:
             raise ValueError(f"Dynamic.last_q={self.last_q} must be in [1, {seq_len}] (the global sequence length)")
         if self.pool < 1:
             raise ValueError(f"Dynamic.pool={self.pool} must be >= 1")
+        if self.slash_lines not in ("offsets", "pools"):
+            raise ValueError(f"Dynamic.slash_lines={self.slash_lines!r}: 'offsets' (the top offsets) or 'pools' "
+                             "(every offset of the top pools)")
 
 
 def top_p_count(mass: torch.Tensor, p: float) -> torch.Tensor:
@@ -112,6 +119,11 @@ def estimate(q: torch.Tensor, k: torch.Tensor, budgets: Dynamic, *, group=None, 
     vertical = _lines(masses[0], top_p_count(masses[0], budgets.p_v))
     P = budgets.pool
     pooled = torch.nn.functional.pad(masses[1], (0, (-S) % P)).view(hq, -1, P).sum(-1)
-    slash_counts = (top_p_count(pooled, budgets.p_s) * P).clamp(max=S)
-    slash = _lines(masses[1], slash_counts)
+    n_pools = top_p_count(pooled, budgets.p_s)
+    if budgets.slash_lines == "pools":
+        pools = _lines(pooled, n_pools)  # [h, most pools] (rows padded with their first)
+        slash = (pools[:, :, None] * P + torch.arange(P, device=device)).reshape(hq, -1)
+        slash = torch.where(slash < S, slash, pools[:, :1] * P)  # the last pool's offsets past the sequence
+    else:
+        slash = _lines(masses[1], (n_pools * P).clamp(max=S))
     return VerticalSlash(vertical, slash)

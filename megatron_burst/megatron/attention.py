@@ -250,7 +250,7 @@ class CPCoreAttention(FollowsModelLayout, MegatronModule):
         if cp_sparse is not None:
             from megatron_burst.masks.dynamic import Dynamic
 
-            self.sparse = Dynamic(*cp_sparse)
+            self.sparse = Dynamic(*cp_sparse[:3], slash_lines=cp_sparse[3] if len(cp_sparse) > 3 else "offsets")
             self.sparse.check(self.sparse.last_q)
             clash = [name for name, bad in (
                 (f"--seq-selective-ckpt-ratio {self.options.selective_ckpt_ratio}",

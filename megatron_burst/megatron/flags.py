@@ -106,6 +106,9 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="top-p budgets of the vertical and slash attention mass (default 0.9 0.9)")
     group.add_argument("--sparse-last-q", type=int, default=64, metavar="N",
                        help="queries (the last N of the sequence) the dynamic pattern is estimated from (default 64)")
+    group.add_argument("--sparse-slash-lines", type=str, default="offsets", choices=["offsets", "pools"],
+                       help="slash lines of the dynamic pattern: the top offsets (MTraining's Algorithm 1) or every "
+                            "offset of the top 64-offset pools (runs that CUDA computes as dense blocks)")
     group = parser.add_argument_group("megatron-burst linear attention",
                                       "LASP-2 linear attention and LASP-2H hybrid models")
     group.add_argument("--linear-attention-type", type=str, default=None, choices=list(LINEAR_ATTENTION_TYPES),

@@ -34,19 +34,20 @@ def options_from_args(args: argparse.Namespace, num_query_groups: Optional[int] 
 
 
 def sparse_from_args(args: argparse.Namespace) -> Optional[tuple]:
-    """(p_v, p_s, last_q) of --sparse-attention vertical_slash, validated; None without it."""
+    """(p_v, p_s, last_q, slash_lines) of --sparse-attention vertical_slash, validated; None without it."""
     if getattr(args, "sparse_attention", "none") in (None, "none"):
         return None
     from megatron_burst.masks.dynamic import Dynamic
 
     p_v, p_s = getattr(args, "sparse_budget", (0.9, 0.9))
-    budgets = Dynamic(float(p_v), float(p_s), int(getattr(args, "sparse_last_q", 64)))
+    budgets = Dynamic(float(p_v), float(p_s), int(getattr(args, "sparse_last_q", 64)),
+                      slash_lines=getattr(args, "sparse_slash_lines", "offsets"))
     seq = getattr(args, "seq_length", None)
     try:
         budgets.check(seq if seq is not None else budgets.last_q)
     except ValueError as exc:
         raise ValueError(f"--sparse-budget {p_v} {p_s} --sparse-last-q {budgets.last_q}: {exc}") from None
-    return (budgets.p_v, budgets.p_s, budgets.last_q)
+    return (budgets.p_v, budgets.p_s, budgets.last_q, budgets.slash_lines)
 
 
 def cp_ranks_per_node_from_args(args: argparse.Namespace) -> Optional[int]:

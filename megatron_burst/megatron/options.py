@@ -102,9 +102,9 @@ def make_cp_options(cp_algo: Optional[str] = None, cp_layout: Optional[str] = No
                          "U ranks per all-to-all group, R = CP / U groups in the ring")
     if sparse is not None:
         sparse = tuple(sparse)
-        if len(sparse) != 3:
-            raise ValueError(f"cp_sparse={sparse!r}: give (p_v, p_s, last_q) of the vertical-slash pattern "
-                             "(--sparse-budget P_V P_S, --sparse-last-q N)")
+        if len(sparse) not in (3, 4):
+            raise ValueError(f"cp_sparse={sparse!r}: give (p_v, p_s, last_q[, slash_lines]) of the vertical-slash "
+                             "pattern (--sparse-budget P_V P_S, --sparse-last-q N, --sparse-slash-lines)")
     if layer_comm_types is None and algo == PER_LAYER:
         layer_comm_types = cp_comm_type
     if layer_comm_types is not None:

@@ -82,8 +82,11 @@ class _Capture:
 def sparse_cases(cases: list, seq: int, b: int, hq: int, hkv: int, d: int, vertical: torch.Tensor,
                  slash: torch.Tensor, seed: int = 0) -> dict:
     """sparse_cp_attention forward + backward per (pattern, algo, layout, stripe) case on this rank's
-    shard; pattern "static" (the given lines, as CUDA tensors) or "dynamic" (estimated per call).
+    shard; pattern "static" (the given lines, as CUDA tensors), "dynamic" (estimated per call) or
+    "dynamic_pools" (estimated, whole top pools of slash offsets: per-head dense blocks on CUDA).
     Returns like :func:`cp_cases`, plus {"patterns": {case: (vertical, slash) CPU}} for dynamic cases."""
+    from megatron_burst.masks.dynamic import Dynamic
+
     W, r = dist.get_world_size(), dist.get_rank()
     dev = rank_device()
     full = inputs(seq, b, hq, hkv, d, seed=seed)
@@ -97,11 +100,12 @@ def sparse_cases(cases: list, seq: int, b: int, hq: int, hkv: int, d: int, verti
                 q, k, v, dout = (mb.shard(t, 0, r, W, layout, stripe).to(dev) for t in full)
                 leaves = [t.clone().requires_grad_() for t in (q, k, v)]
                 with _Capture() as cap:
-                    o = mb.sparse_cp_attention(*leaves, static if kind == "static" else "dynamic", algo=algo,
-                                               layout=layout, stripe=stripe)
+                    pattern = {"static": static, "dynamic": "dynamic",
+                               "dynamic_pools": Dynamic(slash_lines="pools")}[kind]
+                    o = mb.sparse_cp_attention(*leaves, pattern, algo=algo, layout=layout, stripe=stripe)
                 o.backward(dout)
                 out["results"][case] = cpu_tensors([o] + [t.grad for t in leaves])
-                if kind == "dynamic":
+                if kind.startswith("dynamic"):
                     p = cap.patterns[-1]
                     out["patterns"][case] = (p.vertical.cpu(), p.slash.cpu())
             except Exception:  # noqa: BLE001

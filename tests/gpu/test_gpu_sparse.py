@@ -8,6 +8,7 @@ import torch
 
 import megatron_burst as mb
 from megatron_burst.kernels.choice import choose
+from megatron_burst.masks.dynamic import Dynamic
 
 from gpu import ranks
 from gpu.common import DEV, DTYPE, L, ON_CPU, STRIPE_WIDE, check, errors, inputs, kernel_failures, \
@@ -18,7 +19,8 @@ B, HQ, HKV, D = 1, 8, 2, (128 if not ON_CPU else 32)
 SEED = 9
 STATIC_CASES = [("static", algo, layout, stripe) for algo in ("burst", "ring")
                 for layout, stripe in (("striped", STRIPE_WIDE), ("zigzag", 1), ("striped", 1))]
-DYNAMIC_CASES = [("dynamic", "burst", "striped", STRIPE_WIDE), ("dynamic", "ring", "zigzag", 1)]
+DYNAMIC_CASES = [("dynamic", "burst", "striped", STRIPE_WIDE), ("dynamic", "ring", "zigzag", 1),
+                 ("dynamic_pools", "burst", "striped", STRIPE_WIDE)]
 
 
 def _bar(q, k, v, dout, vis):
@@ -64,8 +66,9 @@ def test_sparse_one_rank():
         leaves = [mb.shard(t, 0, 0, 1, layout, stripe).clone().requires_grad_() for t in (q, k, v)]
         try:
             with ranks._Capture() as cap:
-                o = mb.sparse_cp_attention(*leaves, pattern if kind == "static" else "dynamic", algo=algo,
-                                           layout=layout, stripe=stripe)
+                o = mb.sparse_cp_attention(*leaves, {"static": pattern, "dynamic": "dynamic",
+                                                     "dynamic_pools": Dynamic(slash_lines="pools")}[kind],
+                                           algo=algo, layout=layout, stripe=stripe)
             o.backward(dout)
         except Exception as e:  # noqa: BLE001
             fails.append(f"{what}: raised {type(e).__name__}: {e}")
