@@ -987,8 +987,9 @@ def head_run_blocks(pattern: VerticalSlash, q_pos: torch.Tensor, kv_pos: torch.T
     :meth:`VerticalSlash.slash_runs`) for queries at ``q_pos`` x keys at ``kv_pos`` (CPU, increasing):
     block r holds every head's r-th run [lo, hi] as that head's band (hi, -lo) (:class:`HeadBands`;
     a head with fewer runs sees nothing there; one shared band when all heads agree), over every key,
-    narrowed by ``window`` and ``cu_seqlens`` and trimmed to the rows and keys seen. The rest of the
-    pattern is :func:`plan_pair` with ``long_runs_apart``."""
+    narrowed by ``window`` and ``cu_seqlens`` and trimmed to the rectangle of rows and keys the
+    bands can reach (rows inside it may see nothing). The rest of the pattern is :func:`plan_pair`
+    with ``long_runs_apart``."""
     q_pos, kv_pos = q_pos.cpu().long(), kv_pos.cpu().long()
     h = pattern.vertical.shape[0]
     _, _, head, lo, hi = (t.cpu() for t in pattern.slash_runs())
@@ -998,7 +999,6 @@ def head_run_blocks(pattern: VerticalSlash, q_pos: torch.Tensor, kv_pos: torch.T
         starts = torch.tensor(list(cu_seqlens[:-1]), dtype=torch.long)
         q_doc = torch.searchsorted(starts, q_pos, right=True) - 1
         kv_doc = torch.searchsorted(starts, kv_pos, right=True) - 1
-    floor = key_floor(q_pos, cu_seqlens, window)
     first = torch.tensor([0] + per_head[:-1]).cumsum(0)  # each head's first run (runs are ordered by head, lo)
     out = []
     for r in range(max(per_head, default=0)):
@@ -1008,19 +1008,20 @@ def head_run_blocks(pattern: VerticalSlash, q_pos: torch.Tensor, kv_pos: torch.T
         left = run_hi if window is None else torch.minimum(run_hi, torch.tensor(window[0]))
         empty = left < run_lo
         bounds = torch.stack([torch.where(empty, -1, left), torch.where(empty, 0, -run_lo)], 1)  # [h, 2]
-        # per head and query: keys at offsets run_lo..left, at or above the floor
-        top = torch.searchsorted(kv_pos, (q_pos[None, :] + bounds[:, 1:2]).contiguous(), right=True)
-        low = q_pos[None, :] - bounds[:, 0:1]
-        if floor is not None:
-            low = torch.maximum(low, floor[None, :])
-        bottom = torch.searchsorted(kv_pos, low.contiguous())
-        sees = (top > bottom) & ~empty[:, None]
-        rows = sees.any(0).nonzero().squeeze(1)
-        if not rows.numel():
+        live = ~empty
+        if not bool(live.any()) or not kv_pos.numel():
             continue
-        r0, r1 = int(rows[0]), int(rows[-1]) + 1
-        c0 = int(torch.where(sees, bottom, kv_pos.numel())[:, r0:r1].min())
-        c1 = int(torch.where(sees, top, 0)[:, r0:r1].max())
+        # the rectangle holding every head's pairs, from the ends of the increasing positions (O(h log n),
+        # not per row: a dynamic pattern is planned on every call); rows of it may see nothing
+        lo_live, left_live = run_lo[live], left[live]
+        r0 = int(torch.searchsorted(q_pos, kv_pos[:1] + lo_live).min())  # q - lo >= the first key
+        r1 = int(torch.searchsorted(q_pos, kv_pos[-1:] + left_live, right=True).max())  # q - left <= the last key
+        if r1 <= r0:
+            continue
+        c0 = int(torch.searchsorted(kv_pos, q_pos[r0:r0 + 1] - left_live).min())
+        c1 = int(torch.searchsorted(kv_pos, q_pos[r1 - 1:r1] - lo_live, right=True).max())
+        if c1 <= c0:
+            continue
         band = (int(bounds[0, 0]), int(bounds[0, 1])) if bool((bounds == bounds[:1]).all()) else HeadBands(bounds)
         cut = lambda t, a, b: None if t is None else t[a:b]  # noqa: E731
         out.append(BlockMask("positions", r0, r1, c0, c1, 1, q_pos[r0:r1], kv_pos[c0:c1], cut(q_doc, r0, r1),
