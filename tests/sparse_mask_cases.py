@@ -133,6 +133,7 @@ def run_mask_cases(layout: str, stripe: int, local_len: int, algos=("burst", "ri
             res["scale"] = {n: e.abs().max().item() for n, e in zip(("out", "dq", "dk", "dv"), ref)}
             res.update(algo=algo, mask=name, finite=all(bool(torch.isfinite(t).all()) for t in got))
             res["kinds"] = sorted({m.kind + (" per head" if isinstance(m.band, HeadBands) else "")
+                                   + (" gathered" if m.kv_index is not None else "")
                                    for q_rank in range(W) for kv_rank in range(W) for _, m in
                                    vertical_slash.pattern_blocks(used, layout, q_rank, kv_rank, W, local_len, stripe,
                                                                  documents=None if cu is None else

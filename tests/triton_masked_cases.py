@@ -158,6 +158,11 @@ def cases() -> dict:
         "head_bands_docs_zigzag": dict(kind="positions", hq=2, sq=32, sk=32,
                                        positions=(zigzag(1, 2, 16), zigzag(0, 2, 16), docs(20, 12), docs(6, 26),
                                                   HeadBands(torch.tensor([[12, -2], [40, -30]])))),
+        # gathered keys every head sees only its own of (HeadBands.keys), each head its band of offsets
+        "head_bands_keys_gqa": dict(kind="positions", hq=4, hkv=2, sq=50, sk=21,
+                                    positions=(ar(50), ar(0, 63, 3), None, None, HeadBands(
+                                        torch.tensor([[50, 0], [50, -5], [6, -2], [50, 0]]),
+                                        torch.rand(4, 21, generator=torch.Generator().manual_seed(1)) < 0.5))),
         "bf16_causal_gqa": dict(kind="causal", hq=4, hkv=2, sq=48, sk=48, dtype=torch.bfloat16),
         "bf16_window_docs_sbhd": dict(kind="positions", sq=48, sk=48, dtype=torch.bfloat16, sbhd=True,
                                       positions=(ar(48), ar(48), doc48, doc48, (5, 0))),
@@ -210,10 +215,10 @@ def compile_for_gpu(kernel: str, dtype: torch.dtype, d: int, capability: int = 9
     fn = triton_masked._kernels()[NAMES_OF_KERNELS[kernel]]
     opts = triton_masked.launch_options(kernel, {dtype}, d, d, interpret=False)
     warps, stages = opts.pop("num_warps"), opts.pop("num_stages")
-    opts.update(flags or dict(POS=2, HAS_LEFT=True, HAS_RIGHT=True, HAS_DOC=True, PER_HEAD=True))
+    opts.update(flags or dict(POS=2, HAS_LEFT=True, HAS_RIGHT=True, HAS_DOC=True, PER_HEAD=True, HAS_KEYS=True))
     elem = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     pointers = {"Q": elem, "K": elem, "V": elem, "DO": elem, "RANGES": "i32", "QKEY": "i32", "KKEY": "i32",
-                "QDOC": "i32", "KDOC": "i32", "HBAND": "i32", "OUT": "fp32", "LSE": "fp32", "DELTA": "fp32", "DQ": "fp32",
+                "QDOC": "i32", "KDOC": "i32", "HBAND": "i32", "HKEYS": "i8", "OUT": "fp32", "LSE": "fp32", "DELTA": "fp32", "DQ": "fp32",
                 "DK": "fp32", "DV_": "fp32"}
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -332,7 +337,8 @@ def main() -> None:
     saved = triton_masked.DKDV_PROGRAMS, triton_masked.DKDV_SPLIT_TILES
     triton_masked.DKDV_PROGRAMS, triton_masked.DKDV_SPLIT_TILES = 1 << 20, 1
     try:
-        for name in ("slash_run_l9_r-4_gqa", "window_docs_l5_r0_gqa_sbhd", "block_causal_b4_45x29", "head_bands_gqa"):
+        for name in ("slash_run_l9_r-4_gqa", "window_docs_l5_r0_gqa_sbhd", "block_causal_b4_45x29", "head_bands_gqa",
+                     "head_bands_keys_gqa"):
             if not only or f"split_{name}" in only:
                 results[f"split_{name}"] = run_case(**cases()[name])
     finally:

@@ -35,7 +35,7 @@ def _tile_mask(kind, block, q0, q1, k0, k1, device, positions=None):
             return None
         sl = lambda t, a, b: None if t is None else t[a:b]  # noqa: E731
         return positions_visibility(sl(q_pos, q0, q1), sl(kv_pos, k0, k1), sl(q_doc, q0, q1), sl(kv_doc, k0, k1),
-                                    band, q1 - q0, k1 - k0, device)
+                                    band.columns(k0, k1) if per_head else band, q1 - q0, k1 - k0, device)
     if kind == "causal":
         lo_q, hi_k = q0, k1 - 1
         if hi_k <= lo_q:

@@ -193,12 +193,12 @@ def _operand(x, dt, MODE: tl.constexpr):
     return y
 
 
-def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, div, left, right, SK,
+def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, KEEP, div, left, right, SK,
                scale2, t_lo, t_hi,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, POS: tl.constexpr, HAS_LEFT: tl.constexpr,
                HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr, WIDEN: tl.constexpr, MODE: tl.constexpr,
-               PRECISION: tl.constexpr):
+               PRECISION: tl.constexpr, HAS_KEYS: tl.constexpr):
     """Online-softmax steps over kv tiles [t_lo, t_hi); MASKED evaluates the mask (and the column
     bound), else every column of every tile is visible to every row."""
     arange_n = tl.arange(0, BLOCK_N)
@@ -222,6 +222,8 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, d
             if HAS_DOC:
                 cd = tl.load(KDOC + offs_n, mask=n_ok, other=-1)[None, :]
             vis = _visible(rk, ck[None, :], rd, cd, left, right, POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, n_ok[None, :])
+            if HAS_KEYS:  # this head's own columns of the block
+                vis = vis & (tl.load(KEEP + offs_n, mask=n_ok, other=0) != 0)[None, :]
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # a row with nothing seen yet keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN
@@ -249,13 +251,14 @@ def _head_band(HBAND, RANGES, pid, h, HQ, left, right, PER_HEAD: tl.constexpr):
     return left, right, at
 
 
-def masked_fwd_kernel(Q, K, V, OUT, LSE, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND,
+def masked_fwd_kernel(Q, K, V, OUT, LSE, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND, HKEYS,
                       scale2, left, right, div, HQ, GROUP, SQ, SK,
                       sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh,
                       D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, POS: tl.constexpr,
                       HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr,
-                      WIDEN: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, PER_HEAD: tl.constexpr):
+                      WIDEN: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, PER_HEAD: tl.constexpr,
+                      HAS_KEYS: tl.constexpr):
     """One (q tile, b * hq) program: OUT rows (fp32, 0 where nothing is seen) and LSE (natural log, -inf)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -281,20 +284,24 @@ def masked_fwd_kernel(Q, K, V, OUT, LSE, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND,
     f_lo = tl.load(at + 1)
     f_hi = tl.load(at + 2)
     t_hi = tl.load(at + 3)
+    keep = HKEYS + h * SK  # this head's column flags (HAS_KEYS)
+    if HAS_KEYS:  # no tile is visible entire: every one masked
+        f_lo = t_hi
+        f_hi = t_hi
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, div, left, right,
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, div, left, right,
                                SK, scale2, t_lo, f_lo, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, POS, HAS_LEFT,
-                               HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, div, left, right,
+                               HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, div, left, right,
                                SK, scale2, f_lo, f_hi, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, POS, HAS_LEFT,
-                               HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, div, left, right,
+                               HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, div, left, right,
                                SK, scale2, f_hi, t_hi, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, POS, HAS_LEFT,
-                               HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION)
+                               HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS)
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -312,12 +319,12 @@ def _row_stats(LSE_ROW, DELTA_ROW, offs, ok):
     return lse, delta
 
 
-def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, div, left, right, SK,
+def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, KEEP, div, left, right, SK,
               scale2, t_lo, t_hi,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, POS: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr, WIDEN: tl.constexpr, MODE: tl.constexpr,
-              PRECISION: tl.constexpr):
+              PRECISION: tl.constexpr, HAS_KEYS: tl.constexpr):
     """dq += dS.K over kv tiles [t_lo, t_hi) (unscaled), P recomputed from the given lse."""
     arange_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -341,6 +348,8 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KD
             if HAS_DOC:
                 cd = tl.load(KDOC + offs_n, mask=n_ok, other=-1)[None, :]
             vis = _visible(rk, ck[None, :], rd, cd, left, right, POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, n_ok[None, :])
+            if HAS_KEYS:
+                vis = vis & (tl.load(KEEP + offs_n, mask=n_ok, other=0) != 0)[None, :]
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -348,14 +357,15 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KD
     return dq
 
 
-def masked_bwd_dq_kernel(Q, K, V, DO, DELTA, LSE, DQ, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND,
+def masked_bwd_dq_kernel(Q, K, V, DO, DELTA, LSE, DQ, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND, HKEYS,
                          scale, scale2, left, right, div, HQ, GROUP, SQ, SK,
                          sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos,
                          sDb, sDh, slb, slh, sdqb, sdqh, sdqs,
                          D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, POS: tl.constexpr,
                          HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr,
-                         WIDEN: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, PER_HEAD: tl.constexpr):
+                         WIDEN: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, PER_HEAD: tl.constexpr,
+                      HAS_KEYS: tl.constexpr):
     """One (q tile, b * hq) program: DQ rows (fp32) = scale * sum over visible kv tiles of dS.K."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -384,28 +394,32 @@ def masked_bwd_dq_kernel(Q, K, V, DO, DELTA, LSE, DQ, RANGES, QKEY, KKEY, QDOC, 
     f_lo = tl.load(at + 1)
     f_hi = tl.load(at + 2)
     t_hi = tl.load(at + 3)
+    keep = HKEYS + h * SK  # this head's column flags (HAS_KEYS)
+    if HAS_KEYS:  # no tile is visible entire: every one masked
+        f_lo = t_hi
+        f_hi = t_hi
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, div, left, right, SK,
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, div, left, right, SK,
                    scale2, t_lo, f_lo, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, POS, HAS_LEFT, HAS_RIGHT,
-                   HAS_DOC, WIDEN, MODE, PRECISION)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, div, left, right, SK,
+                   HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, div, left, right, SK,
                    scale2, f_lo, f_hi, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, POS, HAS_LEFT, HAS_RIGHT,
-                   HAS_DOC, WIDEN, MODE, PRECISION)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, div, left, right, SK,
+                   HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, div, left, right, SK,
                    scale2, f_hi, t_hi, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, POS, HAS_LEFT, HAS_RIGHT,
-                   HAS_DOC, WIDEN, MODE, PRECISION)
+                   HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS)
     tl.store(DQ + b * sdqb + h * sdqh + rows * sdqs + offs_d[None, :], dq * scale,
              mask=m_ok[:, None] & (offs_d < D)[None, :])
 
 
-def _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, LSE_ROW, DELTA_ROW, sqs, sdos, QKEY, QDOC,
+def _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, LSE_ROW, DELTA_ROW, sqs, sdos, QKEY, QDOC, keep_col,
                 div, left, right, SQ, scale2, t_lo, t_hi,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, POS: tl.constexpr, HAS_LEFT: tl.constexpr,
                 HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr, WIDEN: tl.constexpr, MODE: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, HAS_KEYS: tl.constexpr):
     """dv += P^T.dO and dk += dS^T.Q (unscaled) over q tiles [t_lo, t_hi) of one query head, in the
     transposed orientation ([kv rows, q rows]) so both products take the kv tile as rows."""
     arange_m = tl.arange(0, BLOCK_M)
@@ -431,6 +445,8 @@ def _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, LSE_ROW, DELTA_ROW, sqs, 
             if HAS_DOC:
                 rd = tl.load(QDOC + offs_m, mask=m_ok, other=-1)[None, :]
             vis = _visible(rk[None, :], ck, rd, cd, left, right, POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, m_ok[None, :])
+            if HAS_KEYS:
+                vis = vis & keep_col
             p_t = tl.where(vis, p_t, 0.0)
         dv = tl.dot(_operand(p_t, do.dtype, MODE), do, dv, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -439,14 +455,15 @@ def _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, LSE_ROW, DELTA_ROW, sqs, 
     return dk, dv
 
 
-def masked_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND,
+def masked_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND, HKEYS,
                            scale, scale2, left, right, div, HKV, GROUP, SQ, SK, SPLIT_TILES, sdk_split, sdv_split,
                            sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos,
                            sDb, sDh, slb, slh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
                            D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, POS: tl.constexpr,
                            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr,
-                           WIDEN: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, PER_HEAD: tl.constexpr):
+                           WIDEN: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, PER_HEAD: tl.constexpr,
+                      HAS_KEYS: tl.constexpr):
     """One (kv tile, b * hkv, q split) program: DK (fp32, scaled) and DV rows of the tile, summed over
     the GROUP query heads of its kv head and the q tiles of its split (q tiles [s * SPLIT_TILES,
     (s + 1) * SPLIT_TILES)) that can see it, in registers; split s writes its own slice of DK / DV_
@@ -483,19 +500,24 @@ def masked_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_, RANGES, QKEY, KKEY,
         f_lo = tl.minimum(tl.maximum(tl.load(at + 1), s_lo), s_hi)
         f_hi = tl.minimum(tl.maximum(tl.load(at + 2), s_lo), s_hi)
         t_hi = tl.minimum(tl.maximum(tl.load(at + 3), s_lo), s_hi)
+        keep_col = n_ok[:, None]
+        if HAS_KEYS:  # this head's own columns of the tile; no q tile sees it entire
+            keep_col = (tl.load(HKEYS + h * SK + offs_n, mask=n_ok, other=0) != 0)[:, None]
+            f_lo = t_hi
+            f_hi = t_hi
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdob + h * sdoh
         lse_row = LSE + b * slb + h * slh
         delta_row = DELTA + b * sDb + h * sDh
-        dk, dv = _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, lse_row, delta_row, sqs, sdos, QKEY, QDOC,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, lse_row, delta_row, sqs, sdos, QKEY, QDOC, keep_col,
                              div, left_h, right_h, SQ, scale2, t_lo, f_lo, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True,
-                             POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, lse_row, delta_row, sqs, sdos, QKEY, QDOC,
+                             POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, lse_row, delta_row, sqs, sdos, QKEY, QDOC, keep_col,
                              div, left_h, right_h, SQ, scale2, f_lo, f_hi, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, False,
-                             POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, lse_row, delta_row, sqs, sdos, QKEY, QDOC,
+                             POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, lse_row, delta_row, sqs, sdos, QKEY, QDOC, keep_col,
                              div, left_h, right_h, SQ, scale2, f_hi, t_hi, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True,
-                             POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION)
+                             POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS)
     tl.store(DK + split.to(tl.int64) * sdk_split + b * sdkb + hk * sdkh + cols * sdks + offs_d[None, :], dk * scale,
              mask=n_ok[:, None] & (offs_d < D)[None, :])
     tl.store(DV_ + split.to(tl.int64) * sdv_split + b * sdvb + hk * sdvh + cols * sdvs + offs_dv[None, :], dv,
@@ -567,6 +589,7 @@ class _Mask:
     def __init__(self, kind: str, block: int, positions: Optional[tuple], sq: int, sk: int, device: torch.device):
         self.div, self.qkey, self.kkey, self.qdoc, self.kdoc = 1, None, None, None, None
         self.head_bounds: Optional[torch.Tensor] = None  # [hq * 2] (left, right) per head (HeadBands)
+        self.head_keys: Optional[torch.Tensor] = None  # [hq * sk] int8: each head's own columns (HeadBands.keys)
         self.left: Optional[int] = None
         self.right: Optional[int] = None
         self.pos = 0
@@ -605,6 +628,11 @@ class _Mask:
             self.left, self.right = (self._bound(int(x), small) for x in band.envelope)
             limit = KEY_LIMIT if small else 1 << 62
             self.head_bounds = on(band.bounds.clamp(-limit, limit - 1).reshape(-1))
+            if band.keys is not None:
+                if tuple(band.keys.shape) != (band.heads, sk):
+                    raise ValueError(f"positions: HeadBands.keys has shape {tuple(band.keys.shape)}; expected "
+                                     f"[{band.heads}, {sk}] (heads, the block's columns)")
+                self.head_keys = band.keys.to(torch.int8).reshape(-1).to(device, non_blocking=True)
         elif q_pos is not None and (band[0] is not None or band[1] is not None):
             self.pos = 2
             self.qkey, self.kkey = on(q_pos), on(kv_pos)
@@ -626,7 +654,7 @@ class _Mask:
 
     def flags(self) -> dict:
         return dict(POS=self.pos, HAS_LEFT=self.left is not None, HAS_RIGHT=self.right is not None,
-                    HAS_DOC=self.has_doc, PER_HEAD=self.head_bounds is not None)
+                    HAS_DOC=self.has_doc, PER_HEAD=self.head_bounds is not None, HAS_KEYS=self.head_keys is not None)
 
     def ranges(self, outer: str, n_outer: int, n_inner: int, tile_outer: int, tile_inner: int,
                partial_ok: bool, device: torch.device) -> torch.Tensor:
@@ -656,9 +684,9 @@ class _Mask:
         return _tile_ranges(a, b, ad, bd, lo_off, hi_off, n_outer, n_inner, tile_outer, tile_inner, partial_ok)
 
     def vectors(self, dummy: torch.Tensor) -> tuple:
-        """(QKEY, KKEY, QDOC, KDOC, HBAND) kernel arguments; ``dummy`` stands in for absent ones."""
+        """(QKEY, KKEY, QDOC, KDOC, HBAND, HKEYS) kernel arguments; ``dummy`` stands in for absent ones."""
         return tuple(dummy if t is None else t for t in (self.qkey, self.kkey, self.qdoc, self.kdoc,
-                                                         self.head_bounds))
+                                                         self.head_bounds, self.head_keys))
 
     def scalars(self) -> tuple:
         return (0 if self.left is None else self.left, 0 if self.right is None else self.right, self.div)

@@ -28,12 +28,19 @@ class HeadBands:
     """Per-query-head bands of a ``positions`` block (a sparse pattern's slash runs, which differ
     between heads): head h sees kv_pos in [q_pos - left, q_pos + right] with (left, right) =
     ``bounds[h]`` ([h, 2] int64 on the CPU, both bounded; left + right < 0: the head sees nothing).
+    ``keys`` (optional, [h, columns] bool on the CPU): head h sees only the block's columns marked
+    for it (a pattern's vertical lines, gathered for all heads, each head seeing its own).
     :attr:`envelope` = (max left, max right) bounds every head's band (host-side trimming reads it).
     Deliberately not a tuple: a kernel that unpacks ``left, right = band`` fails on it rather than
     running the envelope; the kernels that take it (reference, tiled, cpu_flash, triton_masked)
     check for it."""
 
     bounds: torch.Tensor
+    keys: Optional[torch.Tensor] = None
+
+    def columns(self, start: int, stop: int) -> "HeadBands":
+        """The same bands over the block's columns [start, stop) (``keys`` sliced)."""
+        return self if self.keys is None else HeadBands(self.bounds, self.keys[:, start:stop])
 
     @property
     def envelope(self) -> tuple[int, int]:
@@ -142,9 +149,10 @@ class BlockMask:
             if self.q_doc is not None:
                 seen = min(seen, int(torch.searchsorted(self.kv_doc, self.q_doc[height - 1:height], right=True)[0]))
             cut = lambda t, m: None if t is None else t[:m]  # noqa: E731
+            band = self.band.columns(0, seen) if isinstance(self.band, HeadBands) else self.band
             return BlockMask("positions", self.q_start, rows, self.kv_start, self.kv_start + seen, 1,
                              cut(self.q_pos, height), cut(self.kv_pos, seen), cut(self.q_doc, height),
-                             cut(self.kv_doc, seen), band=self.band,
+                             cut(self.kv_doc, seen), band=band,
                              kv_index=None if self.kv_index is None else self.kv_index[:seen])
         else:
             kv_stop = self.kv_stop
@@ -219,6 +227,8 @@ def positions_visibility(q_pos: Optional[torch.Tensor], kv_pos: Optional[torch.T
         diff = q_pos.to(device)[:, None] - kv_pos.to(device)[None, :]
         bounds = band.bounds.to(device)
         vis = (diff >= -bounds[:, 1, None, None]) & (diff <= bounds[:, 0, None, None])
+        if band.keys is not None:
+            vis &= band.keys.to(device)[:, None, :]
     elif q_pos is not None:
         left, right = band
         diff = q_pos.to(device)[:, None] - kv_pos.to(device)[None, :]  # q_pos - kv_pos

@@ -52,7 +52,8 @@ from megatron_burst.masks.visible import visible_blocks
 from megatron_burst.masks.window import Window
 
 __all__ = ["TILE", "COLUMNS", "CPU_DENSE_COLUMN", "LONG_RUN", "PLAN_CHUNK", "PLAN_MASKS", "MAX_RUN_BLOCKS",
-           "dense_column_for", "runs_apart_for", "SharedRuns", "run_blocks", "head_run_blocks", "dense_runs_per_head",
+           "dense_column_for", "runs_apart_for", "SharedRuns", "run_blocks", "head_run_blocks", "head_line_blocks",
+           "dense_runs_per_head",
            "VerticalSlash", "pack_bits",
            "unpack_bits", "SparseTile", "TilePlan", "PackedTiles", "as_packed", "SparseRows", "key_floor", "plan_pair", "column_counts", "plan_tiles", "pattern_blocks"]
 
@@ -544,7 +545,7 @@ def key_floor(q_pos: torch.Tensor, cu_seqlens: Optional[Sequence[int]] = None, w
 
 def plan_pair(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos: torch.Tensor,
               tile: Optional[int] = None, columns: Optional[str] = None, dense_column: Optional[float] = None,
-              *, cu_seqlens: Optional[Sequence[int]] = None, window: Window = None, long_runs_apart: bool = False
+              *, cu_seqlens: Optional[Sequence[int]] = None, window: Window = None, dense_apart: bool = False
               ) -> tuple[PackedTiles, tuple[SparseRows, ...]]:
     """The sparse plan of queries at ``q_pos`` x keys at ``kv_pos``: (tiles, row groups), on the
     pattern's device.
@@ -566,16 +567,17 @@ def plan_pair(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos:
     sizes, and one read-back of the row groups' sizes (a constant number of synchronisations,
     whatever the number of tiles; one more when the gathered slash pairs come in several chunks).
 
-    ``long_runs_apart``: the plan leaves out every pair at an offset of a long slash run (>= LONG_RUN
-    offsets; :func:`head_run_blocks` runs those as dense blocks) and puts every visible column in
-    the tiles (``dense_column`` 0).
+    ``dense_apart``: the plan holds only the pairs of the short slash offsets (runs < LONG_RUN) that
+    are not on one of the head's vertical lines (:func:`head_run_blocks` and :func:`head_line_blocks`
+    run the long runs and the lines as dense blocks), every visible column in the tiles
+    (``dense_column`` 0).
     """
     tile = tile or TILE
     columns = columns or COLUMNS
     threshold = dense_column_for(pattern.device) if dense_column is None else dense_column
-    if long_runs_apart:
+    if dense_apart:
         threshold = 0.0
-    pair = _Pair.of(pattern, seq_len, q_pos, kv_pos, tile, cu_seqlens, window, long_runs_apart)
+    pair = _Pair.of(pattern, seq_len, q_pos, kv_pos, tile, cu_seqlens, window, dense_apart)
     device, T, sk, h = pair.device, pair.T, pair.sk, pair.h
     if not pair.nq or not sk:
         return PackedTiles.from_tiles((), h, device), ()
@@ -626,14 +628,14 @@ class _Pair:
     # and [T, tile] the same per tile row (past the last query: seq_len, above every key); None: no floor
     floor32: Optional[torch.Tensor] = None
     floor_tiles: Optional[torch.Tensor] = None
-    # the long slash runs (>= LONG_RUN offsets) run elsewhere as dense blocks (head_run_blocks): the
-    # plan leaves out every pair at their offsets, vertical lines' pairs there included
-    long_runs_apart: bool = False
+    # the long slash runs (>= LONG_RUN offsets) and the vertical lines run elsewhere as dense blocks
+    # (head_run_blocks, head_line_blocks): the plan holds the short offsets' pairs off the head's lines
+    dense_apart: bool = False
 
     @classmethod
     def of(cls, pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos: torch.Tensor, tile: int,
            cu_seqlens: Optional[Sequence[int]] = None, window: Window = None,
-           long_runs_apart: bool = False) -> "_Pair":
+           dense_apart: bool = False) -> "_Pair":
         device = pattern.device
         q_pos, kv_pos = q_pos.to(device).long(), kv_pos.to(device).long()
         nq = q_pos.numel()
@@ -649,7 +651,7 @@ class _Pair:
             floor_tiles = torch.nn.functional.pad(floor32, (0, T * tile - nq), value=seq_len).view(T, tile)
         return cls(pattern, seq_len, tile, q_pos, kv_pos, q32, kv_pos.int(),
                    pattern.lookup(seq_len)[0].index_select(1, kv_pos), q_shift, index, floor32, floor_tiles,
-                   long_runs_apart)
+                   dense_apart)
 
     @property
     def device(self) -> torch.device:
@@ -734,9 +736,10 @@ class _Pair:
                  else torch.searchsorted(kv_sorted, self.floor32, out_int32=True))
         after = torch.zeros(T, sk + 1, dtype=torch.int32, device=device)  # queries at or after each key
         add_ranges(after, first, torch.searchsorted(kv_sorted, self.q32, right=True, out_int32=True), query_row)
-        by_lines = after.cumsum(1, dtype=torch.int32)[:, :sk] * on_line.sum(0, dtype=torch.int32)
+        lines = torch.zeros_like(on_line[0]) if self.dense_apart else on_line.sum(0, dtype=torch.int32)
+        by_lines = after.cumsum(1, dtype=torch.int32)[:, :sk] * lines
         _, _, long_head, long_lo, long_hi = self.pattern.slash_runs()
-        per_head = [0] * self.h if self.long_runs_apart else self.pattern.long_runs_per_head()
+        per_head = [0] * self.h if self.dense_apart else self.pattern.long_runs_per_head()
         heads = max(1, PLAN_CHUNK // max(1, 2 * T * (sk + 1)))
         run0 = 0
         for h0 in range(0, self.h, heads):  # chunks of heads, each with its runs (runs are ordered by head)
@@ -778,8 +781,7 @@ class _Pair:
         cols = torch.nonzero_static(dense[picked], size=N)[:, 1]  # tile after tile, increasing inside a tile
         vis = torch.zeros(T_sel, h, R, words, dtype=torch.int32, device=device)
         if N:
-            diagonal = self.pattern.diagonal_table(S, short_only=self.long_runs_apart)
-            long_runs = self.pattern.diagonal_table(S, long_runs_only=True) if self.long_runs_apart else None
+            diagonal = self.pattern.diagonal_table(S, short_only=self.dense_apart)
             step = max(1, PLAN_CHUNK // max(1, h * R * C))
             for a in range(0, T_sel, step):  # chunks of tiles: the [tiles, R, C, h] masks stay bounded
                 b = min(a + step, T_sel)
@@ -787,10 +789,10 @@ class _Pair:
                 col = cols[slot.clamp(max=N - 1)]
                 x = self.q_shift[picked[a:b], :R, None] - self.kv32[col][:, None, :]  # [t, R, C]: q - j + S
                 seen = diagonal.index_select(0, x.view(-1)).view(*x.shape, h).view(torch.bool)
-                on_line = self.on_line[:, col].permute(1, 2, 0)[:, None] & (x >= S)[..., None]
-                if long_runs is not None:  # a line's pairs at long-run offsets are the dense blocks'
-                    on_line &= ~long_runs.index_select(0, x.view(-1)).view(*x.shape, h).view(torch.bool)
-                seen |= on_line
+                if self.dense_apart:  # a line's pairs are all the dense blocks', short offsets' on it too
+                    seen &= ~self.on_line[:, col].permute(1, 2, 0)[:, None]
+                else:
+                    seen |= self.on_line[:, col].permute(1, 2, 0)[:, None] & (x >= S)[..., None]
                 seen &= (slot < col_end[a:b, None])[:, None, :, None]
                 if self.floor_tiles is not None:  # documents, window
                     seen &= (self.kv32[col][:, None, :] >= self.floor_tiles[picked[a:b], :R, None])[..., None]
@@ -913,18 +915,18 @@ def _mask_cache(pattern: VerticalSlash, documents: Optional[Documents], window: 
 
 def _pair_plan(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: int, world_size: int, local_len: int,
                stripe: int, bounds: Optional[tuple[int, ...]] = None, window: Window = None,
-               plans: Optional[dict] = None, long_runs_apart: bool = False
+               plans: Optional[dict] = None, dense_apart: bool = False
                ) -> tuple[PackedTiles, tuple[SparseRows, ...]]:
     """The plan of a block pair under document boundaries ``bounds`` and ``window``, on the
     pattern's device, kept in ``plans`` (the mask's cache on the pattern)."""
     plans = _mask_cache(pattern, None, window)["plans"] if plans is None else plans
-    key = (layout, q_rank, kv_rank, world_size, local_len, stripe, bounds, long_runs_apart)
+    key = (layout, q_rank, kv_rank, world_size, local_len, stripe, bounds, dense_apart)
     if key not in plans:
         seq_len = local_len * world_size
         q_pos = layout_indices_on(seq_len, q_rank, world_size, layout, stripe, pattern.device)
         kv_pos = layout_indices_on(seq_len, kv_rank, world_size, layout, stripe, pattern.device)
         plans[key] = plan_pair(pattern, seq_len, q_pos, kv_pos, cu_seqlens=bounds, window=window,
-                               long_runs_apart=long_runs_apart)
+                               dense_apart=dense_apart)
     return plans[key]
 
 
@@ -989,7 +991,7 @@ def head_run_blocks(pattern: VerticalSlash, q_pos: torch.Tensor, kv_pos: torch.T
     a head with fewer runs sees nothing there; one shared band when all heads agree), over every key,
     narrowed by ``window`` and ``cu_seqlens`` and trimmed to the rectangle of rows and keys the
     bands can reach (rows inside it may see nothing). The rest of the pattern is :func:`plan_pair`
-    with ``long_runs_apart``."""
+    with ``dense_apart``."""
     q_pos, kv_pos = q_pos.cpu().long(), kv_pos.cpu().long()
     h = pattern.vertical.shape[0]
     _, _, head, lo, hi = (t.cpu() for t in pattern.slash_runs())
@@ -1029,11 +1031,71 @@ def head_run_blocks(pattern: VerticalSlash, q_pos: torch.Tensor, kv_pos: torch.T
     return out
 
 
-def dense_runs_per_head(pattern: VerticalSlash) -> bool:
-    """Whether :func:`head_run_blocks` takes the pattern's long slash runs: some head has one, and
-    no head more than MAX_RUN_BLOCKS (one block per run index)."""
+def head_line_blocks(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos: torch.Tensor,
+                     cu_seqlens: Optional[Sequence[int]] = None, window: Window = None,
+                     device: Optional[torch.device] = None) -> list[BlockMask]:
+    """The "positions" blocks of the pattern's vertical lines for queries at ``q_pos`` x keys at
+    ``kv_pos`` (CPU, increasing): the keys on any head's line, gathered (``kv_index`` on ``device``),
+    each head seeing its own (:class:`HeadBands` ``keys``) at the offsets outside its long slash runs
+    (those pairs are the runs'): block g holds every head's g-th gap between runs as its band,
+    narrowed by ``window`` and ``cu_seqlens``, trimmed like :func:`head_run_blocks`."""
+    q_pos, kv_pos = q_pos.cpu().long(), kv_pos.cpu().long()
+    S = seq_len
+    on_line = pattern.lookup(S)[0].index_select(1, kv_pos.to(pattern.device)).cpu()  # [h, sk]
+    idx = on_line.any(0).nonzero().squeeze(1)
+    if not idx.numel():
+        return []
+    keys, kp = on_line[:, idx], kv_pos[idx]
+    h = keys.shape[0]
+    _, _, head, lo, hi = (t.cpu() for t in pattern.slash_runs())
     per_head = pattern.long_runs_per_head()
-    return 0 < max(per_head, default=0) <= MAX_RUN_BLOCKS
+    gaps = []  # per head: the offset intervals outside its long runs, (lo, hi) with hi = S for the last
+    at = 0
+    for n in per_head:
+        edges, start = [], 0
+        for a, b in zip(lo[at:at + n].tolist(), hi[at:at + n].tolist()):
+            if a > start:
+                edges.append((start, a - 1))
+            start = b + 1
+        edges.append((start, S))
+        gaps.append(edges)
+        at += n
+    q_doc = kv_doc = None
+    if cu_seqlens is not None and len(cu_seqlens) > 2:
+        starts = torch.tensor(list(cu_seqlens[:-1]), dtype=torch.long)
+        q_doc = torch.searchsorted(starts, q_pos, right=True) - 1
+        kv_doc = torch.searchsorted(starts, kp, right=True) - 1
+    out = []
+    for g in range(max(len(x) for x in gaps)):
+        band = [(x[g][0], x[g][1]) if g < len(x) else (1, 0) for x in gaps]
+        g_lo = torch.tensor([a for a, _ in band])
+        g_hi = torch.tensor([b for _, b in band])
+        left = g_hi if window is None else torch.minimum(g_hi, torch.tensor(window[0]))
+        live = (left >= g_lo) & keys.any(1)
+        if not bool(live.any()):
+            continue
+        bounds = torch.stack([torch.where(live, left, -1), torch.where(live, -g_lo, 0)], 1)
+        lo_live, left_live = g_lo[live], left[live]
+        r0 = int(torch.searchsorted(q_pos, kp[:1] + lo_live).min())
+        r1 = int(torch.searchsorted(q_pos, kp[-1:] + left_live, right=True).max())
+        if r1 <= r0:
+            continue
+        c0 = int(torch.searchsorted(kp, q_pos[r0:r0 + 1] - left_live).min())
+        c1 = int(torch.searchsorted(kp, q_pos[r1 - 1:r1] - lo_live, right=True).max())
+        if c1 <= c0:
+            continue
+        cut = lambda t, a, b: None if t is None else t[a:b]  # noqa: E731
+        out.append(BlockMask("positions", r0, r1, 0, c1 - c0, 1, q_pos[r0:r1], kp[c0:c1], cut(q_doc, r0, r1),
+                             cut(kv_doc, c0, c1), band=HeadBands(bounds, keys[:, c0:c1].clone()),
+                             kv_index=idx[c0:c1].to(device or "cpu")))
+    return out
+
+
+def dense_runs_per_head(pattern: VerticalSlash) -> bool:
+    """Whether :func:`head_run_blocks` and :func:`head_line_blocks` take the pattern's long slash
+    runs and vertical lines: no head has more than MAX_RUN_BLOCKS long runs (one block per run
+    index, and one per gap between them)."""
+    return max(pattern.long_runs_per_head(), default=0) <= MAX_RUN_BLOCKS
 
 
 def pattern_blocks(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: int, world_size: int,
@@ -1073,7 +1135,8 @@ def pattern_blocks(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: in
                 q_pos = layout_indices_on(seq_len, q_rank, world_size, layout, stripe, "cpu")
                 kv_pos = layout_indices_on(seq_len, kv_rank, world_size, layout, stripe, "cpu")
                 dense = (run_blocks(shared, q_pos, kv_pos, bounds, window, pattern.device) if shared is not None
-                         else head_run_blocks(pattern, q_pos, kv_pos, bounds, window))
+                         else head_run_blocks(pattern, q_pos, kv_pos, bounds, window)
+                         + head_line_blocks(pattern, seq_len, q_pos, kv_pos, bounds, window, pattern.device))
             for m in dense:
                 m = m if q_rows is None else m.clip_rows(q_rows)
                 if m.kind != "empty":
@@ -1081,7 +1144,7 @@ def pattern_blocks(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: in
             if shared is not None:
                 continue
             plan, rows = _pair_plan(pattern, layout, q_rank, kv_rank, world_size, local_len, stripe, bounds, window,
-                                    cache["plans"], long_runs_apart=per_head)
+                                    cache["plans"], dense_apart=per_head)
             if q_rows is not None:
                 plan = plan.first_rows(q_rows)
                 rows = tuple(g for g in (group.first(q_rows) for group in rows) if g is not None)
