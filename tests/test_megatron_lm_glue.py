@@ -354,7 +354,7 @@ def test_sparse_with_a_window_and_documents_passes_check_args():
 
     args = _megatron_lm_flags(sparse_attention="vertical_slash", sparse_last_q=8, window_size=(8, 0), cp_algo="burst",
                               reset_attention_mask=True)
-    assert megatron_lm.check_args(args).sparse == (0.9, 0.9, 8)
+    assert megatron_lm.check_args(args).sparse == (0.9, 0.9, 8, "offsets")
     args.attention_dropout = 0.1
     with pytest.raises(ValueError) as err:
         megatron_lm.check_args(args)
