@@ -8,7 +8,7 @@
 #    re-measured first), fused loss (--quick,
 #    Liger / CCE), linear (fla) -- on a quiet GPU, in that order
 # 2. the whole GPU suite (tests/gpu: attention, sparse, fused loss, linear), xdist workers when installed
-# Shares of the budget: ATTN_BENCH_SHARE 20, LOSS_BENCH_SHARE 22, LINEAR_BENCH_SHARE 13, SUITE_SHARE 45,
+# Shares of the budget: ATTN_BENCH_SHARE 25, LOSS_BENCH_SHARE 20, LINEAR_BENCH_SHARE 10, SUITE_SHARE 45,
 # TUNE_SHARE 0 (scripts/gpu_tune_masked.py: Triton masked kernel launch configs) (percent; 0 skips a part); GPU_BENCH_ARGS, LINEAR_BENCH_ARGS, GPU_TEST_ARGS override each part's arguments.
 # Carry `.whl` (git-ignored): fla_core, flash_linear_attention, einops (I3); liger_kernel,
 # cut_cross_entropy (the loss bench's peers) and megatron_core, e.g.
@@ -51,11 +51,11 @@ done
   $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'triton', triton.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee -a "$OUT_DIR/session.log"
 part cudnn-probe 40 bash -o pipefail -c "$PY scripts/gpu_probe_cudnn.py 2>&1 | tee -a '$OUT_DIR/session.log'"
-part attention-bench $(share ${ATTN_BENCH_SHARE:-20}) bash -o pipefail -c "$PY -m megatron_burst.bench gpu --out '$OUT_DIR/bench_gpu.jsonl' \
+part attention-bench $(share ${ATTN_BENCH_SHARE:-25}) bash -o pipefail -c "$PY -m megatron_burst.bench gpu --out '$OUT_DIR/bench_gpu.jsonl' \
   ${GPU_BENCH_ARGS:---sections sparse documents rank_block dense --seqs 32768 --doc-seqs 32768 --no-flex --repeats 5 --max-seconds 2} 2>&1 | tee '$OUT_DIR/bench_gpu.log'"
-part loss-bench $(share ${LOSS_BENCH_SHARE:-22}) bash -o pipefail -c "$PY -m megatron_burst.bench loss --quick --plot '' ${LOSS_BENCH_ARGS:-} 2>&1 | tee '$OUT_DIR/bench_loss.log'"
+part loss-bench $(share ${LOSS_BENCH_SHARE:-20}) bash -o pipefail -c "$PY -m megatron_burst.bench loss --quick --plot '' ${LOSS_BENCH_ARGS:-} 2>&1 | tee '$OUT_DIR/bench_loss.log'"
 part masked-tune $(share ${TUNE_SHARE:-0}) bash -o pipefail -c "$PY scripts/gpu_tune_masked.py --out '$OUT_DIR/tune_masked.jsonl' 2>&1 | tail -3"
-part linear-bench $(share ${LINEAR_BENCH_SHARE:-13}) bash -o pipefail -c "$PY -m megatron_burst.bench linear --gpu --out '$OUT_DIR/bench_linear.jsonl' \
+part linear-bench $(share ${LINEAR_BENCH_SHARE:-10}) bash -o pipefail -c "$PY -m megatron_burst.bench linear --gpu --out '$OUT_DIR/bench_linear.jsonl' \
   ${LINEAR_BENCH_ARGS:---seq 32768 --heads 16 --head-dim 128 --worlds 2 --repeats 5 --warmup 2 --max-seconds 2} 2>&1 | tee -a '$OUT_DIR/session.log'"
 # the multi-rank tests (W processes per test sharing the GPU) run serially beside the xdist run of
 # the rest: rank pools and xdist workers are kept apart

@@ -79,7 +79,8 @@ from megatron_burst.world import free_port
 VARIANTS = ("unfused", "unfused_torch", "fused", "fused_bwdw", "fused_recompute", "fused_torch", "recompute", "liger",
             "cce")
 CPU_VARIANTS = ("unfused", "fused", "recompute", "liger", "cce")  # liger / cce: reported as skipped on CPU
-QUICK_VARIANTS = ("unfused", "unfused_torch", "fused", "fused_bwdw", "fused_recompute", "fused_torch", "liger", "cce")
+# --quick's order: what the criteria read first (a GPU call may end before the last variant)
+QUICK_VARIANTS = ("fused", "fused_bwdw", "cce", "unfused", "liger", "fused_recompute", "unfused_torch", "fused_torch")
 # the ones that take a TP group
 TP_VARIANTS = ("unfused", "fused", "fused_bwdw", "fused_recompute", "fused_torch", "recompute")
 PEERS = {"liger": ("liger_kernel", "pip install liger-kernel"), "cce": ("cut_cross_entropy",
