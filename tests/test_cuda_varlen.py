@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatron_burst.kernels import choice, cuda_varlen as cv, reference, tiled, torch_ops, varlen_dispatch
-from megatron_burst.masks.block import positions_visibility
+from megatron_burst.masks.block import HeadBands, positions_visibility
 from megatron_burst.masks.documents import document_blocks
 from megatron_burst.masks.layout import layout_indices
 from megatron_burst.masks.window import window_blocks
@@ -142,6 +142,11 @@ def test_many_documents_on_the_diagonal_are_one_causal_varlen_call():
     ((torch.arange(10, 22), torch.arange(10, 14), None, None, (None, 0)), 12, 4, "treat it as unbounded"),
     ((torch.arange(10), torch.arange(10), None, None, (-3, 5)), 10, 10, "sees nothing"),
     ((torch.arange(2, 12), torch.arange(0, 4), None, None, (None, 0)), 10, 4, "treat it as unbounded"),
+    # a slash run's band (keys at offsets 2..5): its first rows see nothing
+    ((torch.arange(10), torch.arange(10), None, None, (5, -2)), 10, 10, "sees nothing"),
+    # per-head bands of a sparse pattern: one window per call cannot express them
+    ((torch.arange(10), torch.arange(10), None, None, HeadBands(torch.tensor([[3, 0], [5, -1]]))), 10, 10,
+     "per-head bands"),
 ])
 def test_ineligible_blocks_are_refused_with_the_reason(positions, sq, sk, reason):
     plan = cv.block_plan(positions, sq, sk)
