@@ -1038,7 +1038,9 @@ def head_line_blocks(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, 
     ``kv_pos`` (CPU, increasing): the keys on any head's line, gathered (``kv_index`` on ``device``),
     each head seeing its own (:class:`HeadBands` ``keys``) at the offsets outside its long slash runs
     (those pairs are the runs'): block g holds every head's g-th gap between runs as its band,
-    narrowed by ``window`` and ``cu_seqlens``, trimmed like :func:`head_run_blocks`."""
+    narrowed by ``window`` and ``cu_seqlens``, trimmed like :func:`head_run_blocks`. Every head's
+    program visits the union of the lines, as the sparse tiles do (a tile's columns are those any
+    head sees there), but with no bit mask to unpack and no plan to build."""
     q_pos, kv_pos = q_pos.cpu().long(), kv_pos.cpu().long()
     S = seq_len
     on_line = pattern.lookup(S)[0].index_select(1, kv_pos.to(pattern.device)).cpu()  # [h, sk]
@@ -1141,8 +1143,8 @@ def pattern_blocks(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: in
                 m = m if q_rows is None else m.clip_rows(q_rows)
                 if m.kind != "empty":
                     out.append((batch, m))
-            if shared is not None:
-                continue
+            if shared is not None or (per_head and not pattern.slash_runs()[0].numel()):
+                continue  # no short offsets: nothing left for the sparse tiles
             plan, rows = _pair_plan(pattern, layout, q_rank, kv_rank, world_size, local_len, stripe, bounds, window,
                                     cache["plans"], dense_apart=per_head)
             if q_rows is not None:
