@@ -5,6 +5,8 @@ import importlib.util
 import os
 import sys
 
+import pytest
+
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 _REPO_ROOT = os.path.dirname(_TESTS_DIR)
 
@@ -22,3 +24,19 @@ import harness  # noqa: E402  (needs the sys.path entry above)
 def pytest_sessionfinish(session, exitstatus) -> None:
     """Workers (and the forkserver) exit before pytest reports, leaving no orphan processes."""
     harness.shutdown_pools(stop_forkserver=True)
+
+
+@pytest.fixture
+def fresh_kernel_choices(monkeypatch):
+    """No kernel decision, verdict or warning from another test and no MEGATRON_BURST_* kernel
+    overrides, for the linear and the attention kernel choices alike (before and after the test)."""
+    from megatron_burst.kernels import choice as attention_choice
+    from megatron_burst.linear import kernel_choice
+
+    for name in ("MEGATRON_BURST_LINEAR_KERNEL", "MEGATRON_BURST_ALLOW_SLOW_KERNELS", "MEGATRON_BURST_KERNEL"):
+        monkeypatch.delenv(name, raising=False)
+    kernel_choice.reset()
+    attention_choice.reset()
+    yield
+    kernel_choice.reset()
+    attention_choice.reset()

@@ -28,15 +28,7 @@ from megatron_burst.masks.documents import check_cu_seqlens
 REL = 1e-5  # relative Frobenius error per tensor (fp32: the stand-in's token loop against the chunked path)
 
 
-@pytest.fixture(autouse=True)
-def fresh(monkeypatch):
-    for name in ("MEGATRON_BURST_LINEAR_KERNEL", "MEGATRON_BURST_ALLOW_SLOW_KERNELS", "MEGATRON_BURST_KERNEL"):
-        monkeypatch.delenv(name, raising=False)
-    kernel_choice.reset()
-    attention_choice.reset()
-    yield
-    kernel_choice.reset()
-    attention_choice.reset()
+pytestmark = pytest.mark.usefixtures("fresh_kernel_choices")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("world_size", [1, 3])

@@ -30,16 +30,7 @@ LAYOUTS = [("contiguous", 1, 90), ("zigzag", 1, 90), ("striped", 64, 192)]  # 1,
 FORMS = ("none", "head", "head_fixed", "token", "channel")
 
 
-@pytest.fixture(autouse=True)
-def fresh(monkeypatch):
-    """No decision, verdict or warning from another test; no MEGATRON_BURST_* overrides."""
-    for name in ("MEGATRON_BURST_LINEAR_KERNEL", "MEGATRON_BURST_ALLOW_SLOW_KERNELS", "MEGATRON_BURST_KERNEL"):
-        monkeypatch.delenv(name, raising=False)
-    kernel_choice.reset()
-    attention_choice.reset()
-    yield
-    kernel_choice.reset()
-    attention_choice.reset()
+pytestmark = pytest.mark.usefixtures("fresh_kernel_choices")  # tests/conftest.py
 
 
 @pytest.fixture

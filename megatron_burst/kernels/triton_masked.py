@@ -239,16 +239,25 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, K
     return acc, l_i, m_i
 
 
-def _head_band(HBAND, RANGES, pid, h, HQ, left, right, PER_HEAD: tl.constexpr):
-    """(left, right, ranges pointer) of head ``h`` in the program of tile ``pid``: per head (HBAND
-    [HQ, 2] bounds, RANGES [tiles, HQ, 4]) or the block's (scalars, RANGES [tiles, 4])."""
+def _head_ranges(HBAND, RANGES, pid, h, HQ, left, right, PER_HEAD: tl.constexpr, HAS_KEYS: tl.constexpr):
+    """(left, right, t_lo, f_lo, f_hi, t_hi) of head ``h`` in the program of tile ``pid``: the band
+    and tile ranges per head (HBAND [HQ, 2] bounds, RANGES [tiles, HQ, 4]) or the block's (scalars,
+    RANGES [tiles, 4]). With per-head column flags (HAS_KEYS) no tile is visible entire: the
+    unmasked middle range is empty, every tile masked."""
     if PER_HEAD:
         left = tl.load(HBAND + h * 2)
         right = tl.load(HBAND + h * 2 + 1)
         at = RANGES + (pid * HQ + h) * 4
     else:
         at = RANGES + pid * 4
-    return left, right, at
+    t_lo = tl.load(at)
+    f_lo = tl.load(at + 1)
+    f_hi = tl.load(at + 2)
+    t_hi = tl.load(at + 3)
+    if HAS_KEYS:
+        f_lo = t_hi
+        f_hi = t_hi
+    return left, right, t_lo, f_lo, f_hi, t_hi
 
 
 def masked_fwd_kernel(Q, K, V, OUT, LSE, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND, HKEYS,
@@ -279,15 +288,8 @@ def masked_fwd_kernel(Q, K, V, OUT, LSE, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND, 
     rd = rk
     if HAS_DOC:
         rd = tl.load(QDOC + offs_m, mask=m_ok, other=-1)[:, None]
-    left, right, at = _head_band(HBAND, RANGES, pid_m, h, HQ, left, right, PER_HEAD)
-    t_lo = tl.load(at)
-    f_lo = tl.load(at + 1)
-    f_hi = tl.load(at + 2)
-    t_hi = tl.load(at + 3)
+    left, right, t_lo, f_lo, f_hi, t_hi = _head_ranges(HBAND, RANGES, pid_m, h, HQ, left, right, PER_HEAD, HAS_KEYS)
     keep = HKEYS + h * SK  # this head's column flags (HAS_KEYS)
-    if HAS_KEYS:  # no tile is visible entire: every one masked
-        f_lo = t_hi
-        f_hi = t_hi
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -389,15 +391,8 @@ def masked_bwd_dq_kernel(Q, K, V, DO, DELTA, LSE, DQ, RANGES, QKEY, KKEY, QDOC, 
     rd = rk
     if HAS_DOC:
         rd = tl.load(QDOC + offs_m, mask=m_ok, other=-1)[:, None]
-    left, right, at = _head_band(HBAND, RANGES, pid_m, h, HQ, left, right, PER_HEAD)
-    t_lo = tl.load(at)
-    f_lo = tl.load(at + 1)
-    f_hi = tl.load(at + 2)
-    t_hi = tl.load(at + 3)
+    left, right, t_lo, f_lo, f_hi, t_hi = _head_ranges(HBAND, RANGES, pid_m, h, HQ, left, right, PER_HEAD, HAS_KEYS)
     keep = HKEYS + h * SK  # this head's column flags (HAS_KEYS)
-    if HAS_KEYS:  # no tile is visible entire: every one masked
-        f_lo = t_hi
-        f_hi = t_hi
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -494,17 +489,16 @@ def masked_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_, RANGES, QKEY, KKEY,
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for g in range(GROUP):
         h = hk * GROUP + g
-        left_h, right_h, at = _head_band(HBAND, RANGES, pid_n, h, HKV * GROUP, left, right, PER_HEAD)
+        left_h, right_h, t_lo, f_lo, f_hi, t_hi = _head_ranges(HBAND, RANGES, pid_n, h, HKV * GROUP, left, right,
+                                                               PER_HEAD, HAS_KEYS)
         # this split's part of the three ranges (masked, full, masked): each clamped to [s_lo, s_hi)
-        t_lo = tl.minimum(tl.maximum(tl.load(at), s_lo), s_hi)
-        f_lo = tl.minimum(tl.maximum(tl.load(at + 1), s_lo), s_hi)
-        f_hi = tl.minimum(tl.maximum(tl.load(at + 2), s_lo), s_hi)
-        t_hi = tl.minimum(tl.maximum(tl.load(at + 3), s_lo), s_hi)
+        t_lo = tl.minimum(tl.maximum(t_lo, s_lo), s_hi)
+        f_lo = tl.minimum(tl.maximum(f_lo, s_lo), s_hi)
+        f_hi = tl.minimum(tl.maximum(f_hi, s_lo), s_hi)
+        t_hi = tl.minimum(tl.maximum(t_hi, s_lo), s_hi)
         keep_col = n_ok[:, None]
-        if HAS_KEYS:  # this head's own columns of the tile; no q tile sees it entire
+        if HAS_KEYS:  # this head's own columns of the tile
             keep_col = (tl.load(HKEYS + h * SK + offs_n, mask=n_ok, other=0) != 0)[:, None]
-            f_lo = t_hi
-            f_hi = t_hi
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdob + h * sdoh
         lse_row = LSE + b * slb + h * slh
@@ -524,7 +518,7 @@ def masked_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_, RANGES, QKEY, KKEY,
              mask=n_ok[:, None] & (offs_dv < DV)[None, :])
 
 
-_HELPERS = ("_ld", "_keys", "_visible", "_operand", "_row_stats", "_head_band", "_fwd_tiles", "_dq_tiles",
+_HELPERS = ("_ld", "_keys", "_visible", "_operand", "_row_stats", "_head_ranges", "_fwd_tiles", "_dq_tiles",
             "_dkdv_tiles")
 _KERNELS = ("masked_fwd_kernel", "masked_bwd_dq_kernel", "masked_bwd_dkdv_kernel")
 _SOURCES = {name: globals()[name] for name in _HELPERS + _KERNELS}

@@ -63,6 +63,7 @@ import torch.distributed as dist
 from megatron_burst.loss import triton_kernels
 from megatron_burst.loss.config import LossConfig
 from megatron_burst.loss.parallel import all_reduce_stats, gather_sequence, reduce_hidden_grad
+from megatron_burst.loss.vocab_pass import weight_grad_target
 
 __all__ = ["lse_forward", "hidden_grad", "weight_grad", "launch_config", "IMPL", "DW_SCRATCH_BYTES"]
 
@@ -178,12 +179,9 @@ def weight_grad(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse
     added into it in fp32 (returns None). h: [N, d] all tokens; g as :func:`hidden_grad`."""
     N, d = h.shape
     V = cfg.v_local
-    if main_grad is None:
-        out = torch.empty(V, d, dtype=weight.dtype, device=weight.device)
-        if N == 0:
-            return out.zero_()
-    elif N == 0:
-        return None
+    out, done = weight_grad_target(weight, main_grad, N, V)
+    if done:
+        return out
     src = _kernels()
     h, weight = h.contiguous(), weight.contiguous()
     blocks, launch = launch_config()

@@ -33,7 +33,7 @@ import torch
 from megatron_burst.loss import triton_kernels
 from megatron_burst.loss.config import LossConfig
 
-__all__ = ["weight_grad_by_vocab_tiles", "vocab_pass_tiles", "VOCAB_TILE", "TILE_BYTES"]
+__all__ = ["weight_grad_by_vocab_tiles", "weight_grad_target", "vocab_pass_tiles", "VOCAB_TILE", "TILE_BYTES"]
 
 # Vocabulary rows per tile: the GEMMs are [tn, d] x [d, vt] and [vt, tn] x [tn, d]; 2048 keeps both
 # compute-bound on Hopper at tn >= 1024 while the tile accumulator stays 32 MiB at d = 4096.
@@ -100,6 +100,17 @@ def _accumulate(acc: torch.Tensor, G: torch.Tensor, h: torch.Tensor, first: bool
         acc.addmm_(G.t().float(), h.float())
 
 
+def weight_grad_target(weight: torch.Tensor, main_grad: Optional[torch.Tensor], n_tokens: int, v_local: int
+                       ) -> tuple[Optional[torch.Tensor], bool]:
+    """(out, done) of a d weight pass: ``out`` the [v_local, d] gradient to fill in weight's dtype, or
+    None when the pass adds into ``main_grad``; ``done`` when there are no tokens, ``out`` then being
+    the pass's result already (zeros, or None: nothing to add)."""
+    if main_grad is not None:
+        return None, n_tokens == 0
+    out = torch.empty(v_local, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    return (out.zero_(), True) if n_tokens == 0 else (out, False)
+
+
 def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, m_all: torch.Tensor,
                                s_all: torch.Tensor, g: torch.Tensor, cfg: LossConfig,
                                main_grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -113,12 +124,9 @@ def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: to
     """
     N, d = h.shape
     V = cfg.v_local
-    if main_grad is None:
-        out = torch.empty(V, d, dtype=weight.dtype, device=weight.device)
-        if N == 0:
-            return out.zero_()
-    elif N == 0:
-        return None
+    out, done = weight_grad_target(weight, main_grad, N, V)
+    if done:
+        return out
     vt, tn = vocab_pass_tiles(N, cfg, h.dtype)
     split = tn < N
     weight = weight.contiguous()

@@ -46,13 +46,13 @@ import torch
 
 from megatron_burst import env
 from megatron_burst.masks.block import BlockMask, HeadBands
-from megatron_burst.masks.documents import Documents
+from megatron_burst.masks.documents import Documents, document_ids
 from megatron_burst.masks.layout import layout_indices_on
 from megatron_burst.masks.visible import visible_blocks
 from megatron_burst.masks.window import Window
 
 __all__ = ["TILE", "COLUMNS", "CPU_DENSE_COLUMN", "LONG_RUN", "PLAN_CHUNK", "PLAN_MASKS", "MAX_RUN_BLOCKS",
-           "dense_column_for", "runs_apart_for", "SharedRuns", "run_blocks", "head_run_blocks", "head_line_blocks",
+           "dense_column_for", "runs_apart_for", "SharedRuns", "offset_gaps", "run_blocks", "head_run_blocks", "head_line_blocks",
            "dense_runs_per_head",
            "VerticalSlash", "pack_bits",
            "unpack_bits", "SparseTile", "TilePlan", "PackedTiles", "as_packed", "SparseRows", "key_floor", "plan_pair", "column_counts", "plan_tiles", "pattern_blocks"]
@@ -124,13 +124,19 @@ class SharedRuns:
 
     def gaps(self) -> tuple:
         """The offsets >= 0 outside every run, as ((lo, hi), ...) with hi None for the last, unbounded one."""
-        out, lo = [], 0
-        for a, b in self.runs:
-            if a > lo:
-                out.append((lo, a - 1))
-            lo = b + 1
-        out.append((lo, None))
-        return tuple(out)
+        return offset_gaps(self.runs, None)
+
+
+def offset_gaps(runs: Sequence[tuple[int, int]], last: Optional[int]) -> tuple:
+    """The offsets >= 0 outside the increasing, disjoint runs ((lo, hi), ...), as ((lo, hi), ...); the
+    last gap ends at ``last`` (None: unbounded)."""
+    out, lo = [], 0
+    for a, b in runs:
+        if a > lo:
+            out.append((lo, a - 1))
+        lo = b + 1
+    out.append((lo, last))
+    return tuple(out)
 
 
 @dataclass(eq=False)  # hashed by identity: plans are cached per pattern object
@@ -930,6 +936,32 @@ def _pair_plan(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: int, w
     return plans[key]
 
 
+def _doc_ids(cu_seqlens: Optional[Sequence[int]], q_pos: torch.Tensor, kv_pos: torch.Tensor) -> tuple:
+    """(q_doc, kv_doc) document ids of the positions (None, None for one document)."""
+    if cu_seqlens is None or len(cu_seqlens) <= 2:
+        return None, None
+    bounds = torch.tensor(list(cu_seqlens), dtype=torch.long)
+    return document_ids(bounds, q_pos), document_ids(bounds, kv_pos)
+
+
+def _band_rectangle(q_pos: torch.Tensor, keys: torch.Tensor, lo: torch.Tensor, left: torch.Tensor
+                    ) -> Optional[tuple[int, int, int, int]]:
+    """(r0, r1, c0, c1): the rows and keys (increasing positions) that bands of offsets lo..left (one
+    per live head, tensors) can pair, from the vectors' ends only -- O(heads log n), not per row (a
+    dynamic pattern is planned on every call); rows inside may see nothing. None: nothing."""
+    r0 = int(torch.searchsorted(q_pos, keys[:1] + lo).min())  # q - lo >= the first key
+    r1 = int(torch.searchsorted(q_pos, keys[-1:] + left, right=True).max())  # q - left <= the last key
+    if r1 <= r0:
+        return None
+    c0 = int(torch.searchsorted(keys, q_pos[r0:r0 + 1] - left).min())
+    c1 = int(torch.searchsorted(keys, q_pos[r1 - 1:r1] - lo, right=True).max())
+    return (r0, r1, c0, c1) if c1 > c0 else None
+
+
+def _cut(t: Optional[torch.Tensor], a: int, b: int) -> Optional[torch.Tensor]:
+    return None if t is None else t[a:b]
+
+
 def run_blocks(shared: SharedRuns, q_pos: torch.Tensor, kv_pos: torch.Tensor,
                cu_seqlens: Optional[Sequence[int]] = None, window: Window = None,
                device: Optional[torch.device] = None) -> list[BlockMask]:
@@ -940,12 +972,7 @@ def run_blocks(shared: SharedRuns, q_pos: torch.Tensor, kv_pos: torch.Tensor,
     blocks no query sees anything of are left out. Together they hold every visible pair once:
     a pair at an offset in a run is the run's; any other is a vertical line's, in its gap."""
     q_pos, kv_pos = q_pos.cpu().long(), kv_pos.cpu().long()
-    nq = q_pos.numel()
-    q_doc = kv_doc = None
-    if cu_seqlens is not None and len(cu_seqlens) > 2:
-        starts = torch.tensor(list(cu_seqlens[:-1]), dtype=torch.long)
-        q_doc = torch.searchsorted(starts, q_pos, right=True) - 1
-        kv_doc = torch.searchsorted(starts, kv_pos, right=True) - 1
+    q_doc, kv_doc = _doc_ids(cu_seqlens, q_pos, kv_pos)
     floor = key_floor(q_pos, cu_seqlens, window)
     w_left = None if window is None else window[0]
     on_line = torch.isin(kv_pos, shared.vertical).nonzero().squeeze(1)
@@ -968,13 +995,12 @@ def run_blocks(shared: SharedRuns, q_pos: torch.Tensor, kv_pos: torch.Tensor,
         r0, r1 = int(seeing[0]), int(seeing[-1]) + 1
         c0, c1 = int(bottom[r0:r1].min()), int(top[r0:r1].max())
         docs = None if kv_doc is None else (kv_doc if idx is None else kv_doc[idx])
-        cut = lambda t, a, b: None if t is None else t[a:b]  # noqa: E731
         if idx is None:
             kv_start, kv_stop, kv_index = c0, c1, None
         else:
             kv_start, kv_stop, kv_index = 0, c1 - c0, idx[c0:c1].to(device or "cpu")
         out.append(BlockMask("positions", r0, r1, kv_start, kv_stop, 1, q_pos[r0:r1], keys[c0:c1],
-                             cut(q_doc, r0, r1), cut(docs, c0, c1), band=(left, -lo), kv_index=kv_index))
+                             _cut(q_doc, r0, r1), _cut(docs, c0, c1), band=(left, -lo), kv_index=kv_index))
 
     for lo, hi in shared.runs:
         add(lo, hi, None)
@@ -993,14 +1019,9 @@ def head_run_blocks(pattern: VerticalSlash, q_pos: torch.Tensor, kv_pos: torch.T
     bands can reach (rows inside it may see nothing). The rest of the pattern is :func:`plan_pair`
     with ``dense_apart``."""
     q_pos, kv_pos = q_pos.cpu().long(), kv_pos.cpu().long()
-    h = pattern.vertical.shape[0]
-    _, _, head, lo, hi = (t.cpu() for t in pattern.slash_runs())
+    _, _, _, lo, hi = (t.cpu() for t in pattern.slash_runs())
     per_head = pattern.long_runs_per_head()
-    q_doc = kv_doc = None
-    if cu_seqlens is not None and len(cu_seqlens) > 2:
-        starts = torch.tensor(list(cu_seqlens[:-1]), dtype=torch.long)
-        q_doc = torch.searchsorted(starts, q_pos, right=True) - 1
-        kv_doc = torch.searchsorted(starts, kv_pos, right=True) - 1
+    q_doc, kv_doc = _doc_ids(cu_seqlens, q_pos, kv_pos)
     first = torch.tensor([0] + per_head[:-1]).cumsum(0)  # each head's first run (runs are ordered by head, lo)
     out = []
     for r in range(max(per_head, default=0)):
@@ -1011,23 +1032,13 @@ def head_run_blocks(pattern: VerticalSlash, q_pos: torch.Tensor, kv_pos: torch.T
         empty = left < run_lo
         bounds = torch.stack([torch.where(empty, -1, left), torch.where(empty, 0, -run_lo)], 1)  # [h, 2]
         live = ~empty
-        if not bool(live.any()) or not kv_pos.numel():
+        box = _band_rectangle(q_pos, kv_pos, run_lo[live], left[live]) if bool(live.any()) and kv_pos.numel() else None
+        if box is None:
             continue
-        # the rectangle holding every head's pairs, from the ends of the increasing positions (O(h log n),
-        # not per row: a dynamic pattern is planned on every call); rows of it may see nothing
-        lo_live, left_live = run_lo[live], left[live]
-        r0 = int(torch.searchsorted(q_pos, kv_pos[:1] + lo_live).min())  # q - lo >= the first key
-        r1 = int(torch.searchsorted(q_pos, kv_pos[-1:] + left_live, right=True).max())  # q - left <= the last key
-        if r1 <= r0:
-            continue
-        c0 = int(torch.searchsorted(kv_pos, q_pos[r0:r0 + 1] - left_live).min())
-        c1 = int(torch.searchsorted(kv_pos, q_pos[r1 - 1:r1] - lo_live, right=True).max())
-        if c1 <= c0:
-            continue
+        r0, r1, c0, c1 = box
         band = (int(bounds[0, 0]), int(bounds[0, 1])) if bool((bounds == bounds[:1]).all()) else HeadBands(bounds)
-        cut = lambda t, a, b: None if t is None else t[a:b]  # noqa: E731
-        out.append(BlockMask("positions", r0, r1, c0, c1, 1, q_pos[r0:r1], kv_pos[c0:c1], cut(q_doc, r0, r1),
-                             cut(kv_doc, c0, c1), band=band))
+        out.append(BlockMask("positions", r0, r1, c0, c1, 1, q_pos[r0:r1], kv_pos[c0:c1], _cut(q_doc, r0, r1),
+                             _cut(kv_doc, c0, c1), band=band))
     return out
 
 
@@ -1048,25 +1059,13 @@ def head_line_blocks(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, 
     if not idx.numel():
         return []
     keys, kp = on_line[:, idx], kv_pos[idx]
-    h = keys.shape[0]
-    _, _, head, lo, hi = (t.cpu() for t in pattern.slash_runs())
-    per_head = pattern.long_runs_per_head()
-    gaps = []  # per head: the offset intervals outside its long runs, (lo, hi) with hi = S for the last
-    at = 0
-    for n in per_head:
-        edges, start = [], 0
-        for a, b in zip(lo[at:at + n].tolist(), hi[at:at + n].tolist()):
-            if a > start:
-                edges.append((start, a - 1))
-            start = b + 1
-        edges.append((start, S))
-        gaps.append(edges)
+    _, _, _, lo, hi = (t.cpu() for t in pattern.slash_runs())
+    bounds_of_runs = list(zip(lo.tolist(), hi.tolist()))  # ordered by head, then lo
+    gaps, at = [], 0  # per head: the offset intervals outside its long runs, the last ending at S
+    for n in pattern.long_runs_per_head():
+        gaps.append(offset_gaps(bounds_of_runs[at:at + n], S))
         at += n
-    q_doc = kv_doc = None
-    if cu_seqlens is not None and len(cu_seqlens) > 2:
-        starts = torch.tensor(list(cu_seqlens[:-1]), dtype=torch.long)
-        q_doc = torch.searchsorted(starts, q_pos, right=True) - 1
-        kv_doc = torch.searchsorted(starts, kp, right=True) - 1
+    q_doc, kv_doc = _doc_ids(cu_seqlens, q_pos, kp)
     out = []
     for g in range(max(len(x) for x in gaps)):
         band = [(x[g][0], x[g][1]) if g < len(x) else (1, 0) for x in gaps]
@@ -1074,21 +1073,13 @@ def head_line_blocks(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, 
         g_hi = torch.tensor([b for _, b in band])
         left = g_hi if window is None else torch.minimum(g_hi, torch.tensor(window[0]))
         live = (left >= g_lo) & keys.any(1)
-        if not bool(live.any()):
+        box = _band_rectangle(q_pos, kp, g_lo[live], left[live]) if bool(live.any()) else None
+        if box is None:
             continue
+        r0, r1, c0, c1 = box
         bounds = torch.stack([torch.where(live, left, -1), torch.where(live, -g_lo, 0)], 1)
-        lo_live, left_live = g_lo[live], left[live]
-        r0 = int(torch.searchsorted(q_pos, kp[:1] + lo_live).min())
-        r1 = int(torch.searchsorted(q_pos, kp[-1:] + left_live, right=True).max())
-        if r1 <= r0:
-            continue
-        c0 = int(torch.searchsorted(kp, q_pos[r0:r0 + 1] - left_live).min())
-        c1 = int(torch.searchsorted(kp, q_pos[r1 - 1:r1] - lo_live, right=True).max())
-        if c1 <= c0:
-            continue
-        cut = lambda t, a, b: None if t is None else t[a:b]  # noqa: E731
-        out.append(BlockMask("positions", r0, r1, 0, c1 - c0, 1, q_pos[r0:r1], kp[c0:c1], cut(q_doc, r0, r1),
-                             cut(kv_doc, c0, c1), band=HeadBands(bounds, keys[:, c0:c1].clone()),
+        out.append(BlockMask("positions", r0, r1, 0, c1 - c0, 1, q_pos[r0:r1], kp[c0:c1], _cut(q_doc, r0, r1),
+                             _cut(kv_doc, c0, c1), band=HeadBands(bounds, keys[:, c0:c1].clone()),
                              kv_index=idx[c0:c1].to(device or "cpu")))
     return out
 

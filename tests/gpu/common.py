@@ -247,6 +247,17 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float = 240.0, **kwargs) -
     return run_ranks_on_one_gpu(world_size, fn, *args, timeout=timeout, **kwargs)
 
 
+def rank_failures(per_rank: Sequence[dict], what: str) -> list[str]:
+    """The failures each rank reported: plain-torch kernels it ran ("slow") and the cases that raised
+    ("errors": case -> traceback), labelled ``what``."""
+    fails = []
+    for rank, res in enumerate(per_rank):
+        if res["slow"]:
+            fails.append(f"rank {rank} ran plain-torch kernels: {res['slow']}")
+        fails += [f"{what} {case} raised on rank {rank}:\n{tb}" for case, tb in res["errors"].items()]
+    return fails
+
+
 def rank_device() -> torch.device:
     """This rank's device inside a rank body (cuda:0 set current by call_on_one_gpu)."""
     return torch.device("cpu") if ON_CPU else torch.device("cuda", torch.cuda.current_device())

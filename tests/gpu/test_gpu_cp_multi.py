@@ -11,7 +11,7 @@ import megatron_burst as mb
 
 from gpu import ranks
 from gpu.common import DEV, L, MASKS, ON_CPU, STRIPE_WIDE, check, doc_bounds, errors, inputs, kernel_failures, \
-    reference, run_on_ranks, sdpa_errors, visibility
+    rank_failures, reference, run_on_ranks, sdpa_errors, visibility
 
 SEQ = L(1536)  # divisible by 2W and by W x 64 for W = 2, 3, 4; not a power of two
 B, D = 1, (128 if not ON_CPU else 32)
@@ -54,11 +54,7 @@ def test_cp_attention_ranks_on_one_gpu(world_size, mask):
     for (hq, hkv), cases in runs:
         per_rank = run_on_ranks(W, ranks.cp_cases, cases, SEQ, B, hq, hkv, D, seed=SEED)
         ref, sdpa = _reference(hq, hkv, mask)
-        for rank, res in enumerate(per_rank):
-            if res["slow"]:
-                fails.append(f"rank {rank} ran plain-torch kernels: {res['slow']}")
-            for case, tb in res["errors"].items():
-                fails.append(f"W={W} heads {hq}/{hkv} {case} raised on rank {rank}:\n{tb}")
+        fails += rank_failures(per_rank, f"W={W} heads {hq}/{hkv}")
         for case in cases:
             algo, layout, stripe, _ = case
             what = f"W={W} heads {hq}/{hkv} {mask} {algo} {layout}/{stripe}"
@@ -85,11 +81,7 @@ def test_balanced_layout_ranks_on_one_gpu(world_size):
     cases = [(algo, "balanced", 1, mask) for algo in algos for mask in masks]
     per_rank = run_on_ranks(W, ranks.cp_cases, cases, SEQ, B, *HEADS, D, seed=SEED)
     fails, table = [], []
-    for rank, res in enumerate(per_rank):
-        if res["slow"]:
-            fails.append(f"rank {rank} ran plain-torch kernels: {res['slow']}")
-        for case, tb in res["errors"].items():
-            fails.append(f"W={W} {case} raised on rank {rank}:\n{tb}")
+    fails += rank_failures(per_rank, f"W={W}")
     for case in cases:
         algo, layout, stripe, mask = case
         if any(case not in res["results"] for res in per_rank):

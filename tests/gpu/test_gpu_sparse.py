@@ -12,7 +12,7 @@ from megatron_burst.masks.dynamic import Dynamic
 
 from gpu import ranks
 from gpu.common import DEV, DTYPE, L, ON_CPU, STRIPE_WIDE, check, errors, inputs, kernel_failures, \
-    pattern_visibility, reference, run_on_ranks, sdpa_errors, shared_runs_pattern, static_pattern
+    pattern_visibility, rank_failures, reference, run_on_ranks, sdpa_errors, shared_runs_pattern, static_pattern
 
 SEQ = L(2048)
 B, HQ, HKV, D = 1, 8, 2, (128 if not ON_CPU else 32)
@@ -93,11 +93,7 @@ def test_sparse_two_ranks_on_one_gpu(world_size):
     q, k, v, dout = (t.to(DEV) for t in inputs(SEQ, B, HQ, HKV, D, seed=SEED))
     static_vis = pattern_visibility(vertical, slash, SEQ)
     fails, table, cache = [], [], []
-    for rank, res in enumerate(per_rank):
-        if res["slow"]:
-            fails.append(f"rank {rank} ran plain-torch kernels: {res['slow']}")
-        for case, tb in res["errors"].items():
-            fails.append(f"W={W} {case} raised on rank {rank}:\n{tb}")
+    fails += rank_failures(per_rank, f"W={W}")
     for case in cases:
         kind, algo, layout, stripe = case
         what = f"W={W} {kind} {algo} {layout}/{stripe}"
@@ -139,11 +135,7 @@ def test_sparse_shared_runs(world_size):
     per_rank = run_on_ranks(W, ranks.sparse_cases, cases, SEQ, B, HQ, HKV, D, vertical, slash, seed=SEED)
     q, k, v, dout = (t.to(DEV) for t in inputs(SEQ, B, HQ, HKV, D, seed=SEED))
     vis = pattern_visibility(vertical, slash, SEQ)
-    for rank, res in enumerate(per_rank):
-        if res["slow"]:
-            fails.append(f"rank {rank} ran plain-torch kernels: {res['slow']}")
-        for case, tb in res["errors"].items():
-            fails.append(f"W={W} {case} raised on rank {rank}:\n{tb}")
+    fails += rank_failures(per_rank, f"W={W}")
     for case in cases:
         _, algo, layout, stripe = case
         if any(case not in res["results"] for res in per_rank):
