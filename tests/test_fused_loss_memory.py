@@ -132,6 +132,11 @@ for name, kw in (("unfused", None), ("forward", "forward"), ("backward", "backwa
     got = run(unfused) if kw is None else run(fused_linear_cross_entropy, loss_mask=mask, token_chunk=32,
                                               vocab_chunk=48, impl="triton", weight_grad=kw)
     out[name] = [((a - b).norm() / b.norm()).item() for a, b in zip(got, R)]
+from megatron_burst.loss import vocab_pass as vp  # scratch in d weight's own rows, every tile kind
+vp.VOCAB_TILE, vp.MIN_TILE_ROWS, vp.SPLIT_TOKENS, vp.TAIL_BYTES, vp.ALIGN = 32, 4, (64, 32), 4096, 16
+got = run(fused_linear_cross_entropy, loss_mask=mask, token_chunk=32, vocab_chunk=48, impl="triton",
+          weight_grad="backward")
+out["backward_in_result"] = [((a - b).norm() / b.norm()).item() for a, b in zip(got, R)]
 print(json.dumps(out))
 """
 
@@ -148,6 +153,107 @@ def test_bf16_gradients_no_less_accurate_than_unfused():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     errs = json.loads(proc.stdout.strip().splitlines()[-1])
-    for mode in ("forward", "backward"):
+    for mode in ("forward", "backward", "backward_in_result"):
         for i, q in enumerate(("dh", "dw")):
             assert errs[mode][i] <= errs["unfused"][i], (mode, q, errs)
+
+
+# ------------------------------------------------------------ scratch inside d weight's own rows
+
+def _tile_kind(t, n_tokens):
+    if t.offset is None:
+        return "own"
+    return "in-result, all tokens" if t.tokens >= n_tokens else "in-result, tokens split"
+
+
+def _small_tiles(monkeypatch):
+    """Tiling constants that give a 200-row vocabulary every kind of tile (see _tile_kind)."""
+    for name, value in (("VOCAB_TILE", 32), ("MIN_TILE_ROWS", 4), ("SPLIT_TOKENS", (16, 8)),
+                        ("TILE_BYTES", 6 * 32 * 16), ("TAIL_BYTES", 1200), ("ALIGN", 16)):
+        monkeypatch.setattr(vocab_pass, name, value)
+
+
+@pytest.mark.filterwarnings("ignore::megatron_burst.loss.FusedLossRecomputeWarning")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scratch_inside_the_weight_gradient_is_exact(dtype, monkeypatch):
+    """weight_grad="backward" without main_grad lays each tile's scratch in d weight's rows not yet
+    written. With d weight's storage poisoned (NaN) before the pass, every kind of tile (all tokens,
+    tokens split with an fp32 accumulator, the own tail buffer) gives the gradient the own-buffer
+    plan gives: a scratch piece overlapping written rows, or a read of the borrowed rows before
+    they are overwritten, would show up as NaN or a wrong row."""
+    _small_tiles(monkeypatch)
+    N, d, V = 48, 24, 200
+    kinds = {_tile_kind(t, N) for t in vocab_pass.plan_vocab_tiles(
+        N, V, d, dtype, 10 ** 6, in_result=True, dest_fp32=dtype == torch.float32, acc_temp=False)}
+    want_kinds = {"own", "in-result, all tokens", "in-result, tokens split"}
+    assert kinds == want_kinds, kinds
+    target = vocab_pass.weight_grad_target
+
+    def poisoned(*args):
+        out, done = target(*args)
+        if not done:
+            out.fill_(float("nan"))
+        return out, done
+
+    monkeypatch.setattr(vocab_pass, "weight_grad_target", poisoned)
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(N, d, generator=g).to(dtype)
+    w = (torch.randn(V, d, generator=g) * 2 * d ** -0.5).to(dtype)
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[::9] = -100
+    grads = {}
+    for in_result in (True, False):
+        monkeypatch.setattr(vocab_pass, "SCRATCH_IN_RESULT", in_result)
+        ww = w.clone().requires_grad_()
+        loss = fused_linear_cross_entropy(h, ww, labels, impl="torch", weight_grad="backward", vocab_chunk=10 ** 6)
+        (loss * torch.linspace(0.5, 1.5, N)).sum().backward()  # not proportional: any g is exact here
+        grads[in_result] = ww.grad.float()
+    got, own = grads[True], grads[False]
+    assert torch.isfinite(got).all()
+    # Both form fp32 sums in different orders (bf16: then round each element once): one bf16 ulp
+    # apart at most, plus the fp32 reordering relative to the gradient's scale.
+    tol = (2 ** -7 if dtype == torch.bfloat16 else 0.0) * own.abs() + 1e-5 * own.abs().max()
+    assert ((got - own).abs() <= tol).all(), (got - own).abs().max()
+
+
+@pytest.mark.parametrize("shape", [(16384, 131072, 4096), (4096, 32768, 1024), (65536, 32768, 4096),
+                                   (8192, 152064, 5120), (1000, 5000, 64)])
+@pytest.mark.parametrize("acc_temp", [False, True])
+def test_scratch_plan_stays_behind_its_rows(shape, acc_temp):
+    """The plan at real shapes (bf16, (N, V, d)): tiles cover the vocabulary in order; every borrowed
+    scratch lies in d weight's storage past its own tile's rows; the own buffer is at most
+    TAIL_BYTES (1 MiB) -- so the backward's peak above the two bf16 gradients is <= 1 MiB plus
+    [3, N]-sized statistics (at (16K, 128K, 4096): 1152 MiB + 1 MiB, Cut Cross-Entropy's 1154 MiB
+    measured on the issue's H200) -- and the tile count stays bounded."""
+    N, V, d = shape
+    tiles = vocab_pass.plan_vocab_tiles(N, V, d, torch.bfloat16, 16384, in_result=True, dest_fp32=False,
+                                        acc_temp=acc_temp)
+    assert tiles[0].start == 0 and tiles[-1].stop == V
+    assert all(a.stop == b.start for a, b in zip(tiles, tiles[1:]))
+    own = 0
+    for t in tiles:
+        lay = vocab_pass.tile_scratch(t.stop - t.start, t.tokens, N, d, torch.bfloat16, False, acc_temp)
+        if t.offset is None:
+            own = max(own, lay.nbytes)
+        else:
+            assert t.offset >= t.stop * d * 2 and t.offset + lay.nbytes <= V * d * 2, t
+    assert own <= vocab_pass.TAIL_BYTES
+    plain = vocab_pass.plan_vocab_tiles(N, V, d, torch.bfloat16, 16384, in_result=False, dest_fp32=False,
+                                        acc_temp=acc_temp)
+    # No degenerate plan (thousands of slivers): at (16K, 128K, 4096) 82 tiles (98 with acc_temp)
+    # against 64, and by the traffic model of _bytes_per_row less memory traffic than the own-buffer
+    # plan there (no accumulator read-modify-write where all tokens fit in one GEMM).
+    assert len(tiles) <= 3 * len(plain) + 48, (len(tiles), len(plain))
+
+
+@pytest.mark.parametrize("V,d", [(131072, 4096), (32768, 4096), (32768, 1024), (152064, 5120), (50257, 768)])
+def test_lean_mode_forward_chunk_within_the_weight_gradient(V, d):
+    """weight_grad="backward": the fast path's default chunk (fp32 logits + bf16 G, 6 B per logit)
+    is no larger than d weight itself (or LEAN_MIN_CHUNK tokens), so the forward does not peak
+    above the backward's two gradients; the default mode keeps its larger chunk."""
+    from megatron_burst.loss import config
+    cpu = torch.device("cpu")
+    lean = config.default_token_chunk(16384, V, d, torch.bfloat16, cpu, "triton", "backward")
+    fast = config.default_token_chunk(16384, V, d, torch.bfloat16, cpu, "triton")
+    assert lean <= fast
+    assert lean * V * 6 <= max(V * d * 2, config.LEAN_MIN_CHUNK * V * 6), (lean, V, d)

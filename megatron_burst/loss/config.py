@@ -122,7 +122,8 @@ def make_loss_config(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     if token_chunk is None and impl == "triton_recompute":
         token_chunk = n_tokens  # not chunked: its kernels walk token tiles (megatron_burst.loss.onchip)
     if token_chunk is None:
-        token_chunk = default_token_chunk(n_tokens, v_local, hidden.shape[-1], hidden.dtype, hidden.device, impl)
+        token_chunk = default_token_chunk(n_tokens, v_local, hidden.shape[-1], hidden.dtype, hidden.device, impl,
+                                          weight_grad)
         if tp_size > 1 and hidden.is_cuda:
             # The chunk count fixes the number of collectives: every rank must walk the same chunks,
             # but free memory (fast path) or a fallback (another impl) may differ between ranks.
@@ -135,12 +136,22 @@ def make_loss_config(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
 
 
 def default_token_chunk(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, device: torch.device,
-                        impl: str) -> int:
+                        impl: str, weight_grad: str = "forward") -> int:
     """Tokens per chunk when the caller gives none. torch path: a token_chunk x V_local fp32 logits
     tile of at most DEFAULT_TILE_ELEMS values; fast path: :func:`fast_token_chunk`
-    (a bounded number of bytes per chunk, at least ~1024 tokens, within the free memory)."""
+    (a bounded number of bytes per chunk, at least ~1024 tokens, within the free memory).
+
+    weight_grad="backward" (the memory-lean mode) also keeps the fast path's chunk within the
+    weight gradient's own size, so that the forward never peaks above the backward (the two
+    gradients + <= 1 MiB: :mod:`megatron_burst.loss.vocab_pass`); its forward has no weight-
+    gradient GEMM, so smaller chunks cost little (at least LEAN_MIN_CHUNK tokens)."""
     if impl == "triton":
-        return fast_token_chunk(n_tokens, v_local, d, dtype, device)
+        t = fast_token_chunk(n_tokens, v_local, d, dtype, device)
+        if weight_grad == "backward":
+            elt = torch.finfo(dtype).bits // 8
+            lean = max(LEAN_MIN_CHUNK, (d * elt) // bytes_per_logit(dtype) // 128 * 128)
+            t = min(t, lean)
+        return t
     token_chunk = max(1, DEFAULT_TILE_ELEMS // v_local)
     if token_chunk >= 128:
         token_chunk -= token_chunk % 128  # whole GEMM tiles
@@ -191,6 +202,7 @@ def raise_label_error(labels: torch.Tensor, cfg: LossConfig, name: str = "fused_
 
 
 FAST_CHUNK_BYTES = 1 << 30  # logits-sized bytes of one chunk (fp32 logits + bf16 gradient)
+LEAN_MIN_CHUNK = 256  # tokens: the smallest default chunk of weight_grad="backward" (see default_token_chunk)
 MIN_EFFICIENT_CHUNK = 1024  # tokens: GEMM 4 (fp32 accumulator) is compute-bound above ~T = 1200 on Hopper
 
 

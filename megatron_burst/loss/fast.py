@@ -48,7 +48,9 @@ Liger-Kernel's 1408 MiB there are the two bf16 gradients themselves (1152 MiB) p
 256 MiB chunk: Liger accumulates d weight over token chunks in bf16 (hence its 1.5e-3 d weight
 error, ~9x the unfused path's), CCE recomputes the logits. Reaching their memory without either
 would take the fp32 accumulator A away, which no token-chunked order allows: d weight sums over
-all tokens, and its per-token factors need each token's full log-sum-exp first. With Megatron's
+all tokens, and its per-token factors need each token's full log-sum-exp first. The op's
+``weight_grad="backward"`` takes the other order for d weight (vocabulary tiles in the backward, a
+fourth GEMM; :mod:`megatron_burst.loss.vocab_pass`) and reaches it: the two gradients + <= 1 MiB. With Megatron's
 gradient-accumulation fusion (``accumulate_into_main_grad``) the bf16 d weight is never allocated
 (A is added into the fp32 ``main_grad``), so the op's peak there is D + A + one chunk.
 

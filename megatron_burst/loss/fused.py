@@ -146,7 +146,9 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
             in the forward into an fp32 [V/tp, d] buffer kept for the backward (three vocabulary
             GEMMs in all). "backward": per vocabulary tile in the backward from the actual incoming
             gradient, each element rounded once, no [V/tp, d] buffer beyond the gradient itself
-            (a fourth GEMM: the tile's logits are recomputed). See :mod:`megatron_burst.loss.vocab_pass`.
+            (a fourth GEMM: the tile's logits are recomputed); its scratch lies in the gradient's
+            rows not yet written, so the backward's peak is the two gradients + <= 1 MiB.
+            See :mod:`megatron_burst.loss.vocab_pass`.
 
     Returns:
         fp32 per-token loss ``logsumexp_v(z_tv) - z_t,label`` with the labels' shape; 0 at ignored

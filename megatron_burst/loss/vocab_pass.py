@@ -18,14 +18,34 @@ unfused path's rounding), whatever the number of tokens. The price: a fourth voc
 Because the incoming per-token gradient g is known here, the weight gradient is exact for any g
 (no proportionality to the loss mask needed for it).
 
-Buffers (the only allocations besides the result): fp32 logits and the G tile [tn, vt]
-(6 B per element for bf16, 4 B for fp32: G overwrites z), the fp32 tile accumulator [vt, d] when
-the tokens are split into sub-chunks (tn < N) and the result is not itself fp32, and [3, tn] fp32
-statistics. ``vt`` = min(vocab_chunk, VOCAB_TILE) rows, ``tn`` tokens from TILE_BYTES.
-At N = 16K, V = 128K, d = 4096, bf16: vt = 2048, tn = 4096: 48 MiB of logits / G, 32 MiB accumulator.
+Scratch: per tile, fp32 logits z and the G tile [tn, vt] (6 B per logit for bf16, 4 B for fp32:
+G overwrites z), the fp32 tile accumulator [vt, d] when the tokens are split into sub-chunks
+(tn < N) and the result is not itself fp32 (plus an fp32 product [vt, d] where torch cannot
+accumulate a bf16 GEMM into fp32 in place), and [3, tn] fp32 statistics.
+
+Where that scratch lives (:func:`plan_vocab_tiles`):
+
+* **inside the result** (the default when the pass allocates d weight, i.e. without ``main_grad``):
+  the rows of d weight not yet written are free memory until their tile comes, so each tile's
+  scratch is laid out in the result's storage past the tile's own rows. The tiles keep
+  ``VOCAB_TILE`` rows while the space after them is large; near the end they shrink (and split the
+  tokens when that fits more rows) so that the scratch still fits behind them; the last few rows
+  (tens, where even ``MIN_TILE_ROWS`` rows do not fit) use a buffer of their own of at most
+  ``TAIL_BYTES``. The pass's peak above the gradient is then that buffer: at N = 16K, V = 128K,
+  d = 4096, bf16, ~1.4 MiB -- the op's backward peaks at the two bf16 gradients (1152 MiB) plus that.
+  The price is more, smaller tiles near the end (each re-reads h): ~100 tiles instead of 64 there.
+* **in a buffer of its own** (with ``main_grad``: no result to borrow from; or ``in_result=False``):
+  fixed tiles, ``vt`` = min(vocab_chunk, VOCAB_TILE) rows, ``tn`` tokens from TILE_BYTES; at the
+  shape above vt = 2048, tn = 4096: 48 MiB of logits / G and a 32 MiB accumulator.
+
+Every tile overwrites its scratch before reading it and writes its rows of the result only after its
+last read of the scratch, so the borrowed rows' content never matters (tests: a result poisoned
+with NaN, every kind of tile).
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -33,32 +53,165 @@ import torch
 from megatron_burst.loss import triton_kernels
 from megatron_burst.loss.config import LossConfig
 
-__all__ = ["weight_grad_by_vocab_tiles", "weight_grad_target", "vocab_pass_tiles", "VOCAB_TILE", "TILE_BYTES"]
+__all__ = ["weight_grad_by_vocab_tiles", "weight_grad_target", "plan_vocab_tiles", "VocabTile", "TileScratch",
+           "tile_scratch", "VOCAB_TILE", "TILE_BYTES", "MIN_TILE_ROWS", "TAIL_BYTES"]
 
 # Vocabulary rows per tile: the GEMMs are [tn, d] x [d, vt] and [vt, tn] x [tn, d]; 2048 keeps both
 # compute-bound on Hopper at tn >= 1024 while the tile accumulator stays 32 MiB at d = 4096.
 VOCAB_TILE = 2048
-# Logits-tile bytes (fp32 z + 16-bit G) per (token sub-chunk, vocabulary tile).
+# Logits-tile bytes (fp32 z + 16-bit G) per (token sub-chunk, vocabulary tile) of the own-buffer plan.
 TILE_BYTES = 48 << 20
+# Scratch inside the result: tiles shrink to this many rows at least, then the last rows use an own
+# buffer of at most TAIL_BYTES (when some tile shape fits in it).
+MIN_TILE_ROWS = 64
+TAIL_BYTES = 1 << 20
+# Token sub-chunk sizes tried when splitting the tokens lets a tile keep more rows.
+SPLIT_TOKENS = (4096, 2048, 1024, 512)
+ALIGN = 256  # bytes: every scratch piece starts on a 256-byte boundary (cuBLAS / vector loads)
+# Whether d weight's own unwritten rows hold the scratch (module switch for tests and benchmarks).
+SCRATCH_IN_RESULT = True
 
 
-def vocab_pass_tiles(n_tokens: int, cfg: LossConfig, dtype: torch.dtype) -> tuple[int, int]:
-    """(vt, tn): vocabulary rows per tile and tokens per sub-chunk of the pass (see the module docstring)."""
-    vt = max(1, min(cfg.vocab_chunk, VOCAB_TILE, cfg.v_local))
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class TileScratch:
+    """Byte offsets of one tile's scratch pieces (None: not needed) and its total size.
+
+    z: fp32 logits [tn, vt]; g: 16-bit G [tn, vt] (None for fp32: G overwrites z); acc: fp32
+    accumulator [vt, d] (tokens split, 16-bit destination); tmp: fp32 product [vt, d] (a 16-bit GEMM
+    accumulated into fp32 where torch cannot do it in the GEMM)."""
+
+    z: int
+    g: Optional[int]
+    acc: Optional[int]
+    tmp: Optional[int]
+    nbytes: int
+
+
+def tile_scratch(vt: int, tn: int, n_tokens: int, d: int, dtype: torch.dtype, dest_fp32: bool,
+                 acc_temp: bool) -> TileScratch:
+    """The scratch layout of a tile of ``vt`` vocabulary rows walked in sub-chunks of ``tn`` of the
+    ``n_tokens`` tokens. ``dest_fp32``: the destination accumulates in fp32 itself (fp32 result or
+    Megatron's main_grad); ``acc_temp``: this torch has no in-GEMM fp32 accumulation of 16-bit
+    operands (:func:`megatron_burst.loss.fast._addmm_fp32_works`)."""
+    wide = dtype == torch.float32
+    off = _align(4 * tn * vt)
+    g = None
+    if not wide:
+        g, off = off, _align(off + 2 * tn * vt)
+    acc = tmp = None
+    if not wide and tn < n_tokens and not dest_fp32:
+        acc, off = off, _align(off + 4 * vt * d)
+    if not wide and acc_temp and (acc is not None or dest_fp32):
+        tmp, off = off, _align(off + 4 * vt * d)
+    return TileScratch(0, g, acc, tmp, off)
+
+
+@dataclass(frozen=True)
+class VocabTile:
+    """Rows [start, stop) of the vocabulary shard, walked in sub-chunks of ``tokens`` tokens; the
+    scratch at byte ``offset`` of the result's storage, or in the pass's own buffer (None)."""
+
+    start: int
+    stop: int
+    tokens: int
+    offset: Optional[int]
+
+
+def _own_tile(cap: int, n_tokens: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(vt, tn) of the own-buffer plan: vt = cap rows, tn tokens from TILE_BYTES."""
     per_elem = 4 if dtype == torch.float32 else 6
-    tn = max(1, min(n_tokens, TILE_BYTES // (per_elem * vt)))
-    if tn >= 256 and tn < n_tokens:
+    tn = max(1, min(n_tokens, TILE_BYTES // (per_elem * cap)))
+    if 256 <= tn < n_tokens:
         tn -= tn % 128  # whole GEMM tiles
-    return vt, tn
+    return cap, tn
 
 
-def _logits(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor, impl: str) -> None:
+def _bytes_per_row(vt: int, tn: int, n_tokens: int, d: int, elt: int) -> float:
+    """Memory traffic a tile shape costs per vocabulary row beyond its FLOPs: h read by both GEMMs
+    (each tile re-reads all of it) and, for split tokens, the accumulator's read-modify-write."""
+    subchunks = -(-n_tokens // tn)
+    return (2 * n_tokens * d * elt + (subchunks - 1) * 8 * vt * d) / vt
+
+
+def _token_options(n_tokens: int, vt: int, dtype: torch.dtype) -> list[int]:
+    own = _own_tile(vt, n_tokens, dtype)[1]
+    return sorted({n_tokens, own} | {t for t in SPLIT_TOKENS if t < n_tokens}, reverse=True)
+
+
+def plan_vocab_tiles(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, vocab_chunk: int, *,
+                     in_result: bool, dest_fp32: bool, acc_temp: bool) -> tuple[VocabTile, ...]:
+    """The tiles of one pass over ``v_local`` vocabulary rows (see the module docstring).
+
+    ``in_result``: the scratch may live in the result's storage ([v_local, d] in ``dtype``, not yet
+    written) past each tile's rows; else every tile uses the own buffer. ``dest_fp32`` /
+    ``acc_temp``: as :func:`tile_scratch`. Host arithmetic only, cached per shape (and per value
+    of the module's tiling constants).
+    """
+    constants = (VOCAB_TILE, TILE_BYTES, MIN_TILE_ROWS, TAIL_BYTES, SPLIT_TOKENS, ALIGN)
+    return _plan(n_tokens, v_local, d, dtype, vocab_chunk, in_result, dest_fp32, acc_temp, constants)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, vocab_chunk: int, in_result: bool,
+          dest_fp32: bool, acc_temp: bool, constants: tuple) -> tuple[VocabTile, ...]:
+    cap = max(1, min(vocab_chunk, VOCAB_TILE, v_local))
+
+    def scratch(vt: int, tn: int) -> int:
+        return tile_scratch(vt, tn, n_tokens, d, dtype, dest_fp32, acc_temp).nbytes
+
+    vt, tn = _own_tile(cap, n_tokens, dtype)
+    if not in_result or scratch(vt, tn) <= TAIL_BYTES:  # small shapes: nothing worth borrowing
+        return tuple(VocabTile(a, min(a + vt, v_local), tn, None) for a in range(0, v_local, vt))
+    elt = torch.finfo(dtype).bits // 8
+    row_bytes, total = d * elt, v_local * d * elt
+
+    tiles: list[VocabTile] = []
+    a = 0
+    while a < v_local:
+        rem = v_local - a
+        best = None  # (bytes per row, -vt, vt, tn, offset): the cheapest shape that fits behind its rows
+        top = min(cap, rem - 1)
+        sizes = [top] + list(range(top - top % MIN_TILE_ROWS, MIN_TILE_ROWS - 1, -MIN_TILE_ROWS)) if top >= 1 else []
+        for vt in sizes:
+            if vt < min(MIN_TILE_ROWS, cap) or vt < 1:
+                continue
+            offset = _align((a + vt) * row_bytes)
+            for tn in _token_options(n_tokens, vt, dtype):
+                if scratch(vt, tn) <= total - offset:
+                    key = (_bytes_per_row(vt, tn, n_tokens, d, elt), -vt)
+                    if best is None or key < best[0]:
+                        best = (key, vt, tn, offset)
+                    break  # the largest tn that fits is the cheapest for this vt
+        if best is None:
+            break
+        _, vt, tn, offset = best
+        tiles.append(VocabTile(a, a + vt, tn, offset))
+        a += vt
+    if a < v_local:  # the last rows: an own buffer of at most TAIL_BYTES where some shape fits
+        rem = v_local - a
+        options = [(vt, tn) for vt in range(min(cap, rem), 0, -1) for tn in _token_options(n_tokens, vt, dtype)]
+        fits = [(_bytes_per_row(vt, tn, n_tokens, d, elt), vt, tn) for vt, tn in options if scratch(vt, tn) <= TAIL_BYTES]
+        if fits:
+            _, vt, tn = min(fits)
+        else:
+            vt, tn = min(options, key=lambda o: scratch(*o))
+        tiles += [VocabTile(b, min(b + vt, v_local), tn, None) for b in range(a, v_local, vt)]
+    return tuple(tiles)
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor, G: torch.Tensor, impl: str) -> None:
     """out [tn, vt] fp32 <- h w^T, rounded as the forward rounded them (the statistics m, s were
-    formed from these very values: any other rounding would break softmax's normalization)."""
+    formed from these very values: any other rounding would break softmax's normalization).
+    G: the tile's 16-bit G scratch (free until the softmax gradient is written into it)."""
     if h.dtype == torch.float32:
         torch.mm(h, w.t(), out=out)
     elif impl == "torch":
-        out.copy_(torch.mm(h, w.t()))  # the torch path's logits are in the input dtype (as Megatron's)
+        torch.mm(h, w.t(), out=G)  # the torch path's logits are in the input dtype (as Megatron's)
+        out.copy_(G)
     elif h.is_cuda:
         torch.mm(h, w.t(), out_dtype=torch.float32, out=out)
     else:  # CPU (interpreter tests): bf16 values and their products are exact in fp32
@@ -79,8 +232,10 @@ def _softmax_grad(z: torch.Tensor, G: torch.Tensor, tgt: torch.Tensor, m: torch.
         G.copy_(z)
 
 
-def _accumulate(acc: torch.Tensor, G: torch.Tensor, h: torch.Tensor, first: bool) -> None:
-    """acc [vt, d] fp32 (+)= G^T h with fp32 products and sums (``first``: overwrite)."""
+def _accumulate(acc: torch.Tensor, G: torch.Tensor, h: torch.Tensor, first: bool,
+                tmp: Optional[torch.Tensor]) -> None:
+    """acc [vt, d] fp32 (+)= G^T h with fp32 products and sums (``first``: overwrite). tmp: an fp32
+    [vt, d] scratch for the product where torch cannot accumulate 16-bit operands in the GEMM."""
     if G.dtype == torch.float32:
         if first:
             torch.mm(G.t(), h, out=acc)
@@ -92,12 +247,20 @@ def _accumulate(acc: torch.Tensor, G: torch.Tensor, h: torch.Tensor, first: bool
             torch.mm(G.t(), h, out_dtype=torch.float32, out=acc)
         elif _addmm_fp32_works(G.device):
             torch.addmm(acc, G.t(), h, out_dtype=torch.float32, out=acc)
-        else:  # older torch: an fp32 product the size of the tile, then one add
-            acc.add_(torch.mm(G.t(), h, out_dtype=torch.float32))
+        else:  # older torch: the fp32 product into the tile's scratch, then one add
+            acc.add_(torch.mm(G.t(), h, out_dtype=torch.float32, out=tmp))
     elif first:  # CPU: bf16 values and their products are exact in fp32
         torch.mm(G.t().float(), h.float(), out=acc)
     else:
         acc.addmm_(G.t().float(), h.float())
+
+
+def _piece(space: torch.Tensor, offset: Optional[int], numel: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """A flat [numel] view in ``dtype`` of the byte tensor ``space`` from byte ``offset`` (None: None)."""
+    if offset is None:
+        return None
+    nbytes = numel * (torch.finfo(dtype).bits // 8)
+    return space[offset:offset + nbytes].view(dtype)
 
 
 def weight_grad_target(weight: torch.Tensor, main_grad: Optional[torch.Tensor], n_tokens: int, v_local: int
@@ -127,33 +290,47 @@ def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: to
     out, done = weight_grad_target(weight, main_grad, N, V)
     if done:
         return out
-    vt, tn = vocab_pass_tiles(N, cfg, h.dtype)
-    split = tn < N
+    dest_fp32 = main_grad is not None or weight.dtype == torch.float32
+    acc_temp = False
+    if h.is_cuda and h.dtype != torch.float32:
+        from megatron_burst.loss.fast import _addmm_fp32_works
+        acc_temp = not _addmm_fp32_works(h.device)
+    tiles = plan_vocab_tiles(N, V, d, h.dtype, cfg.vocab_chunk, in_result=out is not None and SCRATCH_IN_RESULT,
+                             dest_fp32=dest_fp32, acc_temp=acc_temp)
+
+    def layout(t: VocabTile) -> TileScratch:
+        return tile_scratch(t.stop - t.start, t.tokens, N, d, h.dtype, dest_fp32, acc_temp)
+
+    own_bytes = max((layout(t).nbytes for t in tiles if t.offset is None), default=0)
+    own = torch.empty(own_bytes, dtype=torch.uint8, device=h.device) if own_bytes else None
+    result_bytes = out.view(-1).view(torch.uint8) if out is not None else None
     weight = weight.contiguous()
-    z_buf = torch.empty(tn * vt, dtype=torch.float32, device=h.device)
-    g_buf = None if h.dtype == torch.float32 else torch.empty(tn * vt, dtype=h.dtype, device=h.device)
-    # fp32 tile accumulator only where the destination cannot accumulate in fp32 itself.
-    acc_buf = (torch.empty(vt, d, dtype=torch.float32, device=h.device)
-               if split and main_grad is None and weight.dtype != torch.float32 else None)
     local = labels - cfg.vocab_start
     valid_tgt = (labels != cfg.ignore_index) & (local >= 0) & (local < V)
-    for a in range(0, V, vt):
-        b = min(a + vt, V)
+    for t in tiles:
+        a, b, tn, vt = t.start, t.stop, t.tokens, t.stop - t.start
+        lay = layout(t)
+        space = own if t.offset is None else result_bytes[t.offset:t.offset + lay.nbytes]
+        z_flat = _piece(space, lay.z, tn * vt, torch.float32)
+        g_flat = _piece(space, lay.g, tn * vt, h.dtype)
+        acc = _piece(space, lay.acc, vt * d, torch.float32)
+        tmp = _piece(space, lay.tmp, vt * d, torch.float32)
+        acc, tmp = (None if x is None else x.view(vt, d) for x in (acc, tmp))
         w_tile = weight[a:b]
         if main_grad is not None:
             dest, first_overwrites = main_grad[a:b], False  # add into Megatron's buffer
-        elif acc_buf is not None:
-            dest, first_overwrites = acc_buf[:b - a], True
+        elif acc is not None:
+            dest, first_overwrites = acc, True
         else:
             dest, first_overwrites = out[a:b], True  # one GEMM over all tokens (or fp32 out): no buffer
         for t0 in range(0, N, tn):
             t1 = min(t0 + tn, N)
-            n = (t1 - t0) * (b - a)
-            z = z_buf[:n].view(t1 - t0, b - a)
-            G = z if g_buf is None else g_buf[:n].view(t1 - t0, b - a)
-            _logits(h[t0:t1], w_tile, z, cfg.impl)
+            n = (t1 - t0) * vt
+            z = z_flat[:n].view(t1 - t0, vt)
+            G = z if g_flat is None else g_flat[:n].view(t1 - t0, vt)
+            _logits(h[t0:t1], w_tile, z, G, cfg.impl)
             col = local[t0:t1] - a
-            tgt = torch.where(valid_tgt[t0:t1] & (col >= 0) & (col < b - a), col, -1)
+            tgt = torch.where(valid_tgt[t0:t1] & (col >= 0) & (col < vt), col, -1)
             _softmax_grad(z, G, tgt, m_all[t0:t1], s_all[t0:t1], g[t0:t1].contiguous(), cfg.impl)
             if dest.dtype != torch.float32:
                 # Tokens not split: one GEMM over all of them straight into the 16-bit result (fp32
@@ -163,7 +340,7 @@ def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: to
                 else:
                     dest.copy_(torch.mm(G.t().float(), h[t0:t1].float()))
             else:
-                _accumulate(dest, G, h[t0:t1], first_overwrites and t0 == 0)
-        if acc_buf is not None:
-            out[a:b].copy_(acc_buf[:b - a])  # the one rounding of this tile's gradient
+                _accumulate(dest, G, h[t0:t1], first_overwrites and t0 == 0, tmp)
+        if acc is not None:
+            out[a:b].copy_(acc)  # the one rounding of this tile's gradient (acc lies past row b)
     return out if main_grad is None else None
