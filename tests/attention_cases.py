@@ -132,13 +132,14 @@ def refusal_messages(cases: dict) -> tuple:
     return messages, counter.bytes("sent") + counter.bytes("received"), t.item() == dist.get_world_size()
 
 
-def run_case_split_block_causal(algo, layout, stripe, local_len, chunk_stripes=2):
-    """run_case with block_causal blocks split into full + diagonal parts (CPConfig.block_causal_chunk,
-    on CUDA only by default: forced here on CPU) and the kinds of the blocks that ran."""
+def run_case_split_block_causal(algo, layout, stripe, local_len):
+    """run_case with block_causal blocks split into a causal block + the rest of their diagonal
+    stripes (CPConfig.splits_block_causal, on CUDA only by default: forced here on CPU) and the kinds
+    of the blocks that ran."""
     from megatron_burst import kernels
     from megatron_burst.algorithms import schedule
 
-    saved = schedule.CPConfig.block_causal_chunk
+    saved = schedule.CPConfig.splits_block_causal
     kinds = set()
     real = kernels.block_forward
 
@@ -146,14 +147,15 @@ def run_case_split_block_causal(algo, layout, stripe, local_len, chunk_stripes=2
         kinds.add(mask.kind)
         return real(q, k, v, mask, *a, **kw)
 
-    import megatron_burst.algorithms.ring as ring_mod  # every algorithm's forward visits blocks there
+    import megatron_burst.algorithms.ring as ring_mod
+    import megatron_burst.algorithms.allgather as allgather_mod
 
-    schedule.CPConfig.block_causal_chunk = property(lambda self: chunk_stripes * self.stripe)
-    ring_mod.block_forward = counting
+    schedule.CPConfig.splits_block_causal = property(lambda self: self.stripe > 1)
+    ring_mod.block_forward = allgather_mod.block_forward = counting
     try:
         errs = run_case(algo, layout, True, (4, 2), local_len=local_len, stripe=stripe)
     finally:
-        schedule.CPConfig.block_causal_chunk = saved
-        ring_mod.block_forward = real
+        schedule.CPConfig.splits_block_causal = saved
+        ring_mod.block_forward = allgather_mod.block_forward = real
     errs["kinds"] = sorted(kinds)
     return errs

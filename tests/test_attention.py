@@ -161,31 +161,33 @@ def test_output_is_stored_once(qkv_format):
     assert sum(t.numel() == out.numel() for t in saved) == 2  # q and out; k, v are smaller (GQA)
 
 
-@pytest.mark.parametrize("algo", ["burst"])  # the split is in CPConfig.blocks, shared by every algorithm
-def test_block_causal_split_into_full_and_diagonal_parts_is_exact(algo):
-    """Block-striped layouts on CUDA split each block_causal block into full rectangles (cuDNN) and
-    diagonal block-causal squares (CPConfig.block_causal_chunk): forced on CPU here, W = 3, stripe 2,
-    14 local tokens (7 stripes: parts of 4 rows and a ragged last one), exact forward and gradients."""
+@pytest.mark.parametrize("algo", ["burst", "allgather"])  # burst: CPConfig.blocks; allgather cuts kv pieces first
+def test_block_causal_split_into_causal_and_stripe_rest_is_exact(algo):
+    """Block-striped layouts on CUDA run each block_causal block as a causal block (cuDNN) plus the
+    rest of its diagonal stripes (a positions block: the Triton kernel) -- CPConfig.splits_block_causal,
+    forced on CPU here: W = 3, stripe 2, 14 local tokens (7 stripes, odd), GQA; exact forward and
+    gradients, and no block_causal block left."""
     from attention_cases import run_case_split_block_causal
 
     for errs in run_ranks(3, run_case_split_block_causal, algo, "striped", 2, 14):
-        assert {"full", "block_causal"} <= set(errs["kinds"]), errs["kinds"]
+        assert {"causal", "positions"} <= set(errs["kinds"]) and "block_causal" not in errs["kinds"], errs["kinds"]
         _assert_close({(algo, "split"): errs})
 
 
 def test_split_block_causal_tiles_the_mask_exactly():
-    """masks.block.split_block_causal: the parts cover the block_causal rectangle's visible pairs
-    exactly once, for square and shifted rectangles, ragged ends and chunks of several blocks."""
+    """masks.block.split_block_causal: the causal part and the stripe rest cover the block_causal
+    rectangle's visible pairs exactly once, for square, wide, tall and shifted rectangles, ragged
+    last stripes; block 1 is causal alone; other kinds pass through."""
     from megatron_burst.masks.block import BlockMask, split_block_causal
 
-    for rows, cols, block, chunk in [(64, 64, 4, 8), (60, 56, 4, 8), (10, 10, 2, 4), (33, 40, 3, 6), (8, 8, 4, 8)]:
+    for rows, cols, block in [(64, 64, 4), (60, 56, 4), (10, 10, 2), (33, 40, 3), (8, 8, 8), (7, 19, 5), (9, 9, 1)]:
         mask = BlockMask("block_causal", 5, 5 + rows, 7, 7 + cols, block)
         want = mask.dense(5 + rows, 7 + cols).int()
         got = torch.zeros_like(want)
-        parts = split_block_causal(mask, chunk)
+        parts = split_block_causal(mask)
         for p in parts:
             got += p.dense(5 + rows, 7 + cols).int()
-        assert torch.equal(got, want), (rows, cols, block, chunk)
-        assert (len(parts) > 1) == (rows > chunk)
-    with pytest.raises(ValueError, match="multiple of the block"):
-        split_block_causal(BlockMask("block_causal", 0, 64, 0, 64, 4), 6)
+        assert torch.equal(got, want), (rows, cols, block)
+        assert [p.kind for p in parts] == (["causal"] if block == 1 else ["causal", "positions"])
+    full = BlockMask("full", 0, 4, 0, 4)
+    assert split_block_causal(full) == [full]

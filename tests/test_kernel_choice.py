@@ -226,9 +226,15 @@ def _configs():
                                           documents=documents, window=window)
 
 
-def test_mask_kinds_cover_every_block_a_call_produces():
+@pytest.mark.parametrize("split", [False, True])
+def test_mask_kinds_cover_every_block_a_call_produces(split, monkeypatch):
     """Ranks agree on the kernels of cfg.mask_kinds before any block runs: it must contain the kind
-    of every block of every rank pair (and be the same tuple on every rank)."""
+    of every block of every rank pair (and be the same tuple on every rank); ``split``: block_causal
+    blocks split as on CUDA (CPConfig.splits_block_causal)."""
+    from megatron_burst.algorithms.schedule import CPConfig
+
+    if split:
+        monkeypatch.setattr(CPConfig, "splits_block_causal", property(lambda self: self.stripe > 1))
     for n, cfg in _configs():
         seen = {m.kind for q in range(cfg.world_size) for k in range(cfg.world_size) for _, m in cfg.blocks(q, k, n)}
         assert seen <= set(cfg.mask_kinds), (cfg.layout, cfg.stripe, cfg.causal, cfg.window, seen, cfg.mask_kinds)

@@ -27,7 +27,7 @@ FP32_CASES = ["full_37x53", "full_53x37_gqa_d24", "causal_37x53", "causal_53x37_
               "causal_dv_differs", "block_causal_b4_37", "block_causal_b4_45x29", "docs_only",
               "window_docs_l5_r0_gqa_sbhd", "band_l3_r2", "offset_q40_79_kv0_39", "offset_q40_79_kv20_59",
               "zigzag_diag_gqa", "zigzag_q1_kv0_docs", "empty_rows", "empty_rows_finite_lse", "slash_run_l9_r-4_gqa",
-              "head_bands_gqa", "head_bands_docs_zigzag", "split_head_bands_gqa", "head_bands_keys_gqa",
+              "stripe_rest_b4_45x29_gqa", "head_bands_gqa", "head_bands_docs_zigzag", "split_head_bands_gqa", "head_bands_keys_gqa",
               "split_head_bands_keys_gqa",
               # the dk/dv kernel's q tiles split among programs (partial dk / dv summed by the host)
               "split_slash_run_l9_r-4_gqa", "split_window_docs_l5_r0_gqa_sbhd", "split_block_causal_b4_45x29"]

@@ -163,6 +163,10 @@ def cases() -> dict:
                                     positions=(ar(50), ar(0, 63, 3), None, None, HeadBands(
                                         torch.tensor([[50, 0], [50, -5], [6, -2], [50, 0]]),
                                         torch.rand(4, 21, generator=torch.Generator().manual_seed(1)) < 0.5))),
+        # a block_causal block's part above the diagonal of its stripes (masks.block.split_block_causal,
+        # stripe 4, 45 x 29): columns after the row in the row's stripe; each stripe's last row sees nothing
+        "stripe_rest_b4_45x29_gqa": dict(kind="positions", hq=4, hkv=2, sq=45, sk=29,
+                                         positions=(ar(45), ar(29), ar(45) // 4, ar(29) // 4, (-1, None))),
         "bf16_causal_gqa": dict(kind="causal", hq=4, hkv=2, sq=48, sk=48, dtype=torch.bfloat16),
         "bf16_window_docs_sbhd": dict(kind="positions", sq=48, sk=48, dtype=torch.bfloat16, sbhd=True,
                                       positions=(ar(48), ar(48), doc48, doc48, (5, 0))),

@@ -71,11 +71,14 @@ def _post_gathers(cfg: CPConfig, k: torch.Tensor, v: torch.Tensor, pieces, phase
 
 def _piece_masks(cfg: CPConfig, src: int, n: int, lo: int, hi: int, q_rows: Optional[int] = None):
     """(batch slice, region) of this rank's queries x rank ``src``'s key rows [lo, hi), in
-    piece-local kv rows."""
-    for bs, mask in cfg.blocks(cfg.rank, src, n, q_rows):
+    piece-local kv rows. Block-causal rectangles are cut to the piece first, then split
+    (:meth:`CPConfig.split`): their split parts are not cut."""
+    cut = []
+    for bs, mask in cfg.blocks(cfg.rank, src, n, q_rows, split=False):
         m = mask if (lo, hi) == (0, n) else mask.restrict_kv(lo, hi)
         if m.kind != "empty":
-            yield bs, m.shifted(0, -lo)
+            cut.append((bs, m.shifted(0, -lo)))
+    yield from cfg.split(cut)
 
 
 def allgather_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: CPConfig,

@@ -63,10 +63,6 @@ ACTIVATION_STREAM = 0
 GRADIENT_STREAM = 1
 
 TRAFFIC_KINDS = ("ring", "direct")
-# rows per part of a split block_causal block on CUDA (CPConfig.block_causal_chunk): the diagonal
-# squares (the Triton tile-mask kernel) hold 1 / (2 * rows / chunk) of the pairs, the full
-# rectangles (cuDNN) the rest, at 2 * rows / chunk kernel calls per block
-BLOCK_CAUSAL_CHUNK = 1024
 
 
 @dataclass
@@ -116,14 +112,12 @@ class CPConfig:
         return self.window is not None
 
     @property
-    def block_causal_chunk(self) -> Optional[int]:
-        """Rows per part when ``block_causal`` blocks split into full rectangles and diagonal
-        block-causal squares (:func:`~megatron_burst.masks.block.split_block_causal`): on CUDA
-        (fused dense ops for the bulk); None elsewhere (the CPU's fused op computes a whole block
-        with one dense mask either way) or before the kernel choice is resolved."""
-        if getattr(self.kernel, "device_type", None) != "cuda" or self.stripe <= 1:
-            return None
-        return max(BLOCK_CAUSAL_CHUNK // self.stripe, 1) * self.stripe
+    def splits_block_causal(self) -> bool:
+        """Whether ``block_causal`` blocks run as a ``causal`` block plus the rest of their diagonal
+        stripes (:func:`~megatron_burst.masks.block.split_block_causal`): on CUDA (a fused dense op
+        for nearly every pair); not elsewhere (the CPU's fused op computes a whole block with one
+        dense mask either way) or before the kernel choice is resolved."""
+        return getattr(self.kernel, "device_type", None) == "cuda" and self.stripe > 1
 
     @property
     def merge(self) -> Optional[tuple]:
@@ -144,14 +138,14 @@ class CPConfig:
             kinds = ("sparse",) if vertical_slash.dense_column_for(self.pattern.device) == 0 else ("sparse", "gather")
             # shared slash runs become dense positions blocks (vertical_slash.MAX_RUN_BLOCKS)
             return kinds + (("positions",) if vertical_slash.runs_apart_for(self.pattern.device) else ())
-        # block-striped: block_causal blocks, and the full parts they split into on CUDA
-        striped_blocks = ("block_causal", "full") if self.layout == "striped" and self.stripe > 1 else ()
+        # block-striped: block_causal blocks, and the causal + positions parts they split into on CUDA
+        striped_blocks = ("block_causal", "causal", "positions") if self.layout == "striped" and self.stripe > 1 else ()
         if self.documents is not None or self.window is not None:
-            return ("full", "causal") + striped_blocks + ("positions",)
+            return tuple(dict.fromkeys(("full", "causal") + striped_blocks + ("positions",)))
         if not self.causal:
             return ("full",)
         if self.layout == "striped":  # the diagonal block is causal; stripes of width > 1 off it
-            return ("causal",) + striped_blocks
+            return tuple(dict.fromkeys(("causal",) + striped_blocks))
         return ("full", "causal")
 
     @property
@@ -162,15 +156,16 @@ class CPConfig:
     def world_size(self) -> int:
         return self.topology.world_size
 
-    def blocks(self, q_member: int, kv_member: int, member_len: int, q_rows: Optional[int] = None
-               ) -> list[tuple[slice, BlockMask]]:
+    def blocks(self, q_member: int, kv_member: int, member_len: int, q_rows: Optional[int] = None,
+               split: bool = True) -> list[tuple[slice, BlockMask]]:
         """(batch slice, visible rectangle) pairs of a block pair; [] means skip it (no kernel call).
 
         The pair is (queries of ring member ``q_member``) x (keys of ``kv_member``), each block
         ``member_len`` tokens. Without Ulysses (``ulysses_size`` U = 1) a member is a CP rank; with
         it, a member's block is U CP-rank shards of member_len / U tokens in CP-rank order (after
         the all-to-all) and the pair is the U x U grid of shard pairs, each shifted into place.
-        Document masks (``documents``) apply the same way per shard pair.
+        Document masks (``documents``) apply the same way per shard pair. ``split=False``: block_causal
+        rectangles stay whole (a caller that cuts them first applies :meth:`split` itself).
         """
         U = self.ulysses_size
         if self.pattern is not None:
@@ -180,8 +175,9 @@ class CPConfig:
                                   self.stripe, q_rows, documents=self.documents, window=self.window)
         merge = self.merge
         if U == 1:
-            return self._split(visible_blocks(self.documents, self.layout, q_member, kv_member, self.world_size,
-                                              member_len, self.causal, self.stripe, q_rows, self.window, merge))
+            out = visible_blocks(self.documents, self.layout, q_member, kv_member, self.world_size, member_len,
+                                 self.causal, self.stripe, q_rows, self.window, merge)
+            return self.split(out) if split else out
         if q_rows is not None:
             raise ValueError("selective row recompute (q_rows) is not available under Ulysses/USP")
         n, cp_world = member_len // U, self.world_size * U
@@ -192,15 +188,13 @@ class CPConfig:
                                             cp_world, n, self.causal, self.stripe, window=self.window,
                                             merge=merge):
                     out.append((bs, m.shifted(a * n, b * n)))
-        return self._split(out)
+        return self.split(out) if split else out
 
-    def _split(self, blocks: list) -> list:
-        """``blocks`` with block_causal rectangles split per :attr:`block_causal_chunk` (when set)."""
-        chunk = self.block_causal_chunk
-        if chunk is None or not any(m.kind == "block_causal" for _, m in blocks):
+    def split(self, blocks: list) -> list:
+        """``blocks`` with block_causal rectangles split (see :attr:`splits_block_causal`; when set)."""
+        if not self.splits_block_causal or not any(m.kind == "block_causal" for _, m in blocks):
             return blocks
-        return [(bs, part) for bs, m in blocks for part in split_block_causal(m, chunk)]
-
+        return [(bs, part) for bs, m in blocks for part in split_block_causal(m)]
 
     def _placement_table(self) -> "np.ndarray":
         if self._pair_table is None:

@@ -15,6 +15,7 @@ This module imports nothing else from the package.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -241,29 +242,35 @@ def positions_visibility(q_pos: Optional[torch.Tensor], kv_pos: Optional[torch.T
     return vis
 
 
-def split_block_causal(mask: BlockMask, chunk: int) -> list[BlockMask]:
-    """A ``block_causal`` rectangle as full rectangles and small block-causal squares on the diagonal.
+def split_block_causal(mask: BlockMask) -> list[BlockMask]:
+    """A ``block_causal`` rectangle as one ``causal`` rectangle and the rest of its diagonal stripes.
 
-    Rows [c*chunk, (c+1)*chunk) of the rectangle (offsets from its origin; ``chunk`` a multiple of
-    ``mask.block``) see every column before c*chunk entirely (a ``full`` part: a fused dense op) and
-    the columns [c*chunk, (c+1)*chunk) block-causally (a ``block_causal`` square: the tile-mask
-    kernel), nothing after. The parts tile the visible set exactly, each pair once; their outputs
-    merge as any blocks of a pair do. Other kinds, and rectangles of at most ``chunk`` rows, come
-    back as they are. Why: on a GPU the fused dense op runs the bulk of the pairs (cuDNN ~1.7x the
-    Triton kernel per pair), the tile mask only 1 / (2 * rows / chunk) of them.
+    In rectangle offsets, block-causal (i // b >= j // b) is causal (i >= j) plus, inside each
+    diagonal stripe square, the pairs above its diagonal (i < j, i // b == j // b). The first part is
+    a ``causal`` block of the same rectangle (one fused dense call: cuDNN / flash on CUDA, any
+    shape, top-left aligned); the second a ``positions`` block (positions = offsets, documents =
+    stripes, band (-1, None): columns after the row, same stripe) of b (b - 1) / 2 pairs per stripe
+    -- the Triton masked kernel walks only the diagonal tiles. Each visible pair is in exactly one
+    part; their outputs merge as any blocks of a pair do (each stripe's last row sees nothing in the
+    second part: out 0, lse -inf). Why: on a GPU nearly every pair then runs in one cuDNN call
+    instead of a Triton tile-mask kernel (~1.7x slower per pair on an H100). Other kinds, and
+    block 1 (block-causal is causal), come back as they are.
     """
-    rows, cols = mask.q_stop - mask.q_start, mask.kv_stop - mask.kv_start
-    if mask.kind != "block_causal" or rows <= chunk:
+    if mask.kind != "block_causal":
         return [mask]
-    if chunk % mask.block:
-        raise ValueError(f"split_block_causal: chunk {chunk} must be a multiple of the block {mask.block}")
-    parts = []
-    for r0 in range(0, rows, chunk):
-        r1 = min(r0 + chunk, rows)
-        q0, q1 = mask.q_start + r0, mask.q_start + r1
-        if r0 > 0 and cols > 0:
-            parts.append(BlockMask("full", q0, q1, mask.kv_start, mask.kv_start + min(r0, cols)))
-        if r0 < cols:
-            parts.append(BlockMask("block_causal", q0, q1, mask.kv_start + r0, mask.kv_start + min(r0 + chunk, cols),
-                                   mask.block))
-    return parts
+    causal = BlockMask("causal", mask.q_start, mask.q_stop, mask.kv_start, mask.kv_stop)
+    rows, cols = mask.q_stop - mask.q_start, mask.kv_stop - mask.kv_start
+    if mask.block == 1 or rows == 0 or cols == 0:
+        return [causal]
+    q_pos, kv_pos, q_doc, kv_doc = _stripe_vectors(rows, cols, mask.block)
+    upper = BlockMask("positions", mask.q_start, mask.q_stop, mask.kv_start, mask.kv_stop, 1, q_pos, kv_pos, q_doc,
+                      kv_doc, band=(-1, None))
+    return [causal, upper]
+
+
+@functools.lru_cache(maxsize=64)
+def _stripe_vectors(rows: int, cols: int, block: int) -> tuple[torch.Tensor, ...]:
+    """(q_pos, kv_pos, q_doc, kv_doc) of :func:`split_block_causal`'s second part: offsets and stripe
+    ids (CPU LongTensors). Cached: the same objects every step, so kernels' per-block caches hit."""
+    q_pos, kv_pos = torch.arange(rows), torch.arange(cols)
+    return q_pos, kv_pos, q_pos // block, kv_pos // block
