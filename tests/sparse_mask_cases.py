@@ -132,13 +132,17 @@ def run_mask_cases(layout: str, stripe: int, local_len: int, algos=("burst", "ri
             res = {n: (a.double() - sh(e)).abs().max().item() for n, a, e in zip(("out", "dq", "dk", "dv"), got, ref)}
             res["scale"] = {n: e.abs().max().item() for n, e in zip(("out", "dq", "dk", "dv"), ref)}
             res.update(algo=algo, mask=name, finite=all(bool(torch.isfinite(t).all()) for t in got))
+            pair_blocks = [vertical_slash.pattern_blocks(used, layout, q_rank, kv_rank, W, local_len, stripe,
+                                                         documents=None if cu is None else check_cu_seqlens(cu, seq, b),
+                                                         window=window)
+                           for q_rank in range(W) for kv_rank in range(W)]
             res["kinds"] = sorted({m.kind + (" per head" if isinstance(m.band, HeadBands) else "")
                                    + (" gathered" if m.kv_index is not None else "")
-                                   for q_rank in range(W) for kv_rank in range(W) for _, m in
-                                   vertical_slash.pattern_blocks(used, layout, q_rank, kv_rank, W, local_len, stripe,
-                                                                 documents=None if cu is None else
-                                                                 check_cu_seqlens(cu, seq, b),
-                                                                 window=window)})
+                                   + (" holes" if isinstance(m.band, HeadBands) and m.band.holes is not None else "")
+                                   for blocks in pair_blocks for _, m in blocks})
+            # gathered (vertical-line) blocks per pair and sample group: one, its runs cut out as holes
+            res["gathered_per_pair"] = max((sum(1 for bs2, m in blocks if m.kv_index is not None and bs2 == bs)
+                                            for blocks in pair_blocks for bs, _ in blocks), default=0)
             vis_all = torch.stack(vis_parts)
             res["sparsity"] = 1 - vis_all.sum().item() / (b * hq * seq * (seq + 1) / 2)
             res["empty_rows"] = int((~vis_all.any(-1)).sum())

@@ -200,15 +200,19 @@ def test_pattern_with_documents_and_window_exact(W, layout, stripe):
 @pytest.mark.parametrize("W,layout,stripe", [(1, "contiguous", 1), (2, "zigzag", 1), (3, "striped", 16)])
 def test_shared_runs_as_dense_blocks_exact(W, layout, stripe):
     """A pattern whose heads share a band, pools and vertical lines, planned as on CUDA (runs and
-    the vertical keys as positions blocks, no sparse tiles), ring and burst, with documents and a
-    window: exact against the dense reference, rows that see nothing get 0; at W = 2 its recorded
-    schedule completes under NCCL's rules."""
+    the vertical keys as positions blocks, no sparse tiles; the vertical keys in one block per pair,
+    the runs cut out of it as holes), ring and burst, with documents and a window: exact against the
+    dense reference, rows that see nothing get 0; at W = 2 its recorded schedule completes under
+    NCCL's rules."""
     rows = run_ranks(W, smc.run_mask_cases, layout, stripe, 72 if W < 3 else 80, seed=W, shared_runs=True,
                      masks=smc.MASKS[:3], replay=W == 2)
+    kinds = set()
     for per_rank in rows:
         for res in per_rank:
-            assert set(res["kinds"]) <= {"positions", "positions gathered"}, res["kinds"]
+            kinds |= set(res["kinds"])
+            assert res["gathered_per_pair"] <= 1, res["gathered_per_pair"]  # one lines block, runs as holes
             assert all(ok for ok, _, _ in res.get("replay", [(True, "", 0)])), res["replay"]
+    assert kinds == {"positions", "positions per head gathered holes"}, kinds
     assert any(res["empty_rows"] for res in rows[0])
     _check(rows, f"shared runs {layout}/{stripe} W={W}")
 
@@ -217,13 +221,14 @@ def test_shared_runs_as_dense_blocks_exact(W, layout, stripe):
 def test_per_head_runs_as_dense_blocks_exact(W, layout, stripe):
     """The heads' own lines (mask_pattern: a band per head, the last head's shifted), planned as on
     CUDA: each head's band in per-head positions blocks (HeadBands), its vertical lines gathered in
-    per-head blocks at the offsets outside the band (HeadBands.keys), the isolated offsets in sparse
+    one per-head block at the offsets outside the band (HeadBands.keys, the runs as holes), the isolated offsets in sparse
     tiles without the lines' pairs; ring and burst with documents and windows: exact against the
     dense reference."""
     rows = run_ranks(W, smc.run_mask_cases, layout, stripe, 80 if layout == "striped" else 72, seed=W,
                      runs_apart=True, masks=smc.MASKS[:3])
     kinds = {kind for per_rank in rows for res in per_rank for kind in res["kinds"]}
-    assert kinds == {"positions per head", "positions per head gathered", "sparse"}, kinds
+    assert kinds == {"positions per head", "positions per head gathered holes", "sparse"}, kinds
+    assert all(res["gathered_per_pair"] <= 1 for per_rank in rows for res in per_rank)
     _check(rows, f"per-head runs {layout}/{stripe} W={W}")
 
 

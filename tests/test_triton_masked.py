@@ -27,8 +27,8 @@ FP32_CASES = ["full_37x53", "full_53x37_gqa_d24", "causal_37x53", "causal_53x37_
               "causal_dv_differs", "block_causal_b4_37", "block_causal_b4_45x29", "docs_only",
               "window_docs_l5_r0_gqa_sbhd", "band_l3_r2", "offset_q40_79_kv0_39", "offset_q40_79_kv20_59",
               "zigzag_diag_gqa", "zigzag_q1_kv0_docs", "empty_rows", "empty_rows_finite_lse", "slash_run_l9_r-4_gqa",
-              "stripe_rest_b4_45x29_gqa", "head_bands_gqa", "head_bands_docs_zigzag", "split_head_bands_gqa", "head_bands_keys_gqa",
-              "split_head_bands_keys_gqa",
+              "stripe_rest_b4_45x29_gqa", "head_bands_gqa", "head_bands_holes_gqa", "head_bands_holes_keys_docs", "head_bands_docs_zigzag", "split_head_bands_gqa", "head_bands_keys_gqa",
+              "split_head_bands_keys_gqa", "split_head_bands_holes_keys_docs",
               # the dk/dv kernel's q tiles split among programs (partial dk / dv summed by the host)
               "split_slash_run_l9_r-4_gqa", "split_window_docs_l5_r0_gqa_sbhd", "split_block_causal_b4_45x29"]
 LOW_CASES = ["bf16_causal_gqa", "bf16_window_docs_sbhd", "fp16_full_d24"]
@@ -212,10 +212,10 @@ def test_bad_mask_arguments_name_the_problem():
 
 def test_every_block_the_engine_produces(interpreted):
     """The CP engine's own BlockMasks (documents and windows under zigzag, block-striped, THD, a
-    two-sided window, a sparse pattern's slash runs and gathered vertical keys) through the
-    dispatcher: the Triton kernel equals the reference."""
+    two-sided window, a sparse pattern's slash runs and its gathered vertical keys with the runs
+    cut out as holes) through the dispatcher: the Triton kernel equals the reference."""
     r = interpreted["engine_blocks"]
-    assert {"full", "causal", "block_causal", "positions", "positions gathered",
+    assert {"full", "causal", "block_causal", "positions", "positions gathered per head holes",
             "positions per head"} <= set(r["kinds"]), r["kinds"]
     assert r["worst"] <= 1e-5, r
 

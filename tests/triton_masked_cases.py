@@ -167,6 +167,19 @@ def cases() -> dict:
         # stripe 4, 45 x 29): columns after the row in the row's stripe; each stripe's last row sees nothing
         "stripe_rest_b4_45x29_gqa": dict(kind="positions", hq=4, hkv=2, sq=45, sk=29,
                                          positions=(ar(45), ar(29), ar(45) // 4, ar(29) // 4, (-1, None))),
+        # holes (HeadBands.holes): offsets a head's band covers but another block holds (slash runs);
+        # head 0 offsets 0..3 and 20..27 cut out, head 1 none (padding), head 2 10..40, head 3 all of them
+        "head_bands_holes_gqa": dict(kind="positions", hq=4, hkv=2, sq=50, sk=47,
+                                     positions=(ar(50), ar(47), None, None, HeadBands(
+                                         torch.tensor([[60, 0], [60, 0], [60, 0], [60, 0]]), None,
+                                         torch.tensor([[[0, 3], [20, 27]], [[1, 0], [1, 0]], [[10, 40], [1, 0]],
+                                                       [[0, 60], [1, 0]]])))),
+        # gathered keys (every third position), per-head keys, documents and holes together
+        "head_bands_holes_keys_docs": dict(kind="positions", hq=4, hkv=2, sq=50, sk=21,
+                                           positions=(ar(50), ar(0, 63, 3), docs(30, 20), docs(11, 10), HeadBands(
+                                               torch.tensor([[50, 0], [50, -2], [9, 0], [50, 0]]),
+                                               torch.rand(4, 21, generator=torch.Generator().manual_seed(2)) < 0.6,
+                                               torch.tensor([[[3, 5]], [[0, 8]], [[1, 0]], [[12, 20]]])))),
         "bf16_causal_gqa": dict(kind="causal", hq=4, hkv=2, sq=48, sk=48, dtype=torch.bfloat16),
         "bf16_window_docs_sbhd": dict(kind="positions", sq=48, sk=48, dtype=torch.bfloat16, sbhd=True,
                                       positions=(ar(48), ar(48), doc48, doc48, (5, 0))),
@@ -219,10 +232,11 @@ def compile_for_gpu(kernel: str, dtype: torch.dtype, d: int, capability: int = 9
     fn = triton_masked._kernels()[NAMES_OF_KERNELS[kernel]]
     opts = triton_masked.launch_options(kernel, {dtype}, d, d, interpret=False)
     warps, stages = opts.pop("num_warps"), opts.pop("num_stages")
-    opts.update(flags or dict(POS=2, HAS_LEFT=True, HAS_RIGHT=True, HAS_DOC=True, PER_HEAD=True, HAS_KEYS=True))
+    opts.update(flags or dict(POS=2, HAS_LEFT=True, HAS_RIGHT=True, HAS_DOC=True, PER_HEAD=True, HAS_KEYS=True,
+                              HAS_HOLES=True))
     elem = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     pointers = {"Q": elem, "K": elem, "V": elem, "DO": elem, "RANGES": "i32", "QKEY": "i32", "KKEY": "i32",
-                "QDOC": "i32", "KDOC": "i32", "HBAND": "i32", "HKEYS": "i8", "OUT": "fp32", "LSE": "fp32", "DELTA": "fp32", "DQ": "fp32",
+                "QDOC": "i32", "KDOC": "i32", "HBAND": "i32", "HKEYS": "i8", "HHOLES": "i32", "OUT": "fp32", "LSE": "fp32", "DELTA": "fp32", "DQ": "fp32",
                 "DK": "fp32", "DV_": "fp32"}
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -312,7 +326,8 @@ def engine_blocks() -> dict:
                     if mask.kind not in triton_masked.KINDS:  # a pattern's sparse tiles: another kernel
                         continue
                     kinds.add(mask.kind + (" gathered" if mask.kv_index is not None else "")
-                              + (" per head" if isinstance(mask.band, HeadBands) else ""))
+                              + (" per head" if isinstance(mask.band, HeadBands) else "")
+                              + (" holes" if isinstance(mask.band, HeadBands) and mask.band.holes is not None else ""))
                     q, do = torch.randn(1, 4, n, 16, generator=g), torch.randn(1, 4, n, 16, generator=g)
                     k, v = torch.randn(1, 2, n, 16, generator=g), torch.randn(1, 2, n, 16, generator=g)
                     D, lse = torch.randn(1, 4, n, generator=g), torch.randn(1, 4, n, generator=g) + 4
@@ -342,7 +357,7 @@ def main() -> None:
     triton_masked.DKDV_PROGRAMS, triton_masked.DKDV_SPLIT_TILES = 1 << 20, 1
     try:
         for name in ("slash_run_l9_r-4_gqa", "window_docs_l5_r0_gqa_sbhd", "block_causal_b4_45x29", "head_bands_gqa",
-                     "head_bands_keys_gqa"):
+                     "head_bands_keys_gqa", "head_bands_holes_keys_docs"):
             if not only or f"split_{name}" in only:
                 results[f"split_{name}"] = run_case(**cases()[name])
     finally:

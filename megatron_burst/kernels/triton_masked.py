@@ -14,7 +14,10 @@ document-equality test; row i sees column j iff
 * ``full``: no condition;
 * ``causal``: keys are the indices, right = 0 (i >= j, top-left aligned, any sq x sk);
 * ``block_causal``: keys are index // block, right = 0;
-* ``positions``: keys are the given global positions and (left, right) the band; documents when given.
+* ``positions``: keys are the given global positions and (left, right) the band; documents when given;
+  with :class:`~megatron_burst.masks.block.HeadBands` a band per query head, optionally per-head
+  column flags (``keys``) and holes (offset intervals qkey - kkey in [lo, hi] cut out of the band;
+  a tile skips each hole its range of offsets misses; every tile then evaluates the mask).
 
 The kernels get the kind as constexpr flags (where the keys come from: none, ``index // div``
 computed in the kernel, or loaded from a vector; which bounds exist; documents or not) and the
@@ -177,6 +180,19 @@ def _visible(qk, kk, qd, kd, left, right, POS: tl.constexpr, HAS_LEFT: tl.conste
     return vis
 
 
+def _cut_holes(vis, diff, HOLES_H, n_holes):
+    """``vis`` without the offsets ``diff`` (row key - column key) inside this head's holes
+    (HOLES_H: n_holes (lo, hi) pairs); a hole that misses the tile's range of offsets is skipped."""
+    d_min = tl.min(tl.min(diff, axis=1), axis=0)
+    d_max = tl.max(tl.max(diff, axis=1), axis=0)
+    for j in range(n_holes):
+        lo = tl.load(HOLES_H + 2 * j)
+        hi = tl.load(HOLES_H + 2 * j + 1)
+        if (lo <= d_max) & (hi >= d_min):
+            vis = vis & ((diff < lo) | (diff > hi))
+    return vis
+
+
 def _operand(x, dt, MODE: tl.constexpr):
     """A computed fp32 tile (P or dS) as a tl.dot operand: MODE 0 fp32, 1 cast to the 16-bit input
     dtype ``dt``, 2 / 3 rounded to bf16 / fp16 but kept in fp32 (the interpreter's emulation of 1)."""
@@ -193,12 +209,12 @@ def _operand(x, dt, MODE: tl.constexpr):
     return y
 
 
-def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, KEEP, div, left, right, SK,
-               scale2, t_lo, t_hi,
+def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, KEEP, HOLES_H, n_holes, div, left,
+               right, SK, scale2, t_lo, t_hi,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, POS: tl.constexpr, HAS_LEFT: tl.constexpr,
                HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr, WIDEN: tl.constexpr, MODE: tl.constexpr,
-               PRECISION: tl.constexpr, HAS_KEYS: tl.constexpr):
+               PRECISION: tl.constexpr, HAS_KEYS: tl.constexpr, HAS_HOLES: tl.constexpr):
     """Online-softmax steps over kv tiles [t_lo, t_hi); MASKED evaluates the mask (and the column
     bound), else every column of every tile is visible to every row."""
     arange_n = tl.arange(0, BLOCK_N)
@@ -224,6 +240,8 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, K
             vis = _visible(rk, ck[None, :], rd, cd, left, right, POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, n_ok[None, :])
             if HAS_KEYS:  # this head's own columns of the block
                 vis = vis & (tl.load(KEEP + offs_n, mask=n_ok, other=0) != 0)[None, :]
+            if HAS_HOLES:
+                vis = _cut_holes(vis, rk - ck[None, :], HOLES_H, n_holes)
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # a row with nothing seen yet keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN
@@ -239,11 +257,12 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, K
     return acc, l_i, m_i
 
 
-def _head_ranges(HBAND, RANGES, pid, h, HQ, left, right, PER_HEAD: tl.constexpr, HAS_KEYS: tl.constexpr):
+def _head_ranges(HBAND, RANGES, pid, h, HQ, left, right, PER_HEAD: tl.constexpr, HAS_KEYS: tl.constexpr,
+                 HAS_HOLES: tl.constexpr):
     """(left, right, t_lo, f_lo, f_hi, t_hi) of head ``h`` in the program of tile ``pid``: the band
     and tile ranges per head (HBAND [HQ, 2] bounds, RANGES [tiles, HQ, 4]) or the block's (scalars,
-    RANGES [tiles, 4]). With per-head column flags (HAS_KEYS) no tile is visible entire: the
-    unmasked middle range is empty, every tile masked."""
+    RANGES [tiles, 4]). With per-head column flags (HAS_KEYS) or holes (HAS_HOLES) no tile is known
+    to be visible entire: the unmasked middle range is empty, every tile masked."""
     if PER_HEAD:
         left = tl.load(HBAND + h * 2)
         right = tl.load(HBAND + h * 2 + 1)
@@ -257,17 +276,20 @@ def _head_ranges(HBAND, RANGES, pid, h, HQ, left, right, PER_HEAD: tl.constexpr,
     if HAS_KEYS:
         f_lo = t_hi
         f_hi = t_hi
+    if HAS_HOLES:
+        f_lo = t_hi
+        f_hi = t_hi
     return left, right, t_lo, f_lo, f_hi, t_hi
 
 
-def masked_fwd_kernel(Q, K, V, OUT, LSE, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND, HKEYS,
-                      scale2, left, right, div, HQ, GROUP, SQ, SK,
+def masked_fwd_kernel(Q, K, V, OUT, LSE, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND, HKEYS, HHOLES,
+                      scale2, left, right, div, n_holes, HQ, GROUP, SQ, SK,
                       sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh,
                       D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, POS: tl.constexpr,
                       HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr,
                       WIDEN: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, PER_HEAD: tl.constexpr,
-                      HAS_KEYS: tl.constexpr):
+                      HAS_KEYS: tl.constexpr, HAS_HOLES: tl.constexpr):
     """One (q tile, b * hq) program: OUT rows (fp32, 0 where nothing is seen) and LSE (natural log, -inf)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -288,22 +310,24 @@ def masked_fwd_kernel(Q, K, V, OUT, LSE, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND, 
     rd = rk
     if HAS_DOC:
         rd = tl.load(QDOC + offs_m, mask=m_ok, other=-1)[:, None]
-    left, right, t_lo, f_lo, f_hi, t_hi = _head_ranges(HBAND, RANGES, pid_m, h, HQ, left, right, PER_HEAD, HAS_KEYS)
+    left, right, t_lo, f_lo, f_hi, t_hi = _head_ranges(HBAND, RANGES, pid_m, h, HQ, left, right, PER_HEAD, HAS_KEYS,
+                                                       HAS_HOLES)
     keep = HKEYS + h * SK  # this head's column flags (HAS_KEYS)
+    holes = HHOLES + h * n_holes * 2  # this head's holes (HAS_HOLES)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, div, left, right,
-                               SK, scale2, t_lo, f_lo, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, POS, HAS_LEFT,
-                               HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, div, left, right,
-                               SK, scale2, f_lo, f_hi, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, POS, HAS_LEFT,
-                               HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, div, left, right,
-                               SK, scale2, f_hi, t_hi, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, POS, HAS_LEFT,
-                               HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, holes, n_holes,
+                               div, left, right, SK, scale2, t_lo, f_lo, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, POS,
+                               HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS, HAS_HOLES)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, holes, n_holes,
+                               div, left, right, SK, scale2, f_lo, f_hi, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, POS,
+                               HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS, HAS_HOLES)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, holes, n_holes,
+                               div, left, right, SK, scale2, f_hi, t_hi, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, POS,
+                               HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS, HAS_HOLES)
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -321,12 +345,12 @@ def _row_stats(LSE_ROW, DELTA_ROW, offs, ok):
     return lse, delta
 
 
-def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, KEEP, div, left, right, SK,
-              scale2, t_lo, t_hi,
+def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, KEEP, HOLES_H, n_holes, div,
+              left, right, SK, scale2, t_lo, t_hi,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, POS: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr, WIDEN: tl.constexpr, MODE: tl.constexpr,
-              PRECISION: tl.constexpr, HAS_KEYS: tl.constexpr):
+              PRECISION: tl.constexpr, HAS_KEYS: tl.constexpr, HAS_HOLES: tl.constexpr):
     """dq += dS.K over kv tiles [t_lo, t_hi) (unscaled), P recomputed from the given lse."""
     arange_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -352,6 +376,8 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KD
             vis = _visible(rk, ck[None, :], rd, cd, left, right, POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, n_ok[None, :])
             if HAS_KEYS:
                 vis = vis & (tl.load(KEEP + offs_n, mask=n_ok, other=0) != 0)[None, :]
+            if HAS_HOLES:
+                vis = _cut_holes(vis, rk - ck[None, :], HOLES_H, n_holes)
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -359,15 +385,15 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KD
     return dq
 
 
-def masked_bwd_dq_kernel(Q, K, V, DO, DELTA, LSE, DQ, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND, HKEYS,
-                         scale, scale2, left, right, div, HQ, GROUP, SQ, SK,
+def masked_bwd_dq_kernel(Q, K, V, DO, DELTA, LSE, DQ, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND, HKEYS, HHOLES,
+                         scale, scale2, left, right, div, n_holes, HQ, GROUP, SQ, SK,
                          sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos,
                          sDb, sDh, slb, slh, sdqb, sdqh, sdqs,
                          D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, POS: tl.constexpr,
                          HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr,
                          WIDEN: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, PER_HEAD: tl.constexpr,
-                      HAS_KEYS: tl.constexpr):
+                         HAS_KEYS: tl.constexpr, HAS_HOLES: tl.constexpr):
     """One (q tile, b * hq) program: DQ rows (fp32) = scale * sum over visible kv tiles of dS.K."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -391,30 +417,32 @@ def masked_bwd_dq_kernel(Q, K, V, DO, DELTA, LSE, DQ, RANGES, QKEY, KKEY, QDOC, 
     rd = rk
     if HAS_DOC:
         rd = tl.load(QDOC + offs_m, mask=m_ok, other=-1)[:, None]
-    left, right, t_lo, f_lo, f_hi, t_hi = _head_ranges(HBAND, RANGES, pid_m, h, HQ, left, right, PER_HEAD, HAS_KEYS)
+    left, right, t_lo, f_lo, f_hi, t_hi = _head_ranges(HBAND, RANGES, pid_m, h, HQ, left, right, PER_HEAD, HAS_KEYS,
+                                                       HAS_HOLES)
     keep = HKEYS + h * SK  # this head's column flags (HAS_KEYS)
+    holes = HHOLES + h * n_holes * 2  # this head's holes (HAS_HOLES)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, div, left, right, SK,
-                   scale2, t_lo, f_lo, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, POS, HAS_LEFT, HAS_RIGHT,
-                   HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, div, left, right, SK,
-                   scale2, f_lo, f_hi, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, POS, HAS_LEFT, HAS_RIGHT,
-                   HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, div, left, right, SK,
-                   scale2, f_hi, t_hi, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, POS, HAS_LEFT, HAS_RIGHT,
-                   HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, holes, n_holes, div,
+                   left, right, SK, scale2, t_lo, f_lo, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, POS, HAS_LEFT,
+                   HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS, HAS_HOLES)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, holes, n_holes, div,
+                   left, right, SK, scale2, f_lo, f_hi, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, POS, HAS_LEFT,
+                   HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS, HAS_HOLES)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, holes, n_holes, div,
+                   left, right, SK, scale2, f_hi, t_hi, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, POS, HAS_LEFT,
+                   HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS, HAS_HOLES)
     tl.store(DQ + b * sdqb + h * sdqh + rows * sdqs + offs_d[None, :], dq * scale,
              mask=m_ok[:, None] & (offs_d < D)[None, :])
 
 
 def _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, LSE_ROW, DELTA_ROW, sqs, sdos, QKEY, QDOC, keep_col,
-                div, left, right, SQ, scale2, t_lo, t_hi,
+                HOLES_H, n_holes, div, left, right, SQ, scale2, t_lo, t_hi,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, POS: tl.constexpr, HAS_LEFT: tl.constexpr,
                 HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr, WIDEN: tl.constexpr, MODE: tl.constexpr,
-                PRECISION: tl.constexpr, HAS_KEYS: tl.constexpr):
+                PRECISION: tl.constexpr, HAS_KEYS: tl.constexpr, HAS_HOLES: tl.constexpr):
     """dv += P^T.dO and dk += dS^T.Q (unscaled) over q tiles [t_lo, t_hi) of one query head, in the
     transposed orientation ([kv rows, q rows]) so both products take the kv tile as rows."""
     arange_m = tl.arange(0, BLOCK_M)
@@ -442,6 +470,8 @@ def _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, LSE_ROW, DELTA_ROW, sqs, 
             vis = _visible(rk[None, :], ck, rd, cd, left, right, POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, m_ok[None, :])
             if HAS_KEYS:
                 vis = vis & keep_col
+            if HAS_HOLES:
+                vis = _cut_holes(vis, rk[None, :] - ck, HOLES_H, n_holes)
             p_t = tl.where(vis, p_t, 0.0)
         dv = tl.dot(_operand(p_t, do.dtype, MODE), do, dv, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -450,15 +480,15 @@ def _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, LSE_ROW, DELTA_ROW, sqs, 
     return dk, dv
 
 
-def masked_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND, HKEYS,
-                           scale, scale2, left, right, div, HKV, GROUP, SQ, SK, SPLIT_TILES, sdk_split, sdv_split,
+def masked_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND, HKEYS, HHOLES,
+                           scale, scale2, left, right, div, n_holes, HKV, GROUP, SQ, SK, SPLIT_TILES, sdk_split, sdv_split,
                            sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos,
                            sDb, sDh, slb, slh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
                            D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, POS: tl.constexpr,
                            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr,
                            WIDEN: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, PER_HEAD: tl.constexpr,
-                      HAS_KEYS: tl.constexpr):
+                           HAS_KEYS: tl.constexpr, HAS_HOLES: tl.constexpr):
     """One (kv tile, b * hkv, q split) program: DK (fp32, scaled) and DV rows of the tile, summed over
     the GROUP query heads of its kv head and the q tiles of its split (q tiles [s * SPLIT_TILES,
     (s + 1) * SPLIT_TILES)) that can see it, in registers; split s writes its own slice of DK / DV_
@@ -490,7 +520,8 @@ def masked_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_, RANGES, QKEY, KKEY,
     for g in range(GROUP):
         h = hk * GROUP + g
         left_h, right_h, t_lo, f_lo, f_hi, t_hi = _head_ranges(HBAND, RANGES, pid_n, h, HKV * GROUP, left, right,
-                                                               PER_HEAD, HAS_KEYS)
+                                                               PER_HEAD, HAS_KEYS, HAS_HOLES)
+        holes = HHOLES + h * n_holes * 2  # this head's holes (HAS_HOLES)
         # this split's part of the three ranges (masked, full, masked): each clamped to [s_lo, s_hi)
         t_lo = tl.minimum(tl.maximum(t_lo, s_lo), s_hi)
         f_lo = tl.minimum(tl.maximum(f_lo, s_lo), s_hi)
@@ -504,21 +535,24 @@ def masked_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_, RANGES, QKEY, KKEY,
         lse_row = LSE + b * slb + h * slh
         delta_row = DELTA + b * sDb + h * sDh
         dk, dv = _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, lse_row, delta_row, sqs, sdos, QKEY, QDOC, keep_col,
-                             div, left_h, right_h, SQ, scale2, t_lo, f_lo, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True,
-                             POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS)
+                             holes, n_holes, div, left_h, right_h, SQ, scale2, t_lo, f_lo, D, DV, BLOCK_M, BLOCK_D,
+                             BLOCK_DV, True, POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS,
+                             HAS_HOLES)
         dk, dv = _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, lse_row, delta_row, sqs, sdos, QKEY, QDOC, keep_col,
-                             div, left_h, right_h, SQ, scale2, f_lo, f_hi, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, False,
-                             POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS)
+                             holes, n_holes, div, left_h, right_h, SQ, scale2, f_lo, f_hi, D, DV, BLOCK_M, BLOCK_D,
+                             BLOCK_DV, False, POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS,
+                             HAS_HOLES)
         dk, dv = _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, lse_row, delta_row, sqs, sdos, QKEY, QDOC, keep_col,
-                             div, left_h, right_h, SQ, scale2, f_hi, t_hi, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True,
-                             POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS)
+                             holes, n_holes, div, left_h, right_h, SQ, scale2, f_hi, t_hi, D, DV, BLOCK_M, BLOCK_D,
+                             BLOCK_DV, True, POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS,
+                             HAS_HOLES)
     tl.store(DK + split.to(tl.int64) * sdk_split + b * sdkb + hk * sdkh + cols * sdks + offs_d[None, :], dk * scale,
              mask=n_ok[:, None] & (offs_d < D)[None, :])
     tl.store(DV_ + split.to(tl.int64) * sdv_split + b * sdvb + hk * sdvh + cols * sdvs + offs_dv[None, :], dv,
              mask=n_ok[:, None] & (offs_dv < DV)[None, :])
 
 
-_HELPERS = ("_ld", "_keys", "_visible", "_operand", "_row_stats", "_head_ranges", "_fwd_tiles", "_dq_tiles",
+_HELPERS = ("_ld", "_keys", "_visible", "_cut_holes", "_operand", "_row_stats", "_head_ranges", "_fwd_tiles", "_dq_tiles",
             "_dkdv_tiles")
 _KERNELS = ("masked_fwd_kernel", "masked_bwd_dq_kernel", "masked_bwd_dkdv_kernel")
 _SOURCES = {name: globals()[name] for name in _HELPERS + _KERNELS}
@@ -584,6 +618,8 @@ class _Mask:
         self.div, self.qkey, self.kkey, self.qdoc, self.kdoc = 1, None, None, None, None
         self.head_bounds: Optional[torch.Tensor] = None  # [hq * 2] (left, right) per head (HeadBands)
         self.head_keys: Optional[torch.Tensor] = None  # [hq * sk] int8: each head's own columns (HeadBands.keys)
+        self.head_holes: Optional[torch.Tensor] = None  # [hq * n * 2] each head's excluded offsets (HeadBands.holes)
+        self.n_holes = 0
         self.left: Optional[int] = None
         self.right: Optional[int] = None
         self.pos = 0
@@ -627,6 +663,13 @@ class _Mask:
                     raise ValueError(f"positions: HeadBands.keys has shape {tuple(band.keys.shape)}; expected "
                                      f"[{band.heads}, {sk}] (heads, the block's columns)")
                 self.head_keys = band.keys.to(torch.int8).reshape(-1).to(device, non_blocking=True)
+            if band.holes is not None:
+                if band.holes.dim() != 3 or band.holes.shape[0] != band.heads or band.holes.shape[2] != 2:
+                    raise ValueError(f"positions: HeadBands.holes has shape {tuple(band.holes.shape)}; expected "
+                                     f"[{band.heads}, n, 2] (heads, holes, (lo, hi))")
+                if band.holes.shape[1]:
+                    self.n_holes = int(band.holes.shape[1])
+                    self.head_holes = on(band.holes.clamp(-limit, limit - 1).reshape(-1))
         elif q_pos is not None and (band[0] is not None or band[1] is not None):
             self.pos = 2
             self.qkey, self.kkey = on(q_pos), on(kv_pos)
@@ -648,7 +691,8 @@ class _Mask:
 
     def flags(self) -> dict:
         return dict(POS=self.pos, HAS_LEFT=self.left is not None, HAS_RIGHT=self.right is not None,
-                    HAS_DOC=self.has_doc, PER_HEAD=self.head_bounds is not None, HAS_KEYS=self.head_keys is not None)
+                    HAS_DOC=self.has_doc, PER_HEAD=self.head_bounds is not None, HAS_KEYS=self.head_keys is not None,
+                    HAS_HOLES=self.head_holes is not None)
 
     def ranges(self, outer: str, n_outer: int, n_inner: int, tile_outer: int, tile_inner: int,
                partial_ok: bool, device: torch.device) -> torch.Tensor:
@@ -678,12 +722,14 @@ class _Mask:
         return _tile_ranges(a, b, ad, bd, lo_off, hi_off, n_outer, n_inner, tile_outer, tile_inner, partial_ok)
 
     def vectors(self, dummy: torch.Tensor) -> tuple:
-        """(QKEY, KKEY, QDOC, KDOC, HBAND, HKEYS) kernel arguments; ``dummy`` stands in for absent ones."""
+        """(QKEY, KKEY, QDOC, KDOC, HBAND, HKEYS, HHOLES) kernel arguments; ``dummy`` stands in for absent ones."""
         return tuple(dummy if t is None else t for t in (self.qkey, self.kkey, self.qdoc, self.kdoc,
-                                                         self.head_bounds, self.head_keys))
+                                                         self.head_bounds, self.head_keys, self.head_holes))
 
     def scalars(self) -> tuple:
-        return (0 if self.left is None else self.left, 0 if self.right is None else self.right, self.div)
+        """(left, right, div, n_holes) kernel arguments."""
+        return (0 if self.left is None else self.left, 0 if self.right is None else self.right, self.div,
+                self.n_holes)
 
 
 _range_cache: dict[tuple, torch.Tensor] = {}

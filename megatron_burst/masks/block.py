@@ -31,6 +31,9 @@ class HeadBands:
     ``bounds[h]`` ([h, 2] int64 on the CPU, both bounded; left + right < 0: the head sees nothing).
     ``keys`` (optional, [h, columns] bool on the CPU): head h sees only the block's columns marked
     for it (a pattern's vertical lines, gathered for all heads, each head seeing its own).
+    ``holes`` (optional, [h, n, 2] int64 on the CPU): offsets q_pos - kv_pos in [lo, hi] that head h
+    does not see although its band covers them (a pattern's slash runs, which other blocks hold);
+    a hole with lo > hi is none (padding for heads with fewer).
     :attr:`envelope` = (max left, max right) bounds every head's band (host-side trimming reads it).
     Deliberately not a tuple: a kernel that unpacks ``left, right = band`` fails on it rather than
     running the envelope; the kernels that take it (reference, tiled, cpu_flash, triton_masked)
@@ -38,10 +41,11 @@ class HeadBands:
 
     bounds: torch.Tensor
     keys: Optional[torch.Tensor] = None
+    holes: Optional[torch.Tensor] = None
 
     def columns(self, start: int, stop: int) -> "HeadBands":
         """The same bands over the block's columns [start, stop) (``keys`` sliced)."""
-        return self if self.keys is None else HeadBands(self.bounds, self.keys[:, start:stop])
+        return self if self.keys is None else HeadBands(self.bounds, self.keys[:, start:stop], self.holes)
 
     @property
     def envelope(self) -> tuple[int, int]:
@@ -230,6 +234,10 @@ def positions_visibility(q_pos: Optional[torch.Tensor], kv_pos: Optional[torch.T
         vis = (diff >= -bounds[:, 1, None, None]) & (diff <= bounds[:, 0, None, None])
         if band.keys is not None:
             vis &= band.keys.to(device)[:, None, :]
+        if band.holes is not None:
+            for hole in band.holes.to(device).unbind(1):  # [h, 2]: one hole of every head
+                lo, hi = hole[:, 0, None, None], hole[:, 1, None, None]
+                vis &= (diff < lo) | (diff > hi)
     elif q_pos is not None:
         left, right = band
         diff = q_pos.to(device)[:, None] - kv_pos.to(device)[None, :]  # q_pos - kv_pos

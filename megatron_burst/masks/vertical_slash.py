@@ -83,9 +83,9 @@ PLAN_MASKS = 4
 # Slash runs as dense blocks. A pattern whose query heads share one set of lines, with at most
 # MAX_RUN_BLOCKS runs of consecutive slash offsets (MTraining picks slash offsets in pools of 64:
 # its patterns are a local band and a few pools), runs as "positions" blocks instead of sparse
-# tiles: one block per run [lo, hi] (every key at offset lo..hi: band (hi, -lo)) and one per gap
-# between runs over the gathered vertical keys (a pair on both a vertical line and a run is the
-# run's). Why: an isolated diagonal is 1/64 of the tile columns it adds to a 64-row query tile,
+# tiles: one block per run [lo, hi] (every key at offset lo..hi: band (hi, -lo)) and one over the
+# gathered vertical keys at the other offsets, the runs cut out as holes (a pair on both a vertical
+# line and a run is the run's). Why: an isolated diagonal is 1/64 of the tile columns it adds to a 64-row query tile,
 # and the block-sparse kernel gathers columns one by one; a band is a dense rectangle edge for
 # the fused masked kernels (torch's varlen flash with a window, or Triton). MEGATRON_BURST_SPARSE_RUNS
 # overrides the device rule (runs_apart_for) for measuring and for CPU tests of the GPU's plans.
@@ -962,15 +962,18 @@ def _cut(t: Optional[torch.Tensor], a: int, b: int) -> Optional[torch.Tensor]:
     return None if t is None else t[a:b]
 
 
-def run_blocks(shared: SharedRuns, q_pos: torch.Tensor, kv_pos: torch.Tensor,
+def run_blocks(shared: SharedRuns, q_pos: torch.Tensor, kv_pos: torch.Tensor, heads: int,
                cu_seqlens: Optional[Sequence[int]] = None, window: Window = None,
                device: Optional[torch.device] = None) -> list[BlockMask]:
     """The "positions" blocks of queries at ``q_pos`` x keys at ``kv_pos`` (CPU, increasing global
     positions) under a pattern split into shared runs: one per run [lo, hi] over every key (band
-    (hi, -lo)), one per gap between runs over the vertical keys (gathered: ``kv_index`` on
-    ``device``), each narrowed by ``window`` (its left bound) and ``cu_seqlens`` (document ids);
-    blocks no query sees anything of are left out. Together they hold every visible pair once:
-    a pair at an offset in a run is the run's; any other is a vertical line's, in its gap."""
+    (hi, -lo)), and one over the vertical keys (gathered: ``kv_index`` on ``device``) at every
+    offset from the first gap between runs on, the later runs cut out as holes (HeadBands.holes,
+    the same for all ``heads`` query heads; a plain band when no run lies inside), each narrowed by
+    ``window`` (its left bound) and ``cu_seqlens`` (document ids); blocks no query sees anything of
+    are left out. Together they hold every visible pair once: a pair at an offset in a run is the
+    run's; any other is a vertical line's. One lines block, not one per gap: one merge and one
+    kernel call per direction for all of them."""
     q_pos, kv_pos = q_pos.cpu().long(), kv_pos.cpu().long()
     q_doc, kv_doc = _doc_ids(cu_seqlens, q_pos, kv_pos)
     floor = key_floor(q_pos, cu_seqlens, window)
@@ -978,7 +981,7 @@ def run_blocks(shared: SharedRuns, q_pos: torch.Tensor, kv_pos: torch.Tensor,
     on_line = torch.isin(kv_pos, shared.vertical).nonzero().squeeze(1)
     out = []
 
-    def add(lo: int, hi: Optional[int], idx: Optional[torch.Tensor]) -> None:
+    def add(lo: int, hi: Optional[int], idx: Optional[torch.Tensor], holes: Optional[torch.Tensor] = None) -> None:
         left = hi if w_left is None else (w_left if hi is None else min(hi, w_left))
         keys = kv_pos if idx is None else kv_pos[idx]
         if (left is not None and left < lo) or not keys.numel():
@@ -999,13 +1002,19 @@ def run_blocks(shared: SharedRuns, q_pos: torch.Tensor, kv_pos: torch.Tensor,
             kv_start, kv_stop, kv_index = c0, c1, None
         else:
             kv_start, kv_stop, kv_index = 0, c1 - c0, idx[c0:c1].to(device or "cpu")
+        band = (left, -lo)
+        if holes is not None:  # per-head bands are bounded: the largest offset of the rectangle
+            reach = left if left is not None else max(0, int(q_pos[r1 - 1]) - int(keys[c0]))
+            band = HeadBands(torch.tensor([[reach, -lo]]).expand(heads, 2).clone(), None, holes)
         out.append(BlockMask("positions", r0, r1, kv_start, kv_stop, 1, q_pos[r0:r1], keys[c0:c1],
-                             _cut(q_doc, r0, r1), _cut(docs, c0, c1), band=(left, -lo), kv_index=kv_index))
+                             _cut(q_doc, r0, r1), _cut(docs, c0, c1), band=band, kv_index=kv_index))
 
     for lo, hi in shared.runs:
         add(lo, hi, None)
-    for lo, hi in shared.gaps():
-        add(lo, hi, on_line)
+    first = shared.gaps()[0][0]
+    inside = [(a, b) for a, b in shared.runs if a > first]
+    holes = torch.tensor(inside, dtype=torch.long).view(1, -1, 2).expand(heads, -1, -1).clone() if inside else None
+    add(first, None, on_line, holes)
     return out
 
 
@@ -1045,13 +1054,14 @@ def head_run_blocks(pattern: VerticalSlash, q_pos: torch.Tensor, kv_pos: torch.T
 def head_line_blocks(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, kv_pos: torch.Tensor,
                      cu_seqlens: Optional[Sequence[int]] = None, window: Window = None,
                      device: Optional[torch.device] = None) -> list[BlockMask]:
-    """The "positions" blocks of the pattern's vertical lines for queries at ``q_pos`` x keys at
+    """The "positions" block of the pattern's vertical lines for queries at ``q_pos`` x keys at
     ``kv_pos`` (CPU, increasing): the keys on any head's line, gathered (``kv_index`` on ``device``),
     each head seeing its own (:class:`HeadBands` ``keys``) at the offsets outside its long slash runs
-    (those pairs are the runs'): block g holds every head's g-th gap between runs as its band,
-    narrowed by ``window`` and ``cu_seqlens``, trimmed like :func:`head_run_blocks`. Every head's
-    program visits the union of the lines, as the sparse tiles do (a tile's columns are those any
-    head sees there), but with no bit mask to unpack and no plan to build."""
+    (those pairs are the runs'): each head's band runs from its first gap between runs to the
+    sequence's end, its later runs cut out as holes (``HeadBands.holes``), narrowed by ``window``
+    and ``cu_seqlens``, trimmed like :func:`head_run_blocks`. One block (a list of at most one):
+    every head's program visits the union of the lines, as the sparse tiles do (a tile's columns
+    are those any head sees there), but with no bit mask to unpack and no plan to build."""
     q_pos, kv_pos = q_pos.cpu().long(), kv_pos.cpu().long()
     S = seq_len
     on_line = pattern.lookup(S)[0].index_select(1, kv_pos.to(pattern.device)).cpu()  # [h, sk]
@@ -1061,33 +1071,37 @@ def head_line_blocks(pattern: VerticalSlash, seq_len: int, q_pos: torch.Tensor, 
     keys, kp = on_line[:, idx], kv_pos[idx]
     _, _, _, lo, hi = (t.cpu() for t in pattern.slash_runs())
     bounds_of_runs = list(zip(lo.tolist(), hi.tolist()))  # ordered by head, then lo
-    gaps, at = [], 0  # per head: the offset intervals outside its long runs, the last ending at S
+    runs, at = [], 0  # per head: its long runs, increasing
     for n in pattern.long_runs_per_head():
-        gaps.append(offset_gaps(bounds_of_runs[at:at + n], S))
+        runs.append(bounds_of_runs[at:at + n])
         at += n
+    first = [offset_gaps(r, S)[0][0] for r in runs]  # each head's first offset outside its runs
+    inside = [[(a, b) for a, b in r if a > f] for r, f in zip(runs, first)]  # its runs inside its band: holes
+    n_holes = max((len(x) for x in inside), default=0)
+    holes = None
+    if n_holes:
+        holes = torch.tensor([[1, 0]], dtype=torch.long).repeat(len(runs), n_holes, 1)  # lo > hi: no hole
+        for h, x in enumerate(inside):
+            if x:
+                holes[h, :len(x)] = torch.tensor(x, dtype=torch.long)
     q_doc, kv_doc = _doc_ids(cu_seqlens, q_pos, kp)
-    out = []
-    for g in range(max(len(x) for x in gaps)):
-        band = [(x[g][0], x[g][1]) if g < len(x) else (1, 0) for x in gaps]
-        g_lo = torch.tensor([a for a, _ in band])
-        g_hi = torch.tensor([b for _, b in band])
-        left = g_hi if window is None else torch.minimum(g_hi, torch.tensor(window[0]))
-        live = (left >= g_lo) & keys.any(1)
-        box = _band_rectangle(q_pos, kp, g_lo[live], left[live]) if bool(live.any()) else None
-        if box is None:
-            continue
-        r0, r1, c0, c1 = box
-        bounds = torch.stack([torch.where(live, left, -1), torch.where(live, -g_lo, 0)], 1)
-        out.append(BlockMask("positions", r0, r1, 0, c1 - c0, 1, q_pos[r0:r1], kp[c0:c1], _cut(q_doc, r0, r1),
-                             _cut(kv_doc, c0, c1), band=HeadBands(bounds, keys[:, c0:c1].clone()),
-                             kv_index=idx[c0:c1].to(device or "cpu")))
-    return out
+    g_lo = torch.tensor(first)
+    left = torch.full_like(g_lo, S) if window is None else torch.full_like(g_lo, min(S, window[0]))
+    live = (left >= g_lo) & keys.any(1)
+    box = _band_rectangle(q_pos, kp, g_lo[live], left[live]) if bool(live.any()) else None
+    if box is None:
+        return []
+    r0, r1, c0, c1 = box
+    bounds = torch.stack([torch.where(live, left, -1), torch.where(live, -g_lo, 0)], 1)
+    return [BlockMask("positions", r0, r1, 0, c1 - c0, 1, q_pos[r0:r1], kp[c0:c1], _cut(q_doc, r0, r1),
+                      _cut(kv_doc, c0, c1), band=HeadBands(bounds, keys[:, c0:c1].clone(), holes),
+                      kv_index=idx[c0:c1].to(device or "cpu"))]
 
 
 def dense_runs_per_head(pattern: VerticalSlash) -> bool:
     """Whether :func:`head_run_blocks` and :func:`head_line_blocks` take the pattern's long slash
     runs and vertical lines: no head has more than MAX_RUN_BLOCKS long runs (one block per run
-    index, and one per gap between them)."""
+    index, and one lines block with the runs as holes)."""
     return max(pattern.long_runs_per_head(), default=0) <= MAX_RUN_BLOCKS
 
 
@@ -1127,7 +1141,8 @@ def pattern_blocks(pattern: VerticalSlash, layout: str, q_rank: int, kv_rank: in
             if shared is not None or per_head:  # dense blocks (see MAX_RUN_BLOCKS)
                 q_pos = layout_indices_on(seq_len, q_rank, world_size, layout, stripe, "cpu")
                 kv_pos = layout_indices_on(seq_len, kv_rank, world_size, layout, stripe, "cpu")
-                dense = (run_blocks(shared, q_pos, kv_pos, bounds, window, pattern.device) if shared is not None
+                dense = (run_blocks(shared, q_pos, kv_pos, pattern.vertical.shape[0], bounds, window, pattern.device)
+                         if shared is not None
                          else head_run_blocks(pattern, q_pos, kv_pos, bounds, window)
                          + head_line_blocks(pattern, seq_len, q_pos, kv_pos, bounds, window, pattern.device))
             for m in dense:
