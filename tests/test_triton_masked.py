@@ -208,6 +208,15 @@ def test_bad_mask_arguments_name_the_problem():
         tm._Mask("positions", 1, None, 4, 4, "cpu")
     with pytest.raises(ValueError, match="takes kinds full, causal, block_causal, positions; got 'sparse'"):
         tm._Mask("sparse", 1, None, 4, 4, "cpu")
+    from megatron_burst.masks.block import HeadBands
+    two_heads = torch.tensor([[3, 0], [5, 0]])
+    with pytest.raises(ValueError, match=r"HeadBands.holes has shape \(2, 2\); expected \[2, n, 2\]"):
+        tm._Mask("positions", 1, (ar(4), ar(4), None, None, HeadBands(two_heads, None, torch.zeros(2, 2))), 4, 4, "cpu")
+    m = tm._Mask("positions", 1, (ar(4), ar(4), None, None, HeadBands(two_heads, None, torch.tensor(
+        [[[1, 2]], [[1, 0]]]))), 4, 4, "cpu")
+    assert m.flags()["HAS_HOLES"] and m.scalars()[3] == 1 and m.vectors(torch.zeros(1))[6].tolist() == [1, 2, 1, 0]
+    with pytest.raises(ValueError, match="HeadBands has 2 heads but q has 4 query heads"):
+        m.check_heads(4)
 
 
 def test_every_block_the_engine_produces(interpreted):

@@ -677,6 +677,12 @@ class _Mask:
         if q_doc is not None:
             self.qdoc, self.kdoc = on(q_doc), on(kv_doc)
 
+    def check_heads(self, hq: int) -> None:
+        """Per-head mask data must cover exactly the call's ``hq`` query heads (the kernels index it by head)."""
+        if self.head_bounds is not None and self.head_bounds.numel() != 2 * hq:
+            raise ValueError(f"positions: HeadBands has {self.head_bounds.numel() // 2} heads but q has {hq} "
+                             "query heads (one band per query head)")
+
     @staticmethod
     def _bound(x: int, small: bool) -> Optional[int]:
         """A band bound for keys in [0, KEY_LIMIT) (``small``): any bound >= KEY_LIMIT is no bound, and
@@ -838,6 +844,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str = "full
     lse = torch.full((b, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
     _check(q, k, v)
     mask = _Mask(kind, block, positions, sq, sk, q.device)
+    mask.check_heads(hq)
     if b * hq == 0 or sq == 0 or sk == 0:
         return out, lse
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
@@ -868,6 +875,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if dout.dtype not in DTYPES or tuple(dout.shape) != (b, hq, sq, dv):
         raise ValueError(f"dout {tuple(dout.shape)} {dout.dtype} does not fit q {tuple(q.shape)} v {tuple(v.shape)}")
     mask = _Mask(kind, block, positions, sq, sk, q.device)
+    mask.check_heads(hq)
     if b * hq == 0 or sq == 0 or sk == 0:
         return dq, dk, dvv
     q, k, v, dout = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(dout)
