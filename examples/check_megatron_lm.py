@@ -328,7 +328,38 @@ def main(argv: Optional[list] = None) -> int:
         got = run(cp, extra, step=False)
         ok = "error" in got and flag in got["error"]
         report(ok, f"refused at startup: CP={cp} {' '.join(extra)}: " + (got.get("error") or "BUILT (not refused)"))
+    for name, why in _e2e_flags():
+        report(why is None, f"e2e flags: {name} (examples/e2e_gpt_1b.py, 1.17B at 16K): "
+                            + (why or "accepted by Megatron-LM's parse_args and validate_args"))
     return 1 if failed else 0
+
+
+def _e2e_flags() -> list:
+    """(variant, None or the error) for each Megatron-LM variant of examples/e2e_gpt_1b.py: its flags
+    pass Megatron-LM's parse_args and validate_args with our extra_args_provider (in this process:
+    nothing is built), so the GPU run does not fail at startup on a flag."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import e2e_gpt_1b as e2e
+    from megatron.training import arguments
+
+    from megatron_burst.megatron import megatron_lm as burst_lm
+
+    arguments.get_device_arch_version = lambda: 9  # validate_args asks CUDA for the GPU generation (Hopper)
+    out, saved = [], sys.argv
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    try:
+        for name, extra in e2e.MLM_VARIANTS.items():
+            sys.argv = ["pretrain_gpt.py"] + e2e.mlm_flags(e2e.FULL, tempfile.gettempdir()) + extra
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    args = arguments.parse_args(extra_args_provider=partial(burst_lm.extra_args_provider, chained=None))
+                    arguments.validate_args(args, {})
+                out.append((name, None))
+            except (AssertionError, ValueError, SystemExit) as exc:
+                out.append((name, f"{type(exc).__name__}: {exc}"))
+    finally:
+        sys.argv = saved
+    return out
 
 
 if __name__ == "__main__":

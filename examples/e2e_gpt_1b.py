@@ -1,5 +1,7 @@
-"""End to end on one GPU: a ~1.2B-parameter GPT at 16K tokens, bf16, trained by
-``python -m megatron_burst.train`` with our attention and the fused LM loss, measured per variant.
+"""End to end on one GPU: a ~1.2B-parameter GPT at 16K tokens, bf16, trained by Megatron-LM's own
+``pretrain_gpt.py`` (core_v0.16.1 + patches/pretrain_gpt.patch, bundled in .mlm/ by
+scripts/mlm_bundle.sh) and by ``python -m megatron_burst.train``, with our attention and the fused
+LM loss, measured per variant.
 
     bash scripts/e2e_gpu.sh                 # on the GPU machine (installs megatron-core from .whl/)
     python examples/e2e_gpt_1b.py --out DIR [--variants ...] [--smoke]
@@ -24,7 +26,12 @@ recompute is not counted (model FLOPs, not hardware FLOPs). Iteration time: the 
 iterations after --warmup (the first builds the kernels' self-checks and the allocator's pool).
 Peak memory: torch.cuda.max_memory_allocated at the end (the trainer logs it on CUDA).
 
-Variants (each a fresh ``python -m megatron_burst.train`` process, so peaks and OOMs stay apart):
+Variants (each a fresh process, so peaks and OOMs stay apart). Through Megatron-LM's pretrain_gpt.py
+(what a Megatron-LM user runs; its own training loop, optimizer and logging; iteration time, its
+own TFLOP/s and ``max allocated`` parsed from its log; TE- and apex-free flags, ``mlm_flags``):
+  mlm_burst         --cp-algo burst --fused-lm-loss: our attention and fused loss
+  mlm_megatron_local  --cp-algo none (Megatron's own local attention and unfused loss), full recompute
+Through ``python -m megatron_burst.train``:
   burst             our engine (--cp-algo burst; at CP = 1 one fused kernel call per direction)
   burst_recompute   + Megatron's full recompute (uniform, 1 layer)
   burst_recompute_selckpt  + --seq-selective-ckpt-ratio 0.5: the first forward keeps (out, lse) of
@@ -70,6 +77,14 @@ VARIANTS = {
                        "--recompute-num-layers", "1"],
 }
 CORE_ATTENTION = {"sdpa": "sdpa", "megatron_local": "megatron_local"}  # the others keep our spec
+# Megatron-LM's own training loop: the patched pretrain_gpt.py of .mlm/ (scripts/mlm_bundle.sh), same model
+MLM_VARIANTS = {
+    "mlm_burst": ["--cp-algo", "burst", "--fused-lm-loss"],
+    "mlm_megatron_local": ["--cp-algo", "none", "--recompute-granularity", "full", "--recompute-method", "uniform",
+                           "--recompute-num-layers", "1"],
+}
+ALL_VARIANTS = list(VARIANTS) + list(MLM_VARIANTS)
+MLM_DIR = os.path.join(REPO, ".mlm")
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "B200": 2250e12, "A100": 312e12}
 
 
@@ -104,6 +119,39 @@ def train_flags(c: dict, data_dir: str) -> List[str]:
             "--lr", "1e-4", "--lr-decay-style", "constant", "--mock-data", "--tokenizer-type", "NullTokenizer",
             "--vocab-size", str(c["vocab"]), "--data-cache-path", data_dir, "--bf16", "--fused-lm-loss",
             "--cp-algo", "burst", "--log-interval", "1"]
+
+
+def mlm_flags(c: dict, data_dir: str) -> List[str]:
+    """The same model for Megatron-LM's pretrain_gpt.py (TransformerEngine- and apex-free: local
+    layers, no fusions that need them), logging every iteration's time, throughput and memory."""
+    return ["--num-layers", str(c["layers"]), "--hidden-size", str(c["hidden"]),
+            "--num-attention-heads", str(c["heads"]), "--group-query-attention", "--num-query-groups", str(c["groups"]),
+            "--kv-channels", str(c["kv_channels"]), "--ffn-hidden-size", str(c["ffn"]), "--swiglu",
+            "--normalization", "RMSNorm", "--disable-bias-linear", "--position-embedding-type", "rope",
+            "--seq-length", str(c["seq"]), "--max-position-embeddings", str(c["seq"]),
+            "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", str(c["iters"]),
+            "--lr", "1e-4", "--lr-decay-style", "constant", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", str(c["vocab"]), "--data-cache-path", data_dir, "--bf16", "--attention-dropout", "0",
+            "--hidden-dropout", "0", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+            "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--no-rope-fusion",
+            "--eval-iters", "0", "--eval-interval", str(10 ** 6), "--log-interval", "1", "--log-throughput",
+            "--log-memory-interval", "1"]
+
+
+_MLM_ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|"
+                       r"(?:.*?throughput per GPU \(TFLOP/s/GPU\): ([\d.]+) \|)?.*?lm loss: ([\d.eE+-]+) \|")
+_MLM_MEMORY = re.compile(r"\(after (\d+) iterations\) memory \(MB\) \| allocated: [\d.]+ \| max allocated: ([\d.]+)")
+
+
+def parse_mlm_log(text: str) -> Dict:
+    """Per-iteration seconds, Megatron-LM's own TFLOP/s per GPU and lm loss, and the largest
+    ``max allocated`` (bytes), from pretrain_gpt.py's log (training_log / report_memory lines)."""
+    rows = [(int(i), float(ms) / 1e3, float(tf) if tf else None, float(loss))
+            for i, ms, tf, loss in _MLM_ITER.findall(text)]
+    peaks = [float(mb) * 2 ** 20 for _, mb in _MLM_MEMORY.findall(text)]
+    return {"iterations": [r[0] for r in rows], "elapsed_s": [r[1] for r in rows],
+            "megatron_tflops": [r[2] for r in rows], "lm_loss": [r[3] for r in rows],
+            "max_memory_allocated_bytes": max(peaks) if peaks else None}
 
 
 # ------------------------------------------------------------------ worker: another core attention
@@ -168,6 +216,37 @@ def _worker(kind: str, argv: List[str]) -> None:
     main(argv)
 
 
+def _mlm_worker(argv: List[str]) -> None:
+    """Run .mlm/pretrain_gpt.py as ``python pretrain_gpt.py argv`` would, with Megatron-LM's two
+    start-up build steps fitted to a pip-installed megatron-core (the GPU machine's): the dataset
+    index helpers are not recompiled when the wheel ships them compiled (``helpers_cpp``; Megatron-LM
+    runs ``make`` in megatron/core/datasets, which a wheel has no Makefile for), and the legacy
+    fused-kernel loader, which in core_v0.16.1 builds no kernel but asks ``nvcc -V`` for the CUDA
+    version, is skipped where no nvcc is found. Neither changes what is computed."""
+    import runpy
+
+    import megatron.core.datasets.utils as dataset_utils
+    from megatron.legacy import fused_kernels
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+        dataset_utils.compile_helpers = lambda: print("> dataset index helpers: compiled in the megatron-core wheel")
+    except ImportError:
+        pass
+    real_load = fused_kernels.load
+
+    def load(args):
+        try:
+            real_load(args)
+        except (TypeError, OSError, subprocess.CalledProcessError) as exc:
+            print(f"> legacy fused kernels: none to build; nvcc not usable here ({type(exc).__name__}: {exc})")
+
+    fused_kernels.load = load
+    script = os.path.join(MLM_DIR, "pretrain_gpt.py")
+    sys.argv = [script] + argv
+    runpy.run_path(script, run_name="__main__")
+
+
 # ------------------------------------------------------------------ driver
 
 _ENV_PROBE = """
@@ -207,8 +286,65 @@ def _peak_flops(override: Optional[float], device: str) -> Optional[float]:
     return next((v for k, v in PEAK_BF16.items() if k in device), None)
 
 
+def run_mlm_variant(name: str, c: dict, args, log) -> Dict:
+    """One Megatron-LM variant: .mlm/pretrain_gpt.py in a fresh single-rank process (env:// rendezvous)."""
+    if name == "mlm_megatron_local":
+        c = {**c, "iters": min(c["iters"], c["warmup"] + 2)}
+    flags = mlm_flags(c, os.path.join(args.work, "data")) + MLM_VARIANTS[name]
+    result: Dict = {"variant": name, "flags": flags, "trainer": "Megatron-LM pretrain_gpt.py"}
+    script = os.path.join(MLM_DIR, "pretrain_gpt.py")
+    if not os.path.exists(script):
+        result.update(returncode="no .mlm", error=f"{script} missing: run `bash scripts/mlm_bundle.sh` here and carry .mlm")
+        return result
+    with open(os.path.join(MLM_DIR, "SOURCE")) as f:
+        result["megatron_lm"] = f.read().strip()
+    cmd = [sys.executable, os.path.abspath(__file__), "--mlm-worker", "--"] + flags
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1", "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+           "PYTHONPATH": os.pathsep.join([MLM_DIR, REPO, os.environ.get("PYTHONPATH", "")])}
+    log.write(f"\n=== {name}\n$ {' '.join(cmd)}\n")
+    log.flush()
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=MLM_DIR, env=env, capture_output=True, text=True, timeout=args.per_run_timeout)
+        rc, out, err = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, out, err = "timeout", exc.stdout or "", exc.stderr or ""
+        out, err = (x.decode() if isinstance(x, bytes) else x for x in (out, err))
+    result.update(returncode=rc, wall_s=round(time.perf_counter() - t0, 1))
+    log.write(out[-20000:] + ("\n--- stderr (tail)\n" + err[-6000:] if rc != 0 else ""))
+    log.flush()
+    parsed = parse_mlm_log(out)
+    if rc != 0 or not parsed["elapsed_s"]:
+        oom = "OutOfMemoryError" in err or "out of memory" in err.lower()
+        result["error"] = "out of GPU memory" if oom else ((err.strip().splitlines() or ["no iteration logged"])[-1][-500:])
+        if not parsed["elapsed_s"]:
+            return result
+    times = parsed["elapsed_s"]
+    steady = times[c["warmup"]:] or times[-1:]
+    step_s = sum(steady) / len(steady)
+    peak = parsed["max_memory_allocated_bytes"]
+    result.update({
+        "iteration_s": [round(t, 4) for t in times], "lm_loss": [round(x, 4) for x in parsed["lm_loss"]],
+        "step_s": round(step_s, 4), "tokens_per_s": round(c["seq"] / step_s, 1),
+        "tflops_per_s": round(flops_megatron(c) / step_s / 1e12, 1),
+        "megatron_tflops_per_gpu": parsed["megatron_tflops"],
+        "mfu": round(flops_megatron(c) / step_s / args.peak, 4) if args.peak else None,
+        "mfu_6n": round(flops_6n(c) / step_s / args.peak, 4) if args.peak else None,
+        "peak_memory_gib": round(peak / 2 ** 30, 2) if peak else None,
+    })
+    return result
+
+
 def run_variant(name: str, c: dict, args, log) -> Dict:
     """One variant in a fresh process; its metrics, time and memory figures."""
+    if name in MLM_VARIANTS:
+        return run_mlm_variant(name, c, args, log)
     metrics_file = os.path.join(args.work, f"{name}.metrics.json")
     if os.path.exists(metrics_file):
         os.remove(metrics_file)
@@ -266,18 +402,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "runs/e2e"), help="where results go (default $OUT)")
     p.add_argument("--work", default=None, help="metrics files and mock-data cache (default /tmp/e2e_work)")
     p.add_argument("--smoke", action="store_true", help="tiny model (runs on CPU): proves the pipeline end to end")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=None, choices=ALL_VARIANTS,
+                   help="default: mlm_burst first and mlm_megatron_local last when .mlm/ exists (Megatron-LM's "
+                        "pretrain_gpt.py: scripts/mlm_bundle.sh; CUDA only), the trainer's variants between")
     p.add_argument("--seq-length", type=int, default=None, help="override the sequence length")
     p.add_argument("--iters", type=int, default=None, help="iterations per variant")
     p.add_argument("--per-run-timeout", type=float, default=None, help="seconds per variant (default 120)")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak dense bf16 TFLOP/s for MFU")
     p.add_argument("--worker", choices=["sdpa", "megatron_local"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--mlm-worker", action="store_true", help=argparse.SUPPRESS)
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--mlm-worker"]:  # everything after "--" is pretrain_gpt.py's
+        _mlm_worker([a for a in argv[1:] if a != "--"])
+        return 0
     args, rest = p.parse_known_args(argv)
     if args.worker:
         _worker(args.worker, [a for a in rest if a != "--"])
         return 0
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.variants is None:
+        have_mlm = os.path.exists(os.path.join(MLM_DIR, "pretrain_gpt.py"))
+        args.variants = (["mlm_burst"] if have_mlm else []) + list(VARIANTS) + (["mlm_megatron_local"] if have_mlm else [])
     c = dict(SMOKE if args.smoke else FULL)
     if args.seq_length:
         c["seq"] = args.seq_length
@@ -300,6 +447,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             if name == "megatron_local" and not cuda:
                 summary["results"].append({"variant": name, "skipped": "needs CUDA: megatron.core's DotProductAttention "
                                            "allocates its score buffer on the current CUDA device"})
+            elif name in MLM_VARIANTS and not cuda:
+                summary["results"].append({"variant": name, "skipped": "needs CUDA: Megatron-LM's training loop"})
             else:
                 result = run_variant(name, c, args, log)
                 summary["results"].append(result)
@@ -309,7 +458,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 json.dump(summary, f, indent=1)
             os.replace(path + ".tmp", path)
     failed = [r["variant"] for r in summary["results"] if r.get("returncode") not in (0, None)
-              and r["variant"] != "megatron_local"]
+              and r["variant"] not in ("megatron_local", "mlm_megatron_local")]
     print(f"results: {path}" + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
     return 1 if failed else 0
 

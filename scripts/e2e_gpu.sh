@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # End to end on one GPU (issue I2 part 4): a 1.17B-parameter GPT (24 layers, hidden 2048, 16 heads /
-# 8 KV groups, SwiGLU, RMSNorm) at 16K tokens, bf16 (megatron.core Float16Module + DDP + fp32 main
-# params), trained by `python -m megatron_burst.train` with our attention and the fused LM loss; then
+# 8 KV groups, SwiGLU, RMSNorm) at 16K tokens, bf16, trained by Megatron-LM's pretrain_gpt.py
+# (core_v0.16.1 + our patch, from .mlm/: `bash scripts/mlm_bundle.sh` here first) with our attention
+# and fused loss (mlm_burst) and with Megatron's own attention (mlm_megatron_local, last); between
+# them by `python -m megatron_burst.train` (megatron.core Float16Module + DDP + fp32 main params); then
 # with full recompute, with full recompute + --seq-selective-ckpt-ratio 0.5, with torch SDPA as core
 # attention, and with megatron.core's own (local, TE-free) DotProductAttention. Per variant: tokens/s,
 # MFU, peak memory (formulas: examples/e2e_gpt_1b.py's docstring).
@@ -22,7 +24,8 @@
 #       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl megatron-core==0.16.1
 #   -> .whl/megatron_core-0.16.1-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl (2.6 MB);
 #      its requirements (torch, numpy, packaging) are already on the GPU machine.
-# Device call: run(command="bash scripts/e2e_gpu.sh $OUT", carry=[".whl"], timeout_s=450)
+# Megatron-LM's training side also imports pydantic (absent there): scripts/mlm_bundle.sh puts its wheels in .whl.
+# Device call: run(command="bash scripts/e2e_gpu.sh $OUT", carry=[".whl", ".mlm"], timeout_s=450)
 set -u
 OUT_DIR=${1:-${OUT:-/tmp/e2e_gpu}}
 shift || true
@@ -32,7 +35,7 @@ PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
 # fragmentation matters for the 16K-token runs (Megatron-LM recommends it too)
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-if ! $PY -c "import megatron.core" 2>/dev/null; then
+if ! $PY -c "import megatron.core, pydantic" 2>/dev/null; then
   ls .whl/megatron_core-*.whl >/dev/null 2>&1 || { echo "megatron-core is not installed and .whl/ has no wheel: see this script's header" >&2; exit 1; }
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

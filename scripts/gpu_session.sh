@@ -7,16 +7,19 @@
 # 1. benches: attention (sparse 64K, documents/windows, rank blocks, dense 32K: what is not yet
 #    re-measured first), fused loss (--quick,
 #    Liger / CCE), linear (fla) -- on a quiet GPU, in that order
-# 2. the whole GPU suite (tests/gpu: attention, sparse, fused loss, linear), xdist workers when installed
-# Shares of the budget: ATTN_BENCH_SHARE 25, LOSS_BENCH_SHARE 20, LINEAR_BENCH_SHARE 10, SUITE_SHARE 45,
+# 2. end to end (I2): the 1.17B GPT at 16K through Megatron-LM's pretrain_gpt.py with our attention and
+#    fused loss (examples/e2e_gpt_1b.py mlm_burst; needs .mlm from scripts/mlm_bundle.sh, carried)
+# 3. the whole GPU suite (tests/gpu: attention, sparse, fused loss, linear), xdist workers when installed
+# Shares of the budget: ATTN_BENCH_SHARE 25, LOSS_BENCH_SHARE 15, LINEAR_BENCH_SHARE 10, E2E_SHARE 15, SUITE_SHARE 35,
 # TUNE_SHARE 0 (scripts/gpu_tune_masked.py: Triton masked kernel launch configs) (percent; 0 skips a part); GPU_BENCH_ARGS, LINEAR_BENCH_ARGS, GPU_TEST_ARGS override each part's arguments.
-# Carry `.whl` (git-ignored): fla_core, flash_linear_attention, einops (I3); liger_kernel,
-# cut_cross_entropy (the loss bench's peers) and megatron_core, e.g.
+# Carry `.whl` and `.mlm` (git-ignored): fla_core, flash_linear_attention, einops (I3); liger_kernel,
+# cut_cross_entropy (the loss bench's peers), megatron_core and pydantic (+ its needs: scripts/mlm_bundle.sh,
+# which also writes .mlm, Megatron-LM's patched training side), e.g.
 #   pip download --no-deps -d .whl flash-linear-attention fla-core einops liger-kernel cut-cross-entropy
 #   pip download --no-deps -d .whl --python-version 3.12 --only-binary=:all: megatron-core==0.16.1
 # Outputs: OUT_DIR/session.log (versions; each part's start, exit status and seconds), gpu_test.log,
 # gpu_test_multi.log, gpu_failures.log (each failure as it happens),
-# bench_gpu.{jsonl,log}, bench_loss.log, bench_linear.jsonl (8 files: what a device call returns; the linear log goes to session.log;
+# bench_gpu.{jsonl,log}, bench_loss.log, bench_linear.jsonl, e2e/e2e_results.json (the e2e log: e2e/e2e.log; the linear log goes to session.log;
 # bench gpu / linear can redraw their plots here from the JSON lines).
 # scripts/gpu_check.sh and scripts/gpu_linear.sh run one family alone with a larger share.
 set -u
@@ -42,24 +45,29 @@ share() { echo $(( BUDGET * $1 / 100 )); }
 # the figures first, on a quiet GPU (bench timings), then the correctness suites (pytest-xdist workers
 # share the GPU when installed: first Triton compiles and rank spawns dominate, not GPU time)
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-8}")
-for pkg in liger_kernel:liger_kernel cut_cross_entropy:cut_cross_entropy megatron.core:megatron_core fla:fla_core fla:flash_linear_attention einops:einops; do
+for pkg in liger_kernel:liger_kernel cut_cross_entropy:cut_cross_entropy megatron.core:megatron_core fla:fla_core fla:flash_linear_attention einops:einops \
+           annotated_types:annotated_types typing_inspection:typing_inspection pydantic_core:pydantic_core pydantic:pydantic; do
   if ! $PY -c "import ${pkg%%:*}" 2>/dev/null && ls .whl/${pkg##*:}-*.whl >/dev/null 2>&1; then
     $PY -m pip install --quiet --no-deps .whl/${pkg##*:}-*.whl 2>&1 | tail -2
   fi
 done
+# pydantic 2.14 wants typing_extensions >= 4.16: the carried one where the image's is older
+$PY -c "import pydantic" 2>/dev/null || { ls .whl/typing_extensions-*.whl >/dev/null 2>&1 && $PY -m pip install --quiet --no-deps .whl/typing_extensions-*.whl 2>&1 | tail -2; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'triton', triton.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee -a "$OUT_DIR/session.log"
 part cudnn-probe 40 bash -o pipefail -c "$PY scripts/gpu_probe_cudnn.py 2>&1 | tee -a '$OUT_DIR/session.log'"
 part attention-bench $(share ${ATTN_BENCH_SHARE:-25}) bash -o pipefail -c "$PY -m megatron_burst.bench gpu --out '$OUT_DIR/bench_gpu.jsonl' \
   ${GPU_BENCH_ARGS:---sections sparse documents rank_block dense --seqs 32768 --doc-seqs 32768 --no-flex --repeats 5 --max-seconds 2} 2>&1 | tee '$OUT_DIR/bench_gpu.log'"
-part loss-bench $(share ${LOSS_BENCH_SHARE:-20}) bash -o pipefail -c "$PY -m megatron_burst.bench loss --quick --plot '' ${LOSS_BENCH_ARGS:-} 2>&1 | tee '$OUT_DIR/bench_loss.log'"
+part loss-bench $(share ${LOSS_BENCH_SHARE:-15}) bash -o pipefail -c "$PY -m megatron_burst.bench loss --quick --plot '' ${LOSS_BENCH_ARGS:-} 2>&1 | tee '$OUT_DIR/bench_loss.log'"
 part masked-tune $(share ${TUNE_SHARE:-0}) bash -o pipefail -c "$PY scripts/gpu_tune_masked.py --out '$OUT_DIR/tune_masked.jsonl' 2>&1 | tail -3"
 part linear-bench $(share ${LINEAR_BENCH_SHARE:-10}) bash -o pipefail -c "$PY -m megatron_burst.bench linear --gpu --out '$OUT_DIR/bench_linear.jsonl' \
   ${LINEAR_BENCH_ARGS:---seq 32768 --heads 16 --head-dim 128 --worlds 2 --repeats 5 --warmup 2 --max-seconds 2} 2>&1 | tee -a '$OUT_DIR/session.log'"
 # the multi-rank tests (W processes per test sharing the GPU) run serially beside the xdist run of
 # the rest: rank pools and xdist workers are kept apart
-part gpu-suite $(share ${SUITE_SHARE:-45}) bash -c "export GPU_TEST_FAILLOG='$OUT_DIR/gpu_failures.log'
+part e2e $(share ${E2E_SHARE:-15}) bash -o pipefail -c "$PY examples/e2e_gpt_1b.py --out '$OUT_DIR/e2e' --per-run-timeout $(( $(share ${E2E_SHARE:-15}) - 5 )) \
+  ${E2E_ARGS:---variants mlm_burst} 2>&1 | tail -5 | tee -a '$OUT_DIR/session.log'"
+part gpu-suite $(share ${SUITE_SHARE:-35}) bash -c "export GPU_TEST_FAILLOG='$OUT_DIR/gpu_failures.log'
   $PY -m pytest -q -p no:cacheprovider --timeout=240 ${GPU_TEST_ARGS:-} tests/gpu/test_gpu_cp_multi.py > '$OUT_DIR/gpu_test_multi.log' 2>&1 &
   $PY -m pytest -q -p no:cacheprovider $XDIST --timeout=240 --durations=15 ${GPU_TEST_ARGS:-} tests/gpu --ignore=tests/gpu/test_gpu_cp_multi.py 2>&1 | tee '$OUT_DIR/gpu_test.log'; wait"
 echo "session: $(( $(date +%s) - START ))s of ${BUDGET}s" | tee -a "$OUT_DIR/session.log"

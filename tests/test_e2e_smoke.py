@@ -24,15 +24,16 @@ def test_e2e_smoke_runs_every_cpu_variant(tmp_path):
 
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "examples/e2e_gpt_1b.py", "--smoke", "--out", str(out),
-                           "--work", str(tmp_path / "work"), "--peak-tflops", "1"],
+                           "--work", str(tmp_path / "work"), "--peak-tflops", "1", "--variants", *e2e.ALL_VARIANTS],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((out / "e2e_results.json").read_text())
     assert data["model"]["parameters"] == e2e.param_count(e2e.SMOKE)
     results = {r["variant"]: r for r in data["results"]}
-    assert list(results) == list(e2e.VARIANTS)
-    assert "needs CUDA" in results["megatron_local"]["skipped"]
+    assert list(results) == e2e.ALL_VARIANTS
+    for name in ("megatron_local", *e2e.MLM_VARIANTS):  # Megatron's attention / Megatron-LM's loop
+        assert "needs CUDA" in results[name]["skipped"], results[name]
     ran = [results[name] for name in ("burst", "burst_recompute", "burst_recompute_selckpt", "sdpa")]
     for r in ran:
         assert r["returncode"] == 0 and r["precision"] == "bf16", r
@@ -42,3 +43,33 @@ def test_e2e_smoke_runs_every_cpu_variant(tmp_path):
         assert r["lm_loss"][0] == pytest.approx(ran[0]["lm_loss"][0], rel=1e-2), (r["variant"], r["lm_loss"])
     assert ran[0]["kernels"] and not results["sdpa"]["kernels"]  # sdpa replaced our core attention
     assert (out / "e2e.log").exists()
+
+
+def test_megatron_lm_log_parsing():
+    """The mlm_* variants read pretrain_gpt.py's own log: per-iteration time, its TFLOP/s per GPU
+    and lm loss from training_log's line, the largest "max allocated" from report_memory's (lines
+    as Megatron-LM core_v0.16.1 prints them with --log-throughput and --log-memory-interval 1)."""
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    try:
+        import e2e_gpt_1b as e2e
+    finally:
+        sys.path.pop(0)
+    log = "\n".join([
+        "> compiling dataset index builder ...",
+        " [2026-11-26 16:20:01.123456] iteration        1/       6 | consumed samples:            1 | elapsed time "
+        "per iteration (ms): 9123.4 | throughput per GPU (TFLOP/s/GPU): 25.0 | learning rate: 1.000000E-04 | "
+        "global batch size:     1 | lm loss: 1.051234E+01 | loss scale: 1.0 | grad norm: 3.142 | "
+        "number of skipped iterations:   0 | number of nan iterations:   0 |",
+        "[Rank 0] (after 1 iterations) memory (MB) | allocated: 9000.00 | max allocated: 30000.50 | "
+        "reserved: 31000.00 | max reserved: 31000.00",
+        " [2026-11-26 16:20:02.5] iteration        2/       6 | consumed samples:            2 | elapsed time per "
+        "iteration (ms): 512.0 | throughput per GPU (TFLOP/s/GPU): 445.5 | learning rate: 1.000000E-04 | "
+        "global batch size:     1 | lm loss: 9.876000E+00 | loss scale: 1.0 | grad norm: 2.000 |",
+        "[Rank 0] (after 2 iterations) memory (MB) | allocated: 9000.00 | max allocated: 31000.25 | "
+        "reserved: 32000.00 | max reserved: 32000.00",
+    ])
+    got = e2e.parse_mlm_log(log)
+    assert got["iterations"] == [1, 2] and got["elapsed_s"] == [9.1234, 0.512]
+    assert got["megatron_tflops"] == [25.0, 445.5] and got["lm_loss"] == [10.51234, 9.876]
+    assert got["max_memory_allocated_bytes"] == 31000.25 * 2 ** 20
+    assert e2e.parse_mlm_log("no iterations")["elapsed_s"] == []
