@@ -174,6 +174,30 @@ def test_block_causal_split_into_causal_and_stripe_rest_is_exact(algo):
         _assert_close({(algo, "split"): errs})
 
 
+def test_block_causal_split_only_where_causal_blocks_run_torchs_dense_ops():
+    """CPConfig.splits_block_causal: on CUDA when causal blocks run cuDNN or torch's flash op; not
+    when they run the Triton kernel too (fp32, or forced: the split would only add a call and a
+    merge), not on CPU, not for stripes of 1 (no block_causal block), not before the choice."""
+    from megatron_burst.algorithms.schedule import CPConfig
+    from megatron_burst.kernels.choice import KernelChoice
+    from megatron_burst.topology import CPTopology
+
+    def cfg(device, causal_kernel, stripe=64):
+        c = CPConfig(CPTopology(None, 0, 2, 2, None), "flat", "striped", stripe, True, 0.1)
+        if device is not None:
+            c.kernel = KernelChoice(device, torch.bfloat16, 128, (("causal", causal_kernel, causal_kernel),
+                                                                 ("block_causal", "triton_masked", "triton_masked")))
+        return c
+
+    assert cfg("cuda", "cudnn").splits_block_causal and cfg("cuda", "cuda_flash").splits_block_causal
+    assert not cfg("cuda", "triton_masked").splits_block_causal
+    assert not cfg("cpu", "cpu_flash").splits_block_causal
+    assert not cfg("cuda", "cudnn", stripe=1).splits_block_causal and not cfg(None, None).splits_block_causal
+    kinds = {m.kind for _, m in cfg("cuda", "cudnn").blocks(1, 0, 256)}
+    assert kinds == {"causal", "positions"}, kinds
+    assert {m.kind for _, m in cfg("cuda", "triton_masked").blocks(1, 0, 256)} == {"block_causal"}
+
+
 def test_split_block_causal_tiles_the_mask_exactly():
     """masks.block.split_block_causal: the causal part and the stripe rest cover the block_causal
     rectangle's visible pairs exactly once, for square, wide, tall and shifted rectangles, ragged

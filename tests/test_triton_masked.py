@@ -214,7 +214,11 @@ def test_bad_mask_arguments_name_the_problem():
         tm._Mask("positions", 1, (ar(4), ar(4), None, None, HeadBands(two_heads, None, torch.zeros(2, 2))), 4, 4, "cpu")
     m = tm._Mask("positions", 1, (ar(4), ar(4), None, None, HeadBands(two_heads, None, torch.tensor(
         [[[1, 2]], [[1, 0]]]))), 4, 4, "cpu")
-    assert m.flags()["HAS_HOLES"] and m.scalars()[3] == 1 and m.vectors(torch.zeros(1))[6].tolist() == [1, 2, 1, 0]
+    assert m.flags()["HAS_HOLES"] and m.flags()["N_HOLES"] == 1 and m.vectors(torch.zeros(1))[6].tolist() == [1, 2, 1, 0]
+    # three holes per head run as four (a power of two: few compiled variants), the fourth empty
+    m = tm._Mask("positions", 1, (ar(4), ar(4), None, None, HeadBands(two_heads, None, torch.tensor(
+        [[[1, 2], [4, 5], [7, 7]], [[1, 0], [1, 0], [1, 0]]]))), 4, 4, "cpu")
+    assert m.flags()["N_HOLES"] == 4 and m.vectors(torch.zeros(1))[6].view(2, 4, 2)[:, 3].tolist() == [[1, 0], [1, 0]]
     with pytest.raises(ValueError, match="HeadBands has 2 heads but q has 4 query heads"):
         m.check_heads(4)
 
@@ -297,11 +301,36 @@ def test_cpu_tensors_without_interpreter_name_the_fix():
 @pytest.mark.parametrize("kernel", ["forward", "dq", "dkdv"])
 def test_kernels_compile_for_hopper(kernel):
     """No GPU here: compile each kernel for sm_90 with the GPU launch options at head dim 128, bf16,
-    every mask flag on, down to a cubin; tensor-core (wgmma) code, shared memory within an H100's
-    227 KiB. Registers / spill bytes (cuobjdump) are printed (pytest -s)."""
+    every mask flag on (4 holes per head too), down to a cubin; tensor-core (wgmma) code, shared
+    memory within an H100's 227 KiB, and software-pipelined tile loops (asynchronous copies in the
+    TTGIR: a runtime loop inside the tile loop, as the holes once had, leaves none). Registers /
+    spill bytes (cuobjdump) are printed (pytest -s)."""
     import triton_masked_cases
 
     got = triton_masked_cases.compile_for_gpu(kernel, torch.bfloat16, 128)
     print(kernel, {k: got.get(k) for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "registers", "stack",
-                                           "shared", "wgmma")})
+                                           "shared", "wgmma", "async_copies")})
     assert "cubin" in got["stages"] and got["shared"] <= 227 * 1024 and got["wgmma"] > 0, (kernel, got)
+    assert got["async_copies"] > 0, (kernel, got)
+
+
+def test_mask_vectors_reach_the_device_once(monkeypatch):
+    """_on_device: a CPU mask vector is copied to the device once and reused while it lives (the
+    same block comes back every step and layer); a derived copy (clamped, padded) is cached under
+    its own tag; the cache keeps at most VECTOR_CACHE_BYTES, oldest dropped. The meta device
+    stands in for CUDA."""
+    monkeypatch.setattr(tm, "_DEVICE_VECTORS", type(tm._DEVICE_VECTORS)())
+    monkeypatch.setattr(tm, "VECTOR_CACHE_BYTES", 3 * 64 * 4)  # three int32 vectors of 64
+    meta = torch.device("meta")
+    a, b, c = (torch.arange(64) + i for i in range(3))
+    first = tm._on_device(a, torch.int32, meta)
+    assert tm._on_device(a, torch.int32, meta) is first and first.dtype == torch.int32 and first.device == meta
+    assert tm._on_device(a, torch.int64, meta) is not first  # another dtype, another copy
+    doubled = tm._on_device(a, torch.int32, meta, lambda t: t * 2, "double")
+    assert doubled is not first and tm._on_device(a, torch.int32, meta, lambda t: t * 2, "double") is doubled
+    tm._on_device(b, torch.int32, meta)
+    tm._on_device(c, torch.int32, meta)
+    assert sum(v.numel() * v.element_size() for _, v in tm._DEVICE_VECTORS.values()) <= tm.VECTOR_CACHE_BYTES
+    assert tm._on_device(a, torch.int32, meta) is not first  # dropped as the oldest, copied again
+    on_cpu = tm._on_device(a, torch.int32, torch.device("cpu"))  # CPU (interpreter): no cache needed
+    assert on_cpu.dtype == torch.int32 and torch.equal(on_cpu, a.int())

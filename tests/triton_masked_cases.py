@@ -168,12 +168,13 @@ def cases() -> dict:
         "stripe_rest_b4_45x29_gqa": dict(kind="positions", hq=4, hkv=2, sq=45, sk=29,
                                          positions=(ar(45), ar(29), ar(45) // 4, ar(29) // 4, (-1, None))),
         # holes (HeadBands.holes): offsets a head's band covers but another block holds (slash runs);
-        # head 0 offsets 0..3 and 20..27 cut out, head 1 none (padding), head 2 10..40, head 3 all of them
+        # head 0 offsets 0..3, 20..27 and 44..45 cut out, head 1 none (padding), head 2 10..40, head 3 all
+        # of them; three holes per head: the kernels run four (a power of two), the last empty
         "head_bands_holes_gqa": dict(kind="positions", hq=4, hkv=2, sq=50, sk=47,
                                      positions=(ar(50), ar(47), None, None, HeadBands(
                                          torch.tensor([[60, 0], [60, 0], [60, 0], [60, 0]]), None,
-                                         torch.tensor([[[0, 3], [20, 27]], [[1, 0], [1, 0]], [[10, 40], [1, 0]],
-                                                       [[0, 60], [1, 0]]])))),
+                                         torch.tensor([[[0, 3], [20, 27], [44, 45]], [[1, 0], [1, 0], [1, 0]],
+                                                       [[10, 40], [1, 0], [1, 0]], [[0, 60], [1, 0], [1, 0]]])))),
         # gathered keys (every third position), per-head keys, documents and holes together
         "head_bands_holes_keys_docs": dict(kind="positions", hq=4, hkv=2, sq=50, sk=21,
                                            positions=(ar(50), ar(0, 63, 3), docs(30, 20), docs(11, 10), HeadBands(
@@ -233,7 +234,7 @@ def compile_for_gpu(kernel: str, dtype: torch.dtype, d: int, capability: int = 9
     opts = triton_masked.launch_options(kernel, {dtype}, d, d, interpret=False)
     warps, stages = opts.pop("num_warps"), opts.pop("num_stages")
     opts.update(flags or dict(POS=2, HAS_LEFT=True, HAS_RIGHT=True, HAS_DOC=True, PER_HEAD=True, HAS_KEYS=True,
-                              HAS_HOLES=True))
+                              HAS_HOLES=True, N_HOLES=4))
     elem = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     pointers = {"Q": elem, "K": elem, "V": elem, "DO": elem, "RANGES": "i32", "QKEY": "i32", "KKEY": "i32",
                 "QDOC": "i32", "KDOC": "i32", "HBAND": "i32", "HKEYS": "i8", "HHOLES": "i32", "OUT": "fp32", "LSE": "fp32", "DELTA": "fp32", "DQ": "fp32",
@@ -255,7 +256,9 @@ def compile_for_gpu(kernel: str, dtype: torch.dtype, d: int, capability: int = 9
                               options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": True})
     res = {"stages": sorted(compiled.asm), "shared": compiled.metadata.shared, "num_warps": warps,
            "num_stages": stages, "BLOCK_M": opts["BLOCK_M"], "BLOCK_N": opts["BLOCK_N"],
-           "wgmma": compiled.asm.get("ptx", "").count("wgmma.mma_async")}
+           "wgmma": compiled.asm.get("ptx", "").count("wgmma.mma_async"),
+           # loads the software pipeliner turned into asynchronous copies (0: the tile loops run unpipelined)
+           "async_copies": compiled.asm.get("ttgir", "").count("async_copy_global_to_local")}
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if "cubin" in compiled.asm and os.path.exists(tool):
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

@@ -63,6 +63,8 @@ ACTIVATION_STREAM = 0
 GRADIENT_STREAM = 1
 
 TRAFFIC_KINDS = ("ring", "direct")
+# kernels whose causal blocks make splitting block_causal blocks worth it (CPConfig.splits_block_causal)
+DENSE_CAUSAL_OPS = ("cudnn", "cuda_flash")
 
 
 @dataclass
@@ -114,10 +116,15 @@ class CPConfig:
     @property
     def splits_block_causal(self) -> bool:
         """Whether ``block_causal`` blocks run as a ``causal`` block plus the rest of their diagonal
-        stripes (:func:`~megatron_burst.masks.block.split_block_causal`): on CUDA (a fused dense op
-        for nearly every pair); not elsewhere (the CPU's fused op computes a whole block with one
-        dense mask either way) or before the kernel choice is resolved."""
-        return getattr(self.kernel, "device_type", None) == "cuda" and self.stripe > 1
+        stripes (:func:`~megatron_burst.masks.block.split_block_causal`): where causal blocks run a
+        dense op of torch's (cuDNN or flash: nearly every pair there), i.e. on CUDA in 16 bits. Not
+        where causal blocks run the same Triton kernel as block_causal ones (fp32, or the kernel
+        forced): one call would become two plus a merge. Not on CPU (its fused op computes a whole
+        block with one dense mask either way), nor before the kernel choice is resolved."""
+        kernel = self.kernel
+        if getattr(kernel, "device_type", None) != "cuda" or self.stripe <= 1:
+            return False
+        return kernel.get("causal", "forward") in DENSE_CAUSAL_OPS
 
     @property
     def merge(self) -> Optional[tuple]:

@@ -72,8 +72,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from collections import OrderedDict
+
 import torch
 
+from megatron_burst.kernels import torch_ops
 from megatron_burst.kernels.triton_env import AVAILABLE, interpreting, unavailable  # noqa: F401  (module face)
 from megatron_burst.masks.block import HeadBands
 
@@ -118,6 +121,35 @@ RANGE_CACHE = 256
 KEY_LIMIT = 1 << 30
 
 LOG2E = 1.4426950408889634
+# Mask vectors (positions, documents, per-head data) copied to the device, kept per CPU vector: the
+# package's mask vectors are made once per plan and never changed in place, and the same block
+# comes back every step and layer. At most VECTOR_CACHE_BYTES of device memory (oldest dropped).
+VECTOR_CACHE_BYTES = 16 << 20
+_DEVICE_VECTORS: "OrderedDict[tuple, tuple]" = OrderedDict()
+
+
+def _on_device(t: torch.Tensor, dtype: torch.dtype, device: torch.device, prepare=None, tag: str = "") -> torch.Tensor:
+    """``prepare(t)`` (default: t) flattened, as ``dtype`` on ``device``, contiguous; from a CPU vector
+    ``t`` copied once per (t, dtype, device, tag) (see VECTOR_CACHE_BYTES). Pass the mask's own
+    tensor as ``t`` and any derivation as ``prepare``: a temporary ``t`` would never hit."""
+    def make() -> torch.Tensor:
+        src = t if prepare is None else prepare(t)
+        return src.reshape(-1).to(dtype).to(device, non_blocking=True).contiguous()
+
+    if t.device.type != "cpu" or torch.device(device).type == "cpu" or torch_ops.fake_mode_active():
+        return make()
+    key = (id(t), dtype, str(device), tag)
+    hit = _DEVICE_VECTORS.get(key)
+    if hit is not None and hit[0] is t:
+        _DEVICE_VECTORS.move_to_end(key)
+        return hit[1]
+    out = make()
+    _DEVICE_VECTORS[key] = (t, out)  # holding t keeps its id from being reused while the entry lives
+    total = sum(v.numel() * v.element_size() for _, v in _DEVICE_VECTORS.values())
+    while total > VECTOR_CACHE_BYTES and len(_DEVICE_VECTORS) > 1:
+        _, (_, old) = _DEVICE_VECTORS.popitem(last=False)
+        total -= old.numel() * old.element_size()
+    return out
 
 
 def supports(dtype: torch.dtype, head_dim: int, kind: str) -> Optional[str]:
@@ -180,16 +212,23 @@ def _visible(qk, kk, qd, kd, left, right, POS: tl.constexpr, HAS_LEFT: tl.conste
     return vis
 
 
-def _cut_holes(vis, diff, HOLES_H, n_holes):
-    """``vis`` without the offsets ``diff`` (row key - column key) inside this head's holes
-    (HOLES_H: n_holes (lo, hi) pairs); a hole that misses the tile's range of offsets is skipped."""
-    d_min = tl.min(tl.min(diff, axis=1), axis=0)
-    d_max = tl.max(tl.max(diff, axis=1), axis=0)
-    for j in range(n_holes):
+def _cut_holes(vis, rkey, ckey, HOLES_H, N_HOLES: tl.constexpr):
+    """``vis`` without the offsets rkey - ckey (row key - column key, broadcast to the tile) inside
+    this head's holes (HOLES_H: N_HOLES (lo, hi) pairs, padded with empty ones). The tile's range of
+    offsets comes from the key vectors' extremes, and a hole that misses it is skipped without
+    touching the tile (the common case: no [M, N] offsets held across the loop). N_HOLES is a
+    constexpr and the loop unrolled: a runtime loop here would make the tile loops around it
+    "outer" loops, which Triton's software pipeliner leaves unpipelined."""
+    vis = vis & ((rkey - ckey) == (rkey - ckey))  # the tile's full shape (vis may be a broadcast row)
+    r_min = tl.min(tl.min(rkey, axis=1), axis=0)
+    r_max = tl.max(tl.max(rkey, axis=1), axis=0)
+    c_min = tl.min(tl.min(ckey, axis=1), axis=0)
+    c_max = tl.max(tl.max(ckey, axis=1), axis=0)
+    for j in tl.static_range(N_HOLES):
         lo = tl.load(HOLES_H + 2 * j)
         hi = tl.load(HOLES_H + 2 * j + 1)
-        if (lo <= d_max) & (hi >= d_min):
-            vis = vis & ((diff < lo) | (diff > hi))
+        if (lo <= r_max - c_min) & (hi >= r_min - c_max):
+            vis = vis & (((rkey - ckey) < lo) | ((rkey - ckey) > hi))
     return vis
 
 
@@ -209,12 +248,13 @@ def _operand(x, dt, MODE: tl.constexpr):
     return y
 
 
-def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, KEEP, HOLES_H, n_holes, div, left,
+def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, KEEP, HOLES_H, div, left,
                right, SK, scale2, t_lo, t_hi,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, POS: tl.constexpr, HAS_LEFT: tl.constexpr,
                HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr, WIDEN: tl.constexpr, MODE: tl.constexpr,
-               PRECISION: tl.constexpr, HAS_KEYS: tl.constexpr, HAS_HOLES: tl.constexpr):
+               PRECISION: tl.constexpr, HAS_KEYS: tl.constexpr, HAS_HOLES: tl.constexpr,
+               N_HOLES: tl.constexpr):
     """Online-softmax steps over kv tiles [t_lo, t_hi); MASKED evaluates the mask (and the column
     bound), else every column of every tile is visible to every row."""
     arange_n = tl.arange(0, BLOCK_N)
@@ -241,7 +281,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, K
             if HAS_KEYS:  # this head's own columns of the block
                 vis = vis & (tl.load(KEEP + offs_n, mask=n_ok, other=0) != 0)[None, :]
             if HAS_HOLES:
-                vis = _cut_holes(vis, rk - ck[None, :], HOLES_H, n_holes)
+                vis = _cut_holes(vis, rk, ck[None, :], HOLES_H, N_HOLES)
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # a row with nothing seen yet keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN
@@ -283,13 +323,13 @@ def _head_ranges(HBAND, RANGES, pid, h, HQ, left, right, PER_HEAD: tl.constexpr,
 
 
 def masked_fwd_kernel(Q, K, V, OUT, LSE, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND, HKEYS, HHOLES,
-                      scale2, left, right, div, n_holes, HQ, GROUP, SQ, SK,
+                      scale2, left, right, div, HQ, GROUP, SQ, SK,
                       sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh,
                       D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, POS: tl.constexpr,
                       HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr,
                       WIDEN: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, PER_HEAD: tl.constexpr,
-                      HAS_KEYS: tl.constexpr, HAS_HOLES: tl.constexpr):
+                      HAS_KEYS: tl.constexpr, HAS_HOLES: tl.constexpr, N_HOLES: tl.constexpr):
     """One (q tile, b * hq) program: OUT rows (fp32, 0 where nothing is seen) and LSE (natural log, -inf)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -313,21 +353,21 @@ def masked_fwd_kernel(Q, K, V, OUT, LSE, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND, 
     left, right, t_lo, f_lo, f_hi, t_hi = _head_ranges(HBAND, RANGES, pid_m, h, HQ, left, right, PER_HEAD, HAS_KEYS,
                                                        HAS_HOLES)
     keep = HKEYS + h * SK  # this head's column flags (HAS_KEYS)
-    holes = HHOLES + h * n_holes * 2  # this head's holes (HAS_HOLES)
+    holes = HHOLES + h * N_HOLES * 2  # this head's holes (HAS_HOLES)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, holes, n_holes,
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, holes,
                                div, left, right, SK, scale2, t_lo, f_lo, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, POS,
-                               HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS, HAS_HOLES)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, holes, n_holes,
+                               HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS, HAS_HOLES, N_HOLES)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, holes,
                                div, left, right, SK, scale2, f_lo, f_hi, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, POS,
-                               HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS, HAS_HOLES)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, holes, n_holes,
+                               HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS, HAS_HOLES, N_HOLES)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, holes,
                                div, left, right, SK, scale2, f_hi, t_hi, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, POS,
-                               HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS, HAS_HOLES)
+                               HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS, HAS_HOLES, N_HOLES)
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -345,12 +385,13 @@ def _row_stats(LSE_ROW, DELTA_ROW, offs, ok):
     return lse, delta
 
 
-def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, KEEP, HOLES_H, n_holes, div,
+def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, KEEP, HOLES_H, div,
               left, right, SK, scale2, t_lo, t_hi,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, POS: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr, WIDEN: tl.constexpr, MODE: tl.constexpr,
-              PRECISION: tl.constexpr, HAS_KEYS: tl.constexpr, HAS_HOLES: tl.constexpr):
+              PRECISION: tl.constexpr, HAS_KEYS: tl.constexpr, HAS_HOLES: tl.constexpr,
+               N_HOLES: tl.constexpr):
     """dq += dS.K over kv tiles [t_lo, t_hi) (unscaled), P recomputed from the given lse."""
     arange_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -377,7 +418,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KD
             if HAS_KEYS:
                 vis = vis & (tl.load(KEEP + offs_n, mask=n_ok, other=0) != 0)[None, :]
             if HAS_HOLES:
-                vis = _cut_holes(vis, rk - ck[None, :], HOLES_H, n_holes)
+                vis = _cut_holes(vis, rk, ck[None, :], HOLES_H, N_HOLES)
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -386,14 +427,14 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KD
 
 
 def masked_bwd_dq_kernel(Q, K, V, DO, DELTA, LSE, DQ, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND, HKEYS, HHOLES,
-                         scale, scale2, left, right, div, n_holes, HQ, GROUP, SQ, SK,
+                         scale, scale2, left, right, div, HQ, GROUP, SQ, SK,
                          sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos,
                          sDb, sDh, slb, slh, sdqb, sdqh, sdqs,
                          D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, POS: tl.constexpr,
                          HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr,
                          WIDEN: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, PER_HEAD: tl.constexpr,
-                         HAS_KEYS: tl.constexpr, HAS_HOLES: tl.constexpr):
+                         HAS_KEYS: tl.constexpr, HAS_HOLES: tl.constexpr, N_HOLES: tl.constexpr):
     """One (q tile, b * hq) program: DQ rows (fp32) = scale * sum over visible kv tiles of dS.K."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -420,29 +461,30 @@ def masked_bwd_dq_kernel(Q, K, V, DO, DELTA, LSE, DQ, RANGES, QKEY, KKEY, QDOC, 
     left, right, t_lo, f_lo, f_hi, t_hi = _head_ranges(HBAND, RANGES, pid_m, h, HQ, left, right, PER_HEAD, HAS_KEYS,
                                                        HAS_HOLES)
     keep = HKEYS + h * SK  # this head's column flags (HAS_KEYS)
-    holes = HHOLES + h * n_holes * 2  # this head's holes (HAS_HOLES)
+    holes = HHOLES + h * N_HOLES * 2  # this head's holes (HAS_HOLES)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, holes, n_holes, div,
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, holes, div,
                    left, right, SK, scale2, t_lo, f_lo, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, POS, HAS_LEFT,
-                   HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS, HAS_HOLES)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, holes, n_holes, div,
+                   HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS, HAS_HOLES, N_HOLES)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, holes, div,
                    left, right, SK, scale2, f_lo, f_hi, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, POS, HAS_LEFT,
-                   HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS, HAS_HOLES)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, holes, n_holes, div,
+                   HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS, HAS_HOLES, N_HOLES)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, sks, svs, rk, rd, KKEY, KDOC, keep, holes, div,
                    left, right, SK, scale2, f_hi, t_hi, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, POS, HAS_LEFT,
-                   HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS, HAS_HOLES)
+                   HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS, HAS_HOLES, N_HOLES)
     tl.store(DQ + b * sdqb + h * sdqh + rows * sdqs + offs_d[None, :], dq * scale,
              mask=m_ok[:, None] & (offs_d < D)[None, :])
 
 
 def _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, LSE_ROW, DELTA_ROW, sqs, sdos, QKEY, QDOC, keep_col,
-                HOLES_H, n_holes, div, left, right, SQ, scale2, t_lo, t_hi,
+                HOLES_H, div, left, right, SQ, scale2, t_lo, t_hi,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, POS: tl.constexpr, HAS_LEFT: tl.constexpr,
                 HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr, WIDEN: tl.constexpr, MODE: tl.constexpr,
-                PRECISION: tl.constexpr, HAS_KEYS: tl.constexpr, HAS_HOLES: tl.constexpr):
+                PRECISION: tl.constexpr, HAS_KEYS: tl.constexpr, HAS_HOLES: tl.constexpr,
+               N_HOLES: tl.constexpr):
     """dv += P^T.dO and dk += dS^T.Q (unscaled) over q tiles [t_lo, t_hi) of one query head, in the
     transposed orientation ([kv rows, q rows]) so both products take the kv tile as rows."""
     arange_m = tl.arange(0, BLOCK_M)
@@ -471,7 +513,7 @@ def _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, LSE_ROW, DELTA_ROW, sqs, 
             if HAS_KEYS:
                 vis = vis & keep_col
             if HAS_HOLES:
-                vis = _cut_holes(vis, rk[None, :] - ck, HOLES_H, n_holes)
+                vis = _cut_holes(vis, rk[None, :], ck, HOLES_H, N_HOLES)
             p_t = tl.where(vis, p_t, 0.0)
         dv = tl.dot(_operand(p_t, do.dtype, MODE), do, dv, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -481,14 +523,14 @@ def _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, LSE_ROW, DELTA_ROW, sqs, 
 
 
 def masked_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_, RANGES, QKEY, KKEY, QDOC, KDOC, HBAND, HKEYS, HHOLES,
-                           scale, scale2, left, right, div, n_holes, HKV, GROUP, SQ, SK, SPLIT_TILES, sdk_split, sdv_split,
+                           scale, scale2, left, right, div, HKV, GROUP, SQ, SK, SPLIT_TILES, sdk_split, sdv_split,
                            sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos,
                            sDb, sDh, slb, slh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
                            D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, POS: tl.constexpr,
                            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_DOC: tl.constexpr,
                            WIDEN: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, PER_HEAD: tl.constexpr,
-                           HAS_KEYS: tl.constexpr, HAS_HOLES: tl.constexpr):
+                           HAS_KEYS: tl.constexpr, HAS_HOLES: tl.constexpr, N_HOLES: tl.constexpr):
     """One (kv tile, b * hkv, q split) program: DK (fp32, scaled) and DV rows of the tile, summed over
     the GROUP query heads of its kv head and the q tiles of its split (q tiles [s * SPLIT_TILES,
     (s + 1) * SPLIT_TILES)) that can see it, in registers; split s writes its own slice of DK / DV_
@@ -521,7 +563,7 @@ def masked_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_, RANGES, QKEY, KKEY,
         h = hk * GROUP + g
         left_h, right_h, t_lo, f_lo, f_hi, t_hi = _head_ranges(HBAND, RANGES, pid_n, h, HKV * GROUP, left, right,
                                                                PER_HEAD, HAS_KEYS, HAS_HOLES)
-        holes = HHOLES + h * n_holes * 2  # this head's holes (HAS_HOLES)
+        holes = HHOLES + h * N_HOLES * 2  # this head's holes (HAS_HOLES)
         # this split's part of the three ranges (masked, full, masked): each clamped to [s_lo, s_hi)
         t_lo = tl.minimum(tl.maximum(t_lo, s_lo), s_hi)
         f_lo = tl.minimum(tl.maximum(f_lo, s_lo), s_hi)
@@ -535,17 +577,17 @@ def masked_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_, RANGES, QKEY, KKEY,
         lse_row = LSE + b * slb + h * slh
         delta_row = DELTA + b * sDb + h * sDh
         dk, dv = _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, lse_row, delta_row, sqs, sdos, QKEY, QDOC, keep_col,
-                             holes, n_holes, div, left_h, right_h, SQ, scale2, t_lo, f_lo, D, DV, BLOCK_M, BLOCK_D,
+                             holes, div, left_h, right_h, SQ, scale2, t_lo, f_lo, D, DV, BLOCK_M, BLOCK_D,
                              BLOCK_DV, True, POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS,
-                             HAS_HOLES)
+                             HAS_HOLES, N_HOLES)
         dk, dv = _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, lse_row, delta_row, sqs, sdos, QKEY, QDOC, keep_col,
-                             holes, n_holes, div, left_h, right_h, SQ, scale2, f_lo, f_hi, D, DV, BLOCK_M, BLOCK_D,
+                             holes, div, left_h, right_h, SQ, scale2, f_lo, f_hi, D, DV, BLOCK_M, BLOCK_D,
                              BLOCK_DV, False, POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS,
-                             HAS_HOLES)
+                             HAS_HOLES, N_HOLES)
         dk, dv = _dkdv_tiles(dk, dv, k, v, ck, cd, q_base, do_base, lse_row, delta_row, sqs, sdos, QKEY, QDOC, keep_col,
-                             holes, n_holes, div, left_h, right_h, SQ, scale2, f_hi, t_hi, D, DV, BLOCK_M, BLOCK_D,
+                             holes, div, left_h, right_h, SQ, scale2, f_hi, t_hi, D, DV, BLOCK_M, BLOCK_D,
                              BLOCK_DV, True, POS, HAS_LEFT, HAS_RIGHT, HAS_DOC, WIDEN, MODE, PRECISION, HAS_KEYS,
-                             HAS_HOLES)
+                             HAS_HOLES, N_HOLES)
     tl.store(DK + split.to(tl.int64) * sdk_split + b * sdkb + hk * sdkh + cols * sdks + offs_d[None, :], dk * scale,
              mask=n_ok[:, None] & (offs_d < D)[None, :])
     tl.store(DV_ + split.to(tl.int64) * sdv_split + b * sdvb + hk * sdvh + cols * sdvs + offs_dv[None, :], dv,
@@ -619,7 +661,7 @@ class _Mask:
         self.head_bounds: Optional[torch.Tensor] = None  # [hq * 2] (left, right) per head (HeadBands)
         self.head_keys: Optional[torch.Tensor] = None  # [hq * sk] int8: each head's own columns (HeadBands.keys)
         self.head_holes: Optional[torch.Tensor] = None  # [hq * n * 2] each head's excluded offsets (HeadBands.holes)
-        self.n_holes = 0
+        self.n_holes = 0  # holes per head, padded to a power of two (a constexpr: few compiled variants)
         self.left: Optional[int] = None
         self.right: Optional[int] = None
         self.pos = 0
@@ -651,25 +693,32 @@ class _Mask:
         small = all(t.device.type == "cpu" and (t.numel() == 0 or (int(t.min()) >= 0 and int(t.max()) < KEY_LIMIT))
                     for t, _, _ in given)
         self.key_dtype = torch.int32 if small else torch.int64
-        on = lambda t: t.to(self.key_dtype).to(device, non_blocking=True).contiguous()  # noqa: E731
+        on = lambda t: _on_device(t, self.key_dtype, device)  # noqa: E731
         if per_head:  # both bounds per head; the envelope passes as the scalars (unused by the kernels)
             self.pos = 2
             self.qkey, self.kkey = on(q_pos), on(kv_pos)
             self.left, self.right = (self._bound(int(x), small) for x in band.envelope)
             limit = KEY_LIMIT if small else 1 << 62
-            self.head_bounds = on(band.bounds.clamp(-limit, limit - 1).reshape(-1))
+            self.head_bounds = _on_device(band.bounds, self.key_dtype, device, lambda b: b.clamp(-limit, limit - 1),
+                                          f"clamp{limit}")
             if band.keys is not None:
                 if tuple(band.keys.shape) != (band.heads, sk):
                     raise ValueError(f"positions: HeadBands.keys has shape {tuple(band.keys.shape)}; expected "
                                      f"[{band.heads}, {sk}] (heads, the block's columns)")
-                self.head_keys = band.keys.to(torch.int8).reshape(-1).to(device, non_blocking=True)
+                self.head_keys = _on_device(band.keys, torch.int8, device)
             if band.holes is not None:
                 if band.holes.dim() != 3 or band.holes.shape[0] != band.heads or band.holes.shape[2] != 2:
                     raise ValueError(f"positions: HeadBands.holes has shape {tuple(band.holes.shape)}; expected "
                                      f"[{band.heads}, n, 2] (heads, holes, (lo, hi))")
                 if band.holes.shape[1]:
-                    self.n_holes = int(band.holes.shape[1])
-                    self.head_holes = on(band.holes.clamp(-limit, limit - 1).reshape(-1))
+                    n = int(band.holes.shape[1])
+                    self.n_holes = width = 1 << (n - 1).bit_length()
+
+                    def padded(holes: torch.Tensor) -> torch.Tensor:  # empty holes (lo > hi) up to width
+                        pad = torch.tensor([1, 0], dtype=holes.dtype).expand(band.heads, width - n, 2)
+                        return torch.cat([holes.clamp(-limit, limit - 1), pad], 1)
+
+                    self.head_holes = _on_device(band.holes, self.key_dtype, device, padded, f"holes{limit}")
         elif q_pos is not None and (band[0] is not None or band[1] is not None):
             self.pos = 2
             self.qkey, self.kkey = on(q_pos), on(kv_pos)
@@ -698,7 +747,7 @@ class _Mask:
     def flags(self) -> dict:
         return dict(POS=self.pos, HAS_LEFT=self.left is not None, HAS_RIGHT=self.right is not None,
                     HAS_DOC=self.has_doc, PER_HEAD=self.head_bounds is not None, HAS_KEYS=self.head_keys is not None,
-                    HAS_HOLES=self.head_holes is not None)
+                    HAS_HOLES=self.head_holes is not None, N_HOLES=max(self.n_holes, 1))
 
     def ranges(self, outer: str, n_outer: int, n_inner: int, tile_outer: int, tile_inner: int,
                partial_ok: bool, device: torch.device) -> torch.Tensor:
@@ -733,9 +782,8 @@ class _Mask:
                                                          self.head_bounds, self.head_keys, self.head_holes))
 
     def scalars(self) -> tuple:
-        """(left, right, div, n_holes) kernel arguments."""
-        return (0 if self.left is None else self.left, 0 if self.right is None else self.right, self.div,
-                self.n_holes)
+        """(left, right, div) kernel arguments."""
+        return (0 if self.left is None else self.left, 0 if self.right is None else self.right, self.div)
 
 
 _range_cache: dict[tuple, torch.Tensor] = {}
