@@ -110,3 +110,49 @@ def test_choice_picks_fused_kernels_for_every_dense_kind(d):
     assert [k for k, _, _ in choice.kernels] == ["full", "causal", "block_causal", "positions"]
     fails = kernel_failures(choice.kernels, f"d={d}")
     assert not fails, "\n".join(fails) + f"\n{choice.describe()}\nexpected {EXPECTED_KERNELS}"
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("case", ["block_causal", "block_causal_offset"])
+def test_block_causal_split_against_fp32(case, d):
+    """A block_causal block as the engine runs it on CUDA (masks.block.split_block_causal): a causal
+    block (cuDNN / flash) plus the pairs above the diagonal inside each stripe (a positions block:
+    Triton, every stripe's last row seeing nothing there), merged like any blocks of a pair: against
+    the fp32 reference of the whole block_causal rectangle, within 1.5x torch's bf16 SDPA error."""
+    from megatron_burst.kernels import empty_accumulator, merge_into
+    from megatron_burst.masks.block import split_block_causal
+
+    sq, sk, build = CASES[case]
+    mask = build(sq, sk)
+    parts = split_block_causal(mask)
+    assert [p.kind for p in parts] == ["causal", "positions"]
+    g = torch.Generator().manual_seed(zlib.crc32(f"split {case} {d}".encode()))
+    mk = lambda h, s: torch.randn(B, h, s, d, generator=g).to(DTYPE).to(DEV)  # noqa: E731
+    q, k, v, dout = mk(HQ, sq), mk(HKV, sk), mk(HKV, sk), mk(HQ, sq)
+    scale = d ** -0.5
+    choice = choose(DEV, DTYPE, d, ("causal", "positions"))
+    fails = kernel_failures(choice.kernels, f"split {case} d={d}")
+    acc, lse = empty_accumulator(q, d)
+    for part in parts:
+        o, l = block_forward(q, k, v, part, scale, choice)
+        merge_into(acc[:, :, part.q_slice], lse[:, :, part.q_slice], o, l)
+    out = acc.to(DTYPE)
+    D = row_dot(dout, out)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=DEV)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=DEV)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=DEV)
+    for part in parts:
+        gq, gk, gv = block_backward(dout, q, k, v, D, lse, part, scale, choice, out=out)
+        dq[:, :, part.q_slice] += gq
+        part.add_kv_grad(dk, gk)
+        part.add_kv_grad(dv, gv)
+    sb = lambda t: t.permute(2, 0, 1, 3)  # noqa: E731
+    qs, ks, vs, dos = sb(q[:, :, mask.q_slice]), sb(k[:, :, mask.kv_slice]), sb(v[:, :, mask.kv_slice]), \
+        sb(dout[:, :, mask.q_slice])
+    vis = _sub_visibility(mask, sq, sk)
+    ref = reference(qs, ks, vs, dos, causal=False, mask=vis, scale=scale)
+    engine = errors([sb(out[:, :, mask.q_slice]), sb(dq[:, :, mask.q_slice]), sb(dk[:, :, mask.kv_slice]),
+                     sb(dv[:, :, mask.kv_slice])], ref)
+    sdpa = sdpa_errors(qs, ks, vs, dos, False, vis, ref)
+    fails += check(engine, sdpa, f"split {case} d={d} ({choice.describe()})")
+    assert not fails, "\n".join(fails) + f"\nengine {engine}\nsdpa {sdpa}"
