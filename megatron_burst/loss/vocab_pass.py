@@ -173,12 +173,10 @@ def _plan(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, vocab_chunk: 
     a = 0
     while a < v_local:
         rem = v_local - a
-        best = None  # (bytes per row, -vt, vt, tn, offset): the cheapest shape that fits behind its rows
-        top = min(cap, rem - 1)
-        sizes = [top] + list(range(top - top % MIN_TILE_ROWS, MIN_TILE_ROWS - 1, -MIN_TILE_ROWS)) if top >= 1 else []
-        for vt in sizes:
-            if vt < min(MIN_TILE_ROWS, cap) or vt < 1:
-                continue
+        best = None  # ((bytes per row, -vt), vt, tn, offset): the cheapest shape that fits behind its rows
+        top = min(cap, rem - 1)  # at least one row behind the tile to hold scratch
+        sizes = sorted({top, *range(MIN_TILE_ROWS, top + 1, MIN_TILE_ROWS)}, reverse=True)
+        for vt in (x for x in sizes if x >= min(MIN_TILE_ROWS, cap)):
             offset = _align((a + vt) * row_bytes)
             for tn in _token_options(n_tokens, vt, dtype):
                 if scratch(vt, tn) <= total - offset:
