@@ -187,12 +187,17 @@ def test_verify_names_what_is_off(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernels_compile_for_hopper_and_fit_ampere_shared_memory(dtype):
     """No GPU here: compile both kernels for sm_90 with the GPU launch options (head dim 128, the
-    largest) down to a cubin; the shared memory also fits an A100's 163 KiB per block."""
+    largest) down to a cubin; the shared memory also fits an A100's 163 KiB per block. The forward
+    and dq column loops are software-pipelined (asynchronous copies: they walk per-(tile, head)
+    chunk lists with no test inside; with the per-chunk skip they had none)."""
     import triton_sparse_cases
 
     for direction in ("forward", "dq", "dkdv"):
         got = triton_sparse_cases.compile_for_gpu(direction, dtype, 128)
+        print(direction, dtype, {k: got[k] for k in ("shared", "async_copies")})
         assert "cubin" in got["stages"] and got["shared"] <= 163 * 1024, (direction, got)
+        if direction != "dkdv":
+            assert got["async_copies"] > 0, (direction, got)
 
 
 @pytest.mark.skipif(not HAVE_TRITON or tbs.interpreting(), reason="needs triton, outside the interpreter")
@@ -202,3 +207,29 @@ def test_cpu_tensors_without_interpreter_name_the_fix():
         tbs.forward(q, q, q, plan=_plan())
     out, lse = tbs.forward(q, q, q, plan=())  # an empty plan needs no kernel
     assert not out.any() and torch.isinf(lse).all()
+
+
+@pytest.mark.parametrize("block_n", [16, 32, 64])
+def test_chunk_lists_name_each_heads_chunks(block_n):
+    """chunk_lists: for each tile and head, exactly the column chunks of block_n in which that head
+    sees a pair, increasing, with their count -- for planner tiles (uniform bitmask, listed on the
+    device: BLOCK_N 64 / 32 on a GPU) and hand-written ones (tile by tile), against the tiles
+    written out. The forward and dq kernels walk only these."""
+    import triton_sparse_cases
+    from megatron_burst.masks.vertical_slash import plan_tiles
+
+    pattern = triton_sparse_cases.vs_pattern()
+    pos = torch.arange(80)
+    planned = plan_tiles(pattern, 80, pos, pos, tile=16, columns="exact")
+    hand = tbs.pack(triton_sparse_cases.hand_plan(2, 53, 45, seed=1), 2, torch.device("cpu"))
+    assert planned.words is not None and hand.words is None
+    for p in (planned, hand):
+        lists, counts, n = tbs.chunk_lists(p, block_n)
+        assert tuple(lists.shape) == (p.tiles, p.heads, n) and n == -(-p.max_cols // block_n)
+        for t, tile in enumerate(p):
+            cols = tile.vis.shape[-1]
+            for h in range(p.heads):
+                want = [j for j in range(-(-cols // block_n)) if tile.vis[h, :, j * block_n:(j + 1) * block_n].any()]
+                got = lists[t, h, :counts[t, h]].tolist()
+                assert got == want, (t, h, got, want)
+        assert tbs.chunk_lists(p, block_n)[0] is lists  # cached on the plan

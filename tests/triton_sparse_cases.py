@@ -148,14 +148,30 @@ def compile_for_gpu(direction: str, dtype: torch.dtype, d: int, capability: int 
     elem = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     typed = {"Q": elem, "K": elem, "V": elem, "DO": elem, "TILE_Q0": "i32", "TILE_Q1": "i32", "COL_START": "i64",
              "COL_END": "i64", "COLS": "i32", "VIS_START": "i64", "VIS_HEAD": "i64", "VIS_WORDS": "i32",
-             "VIS": "i32"}
+             "VIS": "i32", "CHUNKS": "i32", "N_CHUNKS": "i32"}
     pointers = set(typed) | {"OUT", "LSE", "DELTA", "DQ", "DK", "DV_"}
-    signature = {n: "constexpr" if n in opts else f"*{typed.get(n, 'fp32')}" if n in pointers
-                 else "fp32" if n == "scale" else "i32" for n in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn, signature, opts), target=GPUTarget("cuda", capability, 32),
+    # as Triton specializes a launch: pointers and strides 16-divisible, the unit last-dim strides 1
+    signature, attrs = {}, {}
+    for i, n in enumerate(fn.arg_names):
+        if n in opts:
+            signature[n] = "constexpr"
+        elif n in pointers:
+            signature[n] = f"*{typed.get(n, 'fp32')}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n == "scale":
+            signature[n] = "fp32"
+        elif n in ("sqd", "skd", "svd", "sdod"):
+            signature[n], opts[n] = "constexpr", 1
+        else:
+            signature[n] = "i32"
+            if n.startswith("s"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton.compile(ASTSource(fn, signature, opts, attrs), target=GPUTarget("cuda", capability, 32),
                             options={"num_warps": warps, "enable_fp_fusion": True})
     return {"shared": kernel.metadata.shared, "stages": sorted(kernel.asm), "regs": getattr(kernel, "n_regs", None),
-            "spills": getattr(kernel, "n_spills", None)}
+            "spills": getattr(kernel, "n_spills", None),
+            # loads the software pipeliner made asynchronous copies (0: the column loop runs unpipelined)
+            "async_copies": kernel.asm.get("ttgir", "").count("async_copy_global_to_local")}
 
 
 def main() -> None:

@@ -4,11 +4,13 @@ Plain functions: triton_block_sparse applies ``triton.jit`` on first use. See th
 packed plan, the grid and the precision policy.
 
 The kernels share one column walk: the tile's key columns ``COLS[COL_START[t]:COL_END[t]]`` in
-chunks of BLOCK_N, the visibility bits of the chunk read from the tile's bitmask first (head h's
-rows from word VIS_START[t] + h * VIS_HEAD[t], VIS_WORDS[t] int32 words per row, bit c % 32 of
-word c // 32 for the tile's c-th column), and only a chunk with a visible bit for the head loads
-its K/V rows (gathered by column index) and runs its products: a tile's columns are the union
-over heads, so a head skips the chunks that only other heads see.
+chunks of BLOCK_N, the visibility bits of the chunk read from the tile's bitmask (head h's rows
+from word VIS_START[t] + h * VIS_HEAD[t], VIS_WORDS[t] int32 words per row, bit c % 32 of word
+c // 32 for the tile's c-th column), the chunk's K/V rows gathered by column index. A tile's
+columns are the union over heads: the forward and dq programs walk only their head's chunks, from
+a list per (tile, head) (CHUNKS [T, HQ, max_chunks], N_CHUNKS [T, HQ]: triton_block_sparse.
+chunk_lists), so their loops hold no test and stay software-pipelined; the dk/dv program (all
+heads of a kv head) tests each head's bits per chunk and skips a head that sees none of it.
 
 * ``sparse_fwd_kernel`` and ``sparse_bwd_dq_kernel``: one program per (batch * query head, tile);
 * ``sparse_bwd_dkdv_kernel``: one program per (batch * kv head, tile); per chunk it sums the
@@ -26,7 +28,7 @@ import triton.language as tl
 
 def sparse_fwd_kernel(Q, K, V, OUT, LSE,
                       TILE_Q0, TILE_Q1, COL_START, COL_END, COLS, VIS_START, VIS_HEAD, VIS_WORDS, VIS,
-                      scale, HQ, GROUP, D, DV,
+                      CHUNKS, N_CHUNKS, max_chunks, scale, HQ, GROUP, D, DV,
                       sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
                       sob, soh, sos, slb, slh,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -59,35 +61,39 @@ def sparse_fwd_kernel(Q, K, V, OUT, LSE,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for c0 in range(c_start, c_end, BLOCK_N):
+    # this head's chunks of the tile (chunk_lists): others' columns are never walked, and no test
+    # inside the loop keeps it software-pipelined
+    at = (tile * HQ + h).to(tl.int64)
+    chunk_list = CHUNKS + at * max_chunks
+    for i in range(0, tl.load(N_CHUNKS + at)):
+        c0 = c_start + tl.load(chunk_list + i).to(tl.int64) * BLOCK_N
         offs_c = c0 + tl.arange(0, BLOCK_N)
         c_ok = offs_c < c_end
         local = offs_c - c_start  # the chunk's bits: bit c % 32 of word c // 32 of each row
         words = tl.load(vis_row[:, None] + (local // 32)[None, :], mask=row_ok[:, None] & c_ok[None, :],
                         other=0)
         seen = (((words >> (local % 32)[None, :]) & 1) != 0)
-        if tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0:  # another head's columns: skipped
-            cols = tl.load(COLS + offs_c, mask=c_ok, other=0).to(tl.int64)
-            k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :] * skd,
-                        mask=c_ok[:, None] & d_ok[None, :], other=0.0)
-            v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + offs_dv[None, :] * svd,
-                        mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
-            if WIDEN:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # rows with nothing seen yet keep m = -inf; shift them by 0 so that exp gives 0, not NaN
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_shift)
-            p = tl.exp(s - m_shift[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if LOWP:
-                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-            else:
-                acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision=PRECISION)
-            m_i = m_new
+        cols = tl.load(COLS + offs_c, mask=c_ok, other=0).to(tl.int64)
+        k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :] * skd,
+                    mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + offs_dv[None, :] * svd,
+                    mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
+        if WIDEN:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # rows with nothing seen yet keep m = -inf; shift them by 0 so that exp gives 0, not NaN
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_shift)
+        p = tl.exp(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if LOWP:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        else:
+            acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
     seen_any = l_i > 0.0
     out = acc / tl.where(seen_any, l_i, 1.0)[:, None]
     lse = tl.where(seen_any, tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log(tl.where(seen_any, l_i, 1.0)),
@@ -99,7 +105,7 @@ def sparse_fwd_kernel(Q, K, V, OUT, LSE,
 
 def sparse_bwd_dq_kernel(Q, K, V, DO, DELTA, LSE, DQ,
                          TILE_Q0, TILE_Q1, COL_START, COL_END, COLS, VIS_START, VIS_HEAD, VIS_WORDS, VIS,
-                         scale, HQ, GROUP, D, DV,
+                         CHUNKS, N_CHUNKS, max_chunks, scale, HQ, GROUP, D, DV,
                          sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
                          sdob, sdoh, sdos, sdod, slb, slh, sdqb, sdqh, sdqs,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -139,30 +145,32 @@ def sparse_bwd_dq_kernel(Q, K, V, DO, DELTA, LSE, DQ,
     lse = tl.where(row_live, lse, 0.0)
     vis_row = VIS + tl.load(VIS_START + tile) + h * tl.load(VIS_HEAD + tile) + offs_m.to(tl.int64) * n_words
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for c0 in range(c_start, c_end, BLOCK_N):
+    at = (tile * HQ + h).to(tl.int64)  # this head's chunks of the tile, as in the forward
+    chunk_list = CHUNKS + at * max_chunks
+    for i in range(0, tl.load(N_CHUNKS + at)):
+        c0 = c_start + tl.load(chunk_list + i).to(tl.int64) * BLOCK_N
         offs_c = c0 + tl.arange(0, BLOCK_N)
         c_ok = offs_c < c_end
         local = offs_c - c_start  # the chunk's bits: bit c % 32 of word c // 32 of each row
         words = tl.load(vis_row[:, None] + (local // 32)[None, :], mask=row_ok[:, None] & c_ok[None, :],
                         other=0)
         seen = (((words >> (local % 32)[None, :]) & 1) != 0) & row_live[:, None]
-        if tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0:  # another head's columns: skipped
-            cols = tl.load(COLS + offs_c, mask=c_ok, other=0).to(tl.int64)
-            k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :] * skd,
-                        mask=c_ok[:, None] & d_ok[None, :], other=0.0)
-            v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + offs_dv[None, :] * svd,
-                        mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
-            if WIDEN:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            p = tl.where(seen, tl.exp(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])
-            if LOWP:
-                dq = tl.dot(ds.to(k.dtype), k, dq)
-            else:
-                dq = tl.dot(ds, k.to(tl.float32), dq, input_precision=PRECISION)
+        cols = tl.load(COLS + offs_c, mask=c_ok, other=0).to(tl.int64)
+        k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :] * skd,
+                    mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + offs_dv[None, :] * svd,
+                    mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
+        if WIDEN:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        p = tl.where(seen, tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        if LOWP:
+            dq = tl.dot(ds.to(k.dtype), k, dq)
+        else:
+            dq = tl.dot(ds, k.to(tl.float32), dq, input_precision=PRECISION)
     tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqs + offs_d[None, :], dq * scale,
              mask=row_ok[:, None] & d_ok[None, :])
 

@@ -20,9 +20,10 @@ plan (the id cannot be reused while it is held) in a bounded LRU (PACK_CACHE ent
 PACK_CACHE_BYTES of packed tensors).
 
 Grids. Forward: one program per (batch * query head, tile); it holds its tile's query rows
-(BLOCK_M >= rows) and walks the tile's columns in chunks of BLOCK_N: reads the chunk's bits first
-and skips a chunk the head sees nothing of (a tile's columns are the union over heads), else
-gathers the K/V rows by column index, ``tl.dot`` scores (fp32 accumulation), masks them by the
+(BLOCK_M >= rows) and walks the chunks of BLOCK_N of the tile's columns that its head sees some
+pair in (a tile's columns are the union over heads; :func:`chunk_lists` lists each head's, so the
+loop holds no test and is software-pipelined): reads the chunk's bits, gathers the K/V rows by
+column index, ``tl.dot`` scores (fp32 accumulation), masks them by the
 bitmask and keeps an online softmax; writes out (fp32; 0 where a row sees nothing) and lse (fp32;
 -inf there). Backward, two kernels recomputing P from the given lse: dq per (batch * query head,
 tile), stored for the tile's rows (tiles' rows are disjoint); dk/dv per (batch * kv head, tile),
@@ -112,6 +113,60 @@ def pack(plan, heads: int, device: torch.device) -> PackedTiles:
     return packed
 
 
+# rows x words of visibility read per step while listing chunks (bounds the temporaries)
+CHUNK_LIST_STEP = 1 << 24
+
+
+def chunk_lists(p: PackedTiles, block_n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(lists [T, heads, n] int32, counts [T, heads] int32, n): for each tile and query head, the
+    tile's column chunks [j block_n, (j + 1) block_n) in which the head sees some pair, increasing
+    (entries past the count are padding). The forward and dq kernels walk these instead of testing
+    every chunk: a runtime test around a chunk's loads leaves the loop unpipelined on the GPU. On
+    p's device with no host read for the planner's uniform layout (``p.words``); hand-written tiles
+    are listed tile by tile on the host. Cached on ``p`` per ``block_n`` (a power of two)."""
+    store = p.__dict__.setdefault("_chunk_lists", {})
+    if block_n not in store:
+        n = max(1, -(-p.max_cols // block_n))
+        seen = _chunks_seen_uniform(p, block_n, n) if p.words is not None else _chunks_seen_by_tile(p, block_n, n)
+        index = torch.arange(n, dtype=torch.int32, device=p.device).expand_as(seen)
+        lists = torch.where(seen, index, n).sort(-1).values.to(torch.int32)  # seen chunks first, increasing
+        store[block_n] = (lists.contiguous(), seen.sum(-1, dtype=torch.int32).contiguous(), n)
+    return store[block_n]
+
+
+def _chunks_seen_uniform(p: PackedTiles, block_n: int, n: int) -> torch.Tensor:
+    """[T, heads, n] bool from the uniform bitmask [T, heads, max_rows, words]: any bit of chunk j."""
+    T, h, R, W = p.tiles, p.heads, p.max_rows, p.words
+    vis = p.vis[:T * h * R * W].view(T, h, R, W)
+    out = torch.zeros(T, h, n, dtype=torch.bool, device=p.device)
+    step = max(1, CHUNK_LIST_STEP // max(1, h * R * W))
+    for a in range(0, T, step):
+        x = vis[a:a + step]
+        if block_n >= 32:  # whole words per chunk
+            per = block_n // 32
+            x = torch.nn.functional.pad(x, (0, n * per - W)) if n * per > W else x[..., :n * per]
+            any_bit = x.ne(0).view(*x.shape[:3], n, per).any(-1)
+        else:  # several chunks per word: its bit fields
+            per, field = 32 // block_n, (1 << block_n) - 1
+            parts = [((x >> (i * block_n)) & field).ne(0) for i in range(per)]
+            any_bit = torch.stack(parts, -1).view(*x.shape[:3], W * per)[..., :n]
+            if any_bit.shape[-1] < n:
+                any_bit = torch.nn.functional.pad(any_bit, (0, n - any_bit.shape[-1]))
+        out[a:a + step] = any_bit.any(2)
+    return out
+
+
+def _chunks_seen_by_tile(p: PackedTiles, block_n: int, n: int) -> torch.Tensor:
+    """[T, heads, n] bool of hand-written tiles (their own layouts), from the tiles written out."""
+    out = torch.zeros(p.tiles, p.heads, n, dtype=torch.bool)
+    for t, tile in enumerate(p):
+        cols = tile.vis.shape[-1]
+        pad = -(-cols // block_n) * block_n - cols
+        seen = torch.nn.functional.pad(tile.vis.any(1).cpu(), (0, pad)).view(p.heads, -1, block_n).any(-1)
+        out[t, :, :seen.shape[1]] = seen
+    return out.to(p.device)
+
+
 _jitted: dict[bool, tuple[Any, tuple[Any, Any]]] = {}
 
 
@@ -180,11 +235,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str = "spar
     p = pack(plan, hq, q.device)
     _fits(p, q, k)
     fwd, _ = _kernels()
+    opts = launch_options("forward", {q.dtype, k.dtype, v.dtype}, d, v.shape[-1], p.block_m, interpreting())
     fwd[(b * hq, p.tiles)](
         q, k, v, out, lse, p.q0, p.q1, p.col_start, p.col_end, p.cols, p.vis_start, p.vis_head, p.vis_words, p.vis,
-        float(scale), hq, hq // k.shape[1], d, v.shape[-1],
-        *q.stride(), *k.stride(), *v.stride(), *out.stride()[:3], *lse.stride()[:2],
-        **launch_options("forward", {q.dtype, k.dtype, v.dtype}, d, v.shape[-1], p.block_m, interpreting()))
+        *chunk_lists(p, opts["BLOCK_N"]), float(scale), hq, hq // k.shape[1], d, v.shape[-1],
+        *q.stride(), *k.stride(), *v.stride(), *out.stride()[:3], *lse.stride()[:2], **opts)
     return out, lse
 
 
@@ -216,8 +271,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                           interpreting())
     # dq per (batch * query head, tile), stored; dk/dv per (batch * kv head, tile), the GQA group's
     # query heads summed before one atomic add per column chunk
-    bwd_dq[(b * hq, p.tiles)](q, k, v, dout, D, lse, dq, *plan_args, float(scale), hq, hq // hkv, d, v.shape[-1],
-                              *strides, *dq.stride()[:3], **opts)
+    bwd_dq[(b * hq, p.tiles)](q, k, v, dout, D, lse, dq, *plan_args, *chunk_lists(p, opts["BLOCK_N"]), float(scale),
+                              hq, hq // hkv, d, v.shape[-1], *strides, *dq.stride()[:3], **opts)
     bwd_dkdv[(b * hkv, p.tiles)](q, k, v, dout, D, lse, dk, dv, *plan_args, float(scale), hkv, hq // hkv, d,
                                  v.shape[-1], *strides, *dk.stride()[:3], *dv.stride()[:3], **opts)
     return dq, dk, dv

@@ -365,7 +365,9 @@ class PackedTiles:
       col_end [T] int64; cols [N] int32;
     * vis_start, vis_head [T] int64; vis_words [T] int32; vis [M] int32;
     * heads: the query heads of the visibility; rows: q must have at least this many rows (the
-      last q1); keys: k must have at least this many rows (a bound on the largest column + 1).
+      last q1); keys: k must have at least this many rows (a bound on the largest column + 1);
+    * words: the words per row when every tile's visibility has the planner's uniform layout
+      ([T, heads, max_rows, words], tile t from word t * heads * max_rows * words), else None.
 
     The planner lays out every tile alike: columns packed tile after tile (col_start = running
     sum), visibility [T, heads, max_rows, words]. Host-side sizes are plain ints, so a kernel needs
@@ -387,6 +389,7 @@ class PackedTiles:
     max_cols: int
     rows: int
     keys: int
+    words: Optional[int] = None
 
     _TENSORS = ("q0", "q1", "col_start", "col_end", "cols", "vis_start", "vis_head", "vis_words", "vis")
 
@@ -421,7 +424,7 @@ class PackedTiles:
         copies = self.__dict__.setdefault("_copies", {})
         if device not in copies:
             copies[device] = PackedTiles(*(getattr(self, n).to(device) for n in self._TENSORS), self.heads,
-                                         self.max_rows, self.max_cols, self.rows, self.keys)
+                                         self.max_rows, self.max_cols, self.rows, self.keys, self.words)
         return copies[device]
 
     def first_rows(self, q_rows: int) -> "PackedTiles":
@@ -437,7 +440,7 @@ class PackedTiles:
             clipped[q_rows] = PackedTiles(cut(self.q0), cut(self.q1).clamp(max=q_rows), cut(self.col_start),
                                           cut(self.col_end), self.cols, cut(self.vis_start), cut(self.vis_head),
                                           cut(self.vis_words), self.vis, self.heads, self.max_rows, self.max_cols,
-                                          min(self.rows, q_rows), self.keys)
+                                          min(self.rows, q_rows), self.keys, self.words)
         return clipped[q_rows]
 
     def __iter__(self) -> Iterator[SparseTile]:
@@ -808,7 +811,7 @@ class _Pair:
                            torch.arange(T_sel, device=device) * per_tile,
                            torch.full((T_sel,), R * words, dtype=torch.int64, device=device),
                            torch.full((T_sel,), words, dtype=torch.int32, device=device), vis.view(-1),
-                           h, R, C, rows, keys)
+                           h, R, C, rows, keys, words)
 
     def short_pairs(self, gathered: torch.Tensor, n_pairs: int) -> torch.Tensor:
         """The (head, local row, local column) triples [n_pairs, 3] of the short-run slash pairs in
