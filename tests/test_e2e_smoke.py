@@ -73,3 +73,32 @@ def test_megatron_lm_log_parsing():
     assert got["megatron_tflops"] == [25.0, 445.5] and got["lm_loss"] == [10.51234, 9.876]
     assert got["max_memory_allocated_bytes"] == 31000.25 * 2 ** 20
     assert e2e.parse_mlm_log("no iterations")["elapsed_s"] == []
+
+
+def test_megatron_lm_worker_runs_pretrain_gpt_with_the_wheel_fitted_start_up(tmp_path):
+    """The mlm_* variants' worker runs ``.mlm/pretrain_gpt.py`` as ``python pretrain_gpt.py argv``
+    (as __main__, with its argv), after fitting Megatron-LM's two start-up build steps to a pip
+    megatron-core: compile_helpers does not run ``make`` (the wheel's helpers_cpp is compiled) and a
+    legacy fused-kernel loader that fails for want of nvcc is skipped. A stand-in pretrain_gpt.py
+    and megatron.legacy record what they saw (the real ones come from scripts/mlm_bundle.sh)."""
+    mlm = tmp_path / "mlm"
+    (mlm / "megatron" / "legacy" / "fused_kernels").mkdir(parents=True)
+    (mlm / "megatron" / "legacy" / "__init__.py").write_text("")
+    (mlm / "megatron" / "legacy" / "fused_kernels" / "__init__.py").write_text(
+        "def load(args):\n    raise TypeError(\"unsupported operand type(s) for +: 'NoneType' and 'str'\")\n")
+    (mlm / "pretrain_gpt.py").write_text(
+        "import sys\n"
+        "from megatron.core.datasets.utils import compile_helpers\n"
+        "from megatron.legacy import fused_kernels\n"
+        "compile_helpers()\n"
+        "fused_kernels.load(None)\n"
+        "print('ran as', __name__, 'with', sys.argv[1:])\n")
+    driver = ("import sys; sys.path.insert(0, sys.argv[1]); import e2e_gpt_1b as e; e.MLM_DIR = sys.argv[2]; "
+              "e.main(['--mlm-worker', '--', '--num-layers', '2'])")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(mlm), REPO, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", driver, os.path.join(REPO, "examples"), str(mlm)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dataset index helpers: compiled in the megatron-core wheel" in proc.stdout
+    assert "legacy fused kernels: none to build; nvcc not usable here (TypeError" in proc.stdout
+    assert "ran as __main__ with ['--num-layers', '2']" in proc.stdout
