@@ -45,6 +45,7 @@ share() { echo $(( BUDGET * $1 / 100 )); }
 # the figures first, on a quiet GPU (bench timings), then the correctness suites (pytest-xdist workers
 # share the GPU when installed: first Triton compiles and rank spawns dominate, not GPU time)
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-8}")
+TIMEOUT=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout=240")  # the GPU image has pytest-timeout
 for pkg in liger_kernel:liger_kernel cut_cross_entropy:cut_cross_entropy megatron.core:megatron_core fla:fla_core fla:flash_linear_attention einops:einops \
            annotated_types:annotated_types typing_inspection:typing_inspection pydantic_core:pydantic_core pydantic:pydantic; do
   if ! $PY -c "import ${pkg%%:*}" 2>/dev/null && ls .whl/${pkg##*:}-*.whl >/dev/null 2>&1; then
@@ -63,11 +64,14 @@ part loss-bench $(share ${LOSS_BENCH_SHARE:-15}) bash -o pipefail -c "$PY -m meg
 part masked-tune $(share ${TUNE_SHARE:-0}) bash -o pipefail -c "$PY scripts/gpu_tune_masked.py --out '$OUT_DIR/tune_masked.jsonl' 2>&1 | tail -3"
 part linear-bench $(share ${LINEAR_BENCH_SHARE:-10}) bash -o pipefail -c "$PY -m megatron_burst.bench linear --gpu --out '$OUT_DIR/bench_linear.jsonl' \
   ${LINEAR_BENCH_ARGS:---seq 32768 --heads 16 --head-dim 128 --worlds 2 --repeats 5 --warmup 2 --max-seconds 2} 2>&1 | tee -a '$OUT_DIR/session.log'"
-# the multi-rank tests (W processes per test sharing the GPU) run serially beside the xdist run of
-# the rest: rank pools and xdist workers are kept apart
 part e2e $(share ${E2E_SHARE:-15}) bash -o pipefail -c "$PY examples/e2e_gpt_1b.py --out '$OUT_DIR/e2e' --per-run-timeout $(( $(share ${E2E_SHARE:-15}) - 5 )) \
   ${E2E_ARGS:---variants mlm_burst} 2>&1 | tail -5 | tee -a '$OUT_DIR/session.log'"
-part gpu-suite $(share ${SUITE_SHARE:-35}) bash -c "export GPU_TEST_FAILLOG='$OUT_DIR/gpu_failures.log'
-  $PY -m pytest -q -p no:cacheprovider --timeout=240 ${GPU_TEST_ARGS:-} tests/gpu/test_gpu_cp_multi.py > '$OUT_DIR/gpu_test_multi.log' 2>&1 &
-  $PY -m pytest -q -p no:cacheprovider $XDIST --timeout=240 --durations=15 ${GPU_TEST_ARGS:-} tests/gpu --ignore=tests/gpu/test_gpu_cp_multi.py 2>&1 | tee '$OUT_DIR/gpu_test.log'; wait"
+# the multi-rank tests (W processes per test sharing the GPU) run serially beside the xdist run of
+# the rest: rank pools and xdist workers are kept apart
+# (exit status: the single-process suite's, or the multi-rank one's when that failed)
+part gpu-suite $(share ${SUITE_SHARE:-35}) bash -o pipefail -c "export GPU_TEST_FAILLOG='$OUT_DIR/gpu_failures.log'
+  $PY -m pytest -q -p no:cacheprovider $TIMEOUT ${GPU_TEST_ARGS:-} tests/gpu/test_gpu_cp_multi.py > '$OUT_DIR/gpu_test_multi.log' 2>&1 &
+  multi=\$!
+  $PY -m pytest -q -p no:cacheprovider $XDIST $TIMEOUT --durations=15 ${GPU_TEST_ARGS:-} tests/gpu --ignore=tests/gpu/test_gpu_cp_multi.py 2>&1 | tee '$OUT_DIR/gpu_test.log'
+  single=\$?; wait \$multi; multi=\$?; exit \$(( single ? single : multi ))"
 echo "session: $(( $(date +%s) - START ))s of ${BUDGET}s" | tee -a "$OUT_DIR/session.log"
