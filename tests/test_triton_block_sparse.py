@@ -211,8 +211,8 @@ def test_cpu_tensors_without_interpreter_name_the_fix():
 
 @pytest.mark.parametrize("block_n", [16, 32, 64])
 def test_chunk_lists_name_each_heads_chunks(block_n):
-    """chunk_lists: for each tile and head, exactly the column chunks of block_n in which that head
-    sees a pair, increasing, with their count -- for planner tiles (uniform bitmask, listed on the
+    """chunk_lists: for each tile and head (or group of heads), exactly the column chunks of block_n in
+    which that head (some head of the group) sees a pair, increasing, with their count -- for planner tiles (uniform bitmask, listed on the
     device: BLOCK_N 64 / 32 on a GPU) and hand-written ones (tile by tile), against the tiles
     written out. The forward and dq kernels walk only these."""
     import triton_sparse_cases
@@ -224,12 +224,14 @@ def test_chunk_lists_name_each_heads_chunks(block_n):
     hand = tbs.pack(triton_sparse_cases.hand_plan(2, 53, 45, seed=1), 2, torch.device("cpu"))
     assert planned.words is not None and hand.words is None
     for p in (planned, hand):
-        lists, counts, n = tbs.chunk_lists(p, block_n)
-        assert tuple(lists.shape) == (p.tiles, p.heads, n) and n == -(-p.max_cols // block_n)
-        for t, tile in enumerate(p):
-            cols = tile.vis.shape[-1]
-            for h in range(p.heads):
-                want = [j for j in range(-(-cols // block_n)) if tile.vis[h, :, j * block_n:(j + 1) * block_n].any()]
-                got = lists[t, h, :counts[t, h]].tolist()
-                assert got == want, (t, h, got, want)
-        assert tbs.chunk_lists(p, block_n)[0] is lists  # cached on the plan
+        for group in (1, 2):  # per query head (forward, dq); per kv head of 2 query heads (dk/dv)
+            lists, counts, n = tbs.chunk_lists(p, block_n, group)
+            assert tuple(lists.shape) == (p.tiles, p.heads // group, n) and n == -(-p.max_cols // block_n)
+            for t, tile in enumerate(p):
+                cols = tile.vis.shape[-1]
+                for h in range(p.heads // group):
+                    heads = tile.vis[h * group:(h + 1) * group]
+                    want = [j for j in range(-(-cols // block_n)) if heads[..., j * block_n:(j + 1) * block_n].any()]
+                    got = lists[t, h, :counts[t, h]].tolist()
+                    assert got == want, (t, h, group, got, want)
+            assert tbs.chunk_lists(p, block_n, group)[0] is lists  # cached on the plan

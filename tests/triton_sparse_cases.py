@@ -145,6 +145,8 @@ def compile_for_gpu(direction: str, dtype: torch.dtype, d: int, capability: int 
     opts = triton_block_sparse.launch_options("forward" if direction == "forward" else "backward", {dtype}, d, d, 64,
                                               interpret=False)
     warps = opts.pop("num_warps")
+    if direction == "dkdv":
+        opts["GROUP"] = 4  # a GQA group of 4 query heads per kv head (a constexpr of that kernel)
     elem = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     typed = {"Q": elem, "K": elem, "V": elem, "DO": elem, "TILE_Q0": "i32", "TILE_Q1": "i32", "COL_START": "i64",
              "COL_END": "i64", "COLS": "i32", "VIS_START": "i64", "VIS_HEAD": "i64", "VIS_WORDS": "i32",

@@ -10,7 +10,9 @@ c // 32 for the tile's c-th column), the chunk's K/V rows gathered by column ind
 columns are the union over heads: the forward and dq programs walk only their head's chunks, from
 a list per (tile, head) (CHUNKS [T, HQ, max_chunks], N_CHUNKS [T, HQ]: triton_block_sparse.
 chunk_lists), so their loops hold no test and stay software-pipelined; the dk/dv program (all
-heads of a kv head) tests each head's bits per chunk and skips a head that sees none of it.
+heads of a kv head) walks the chunks some head of its group sees (a list per (tile, kv head)) and
+tests each head's bits per chunk, skipping a head that sees none of it (that test keeps its loop
+unpipelined).
 
 * ``sparse_fwd_kernel`` and ``sparse_bwd_dq_kernel``: one program per (batch * query head, tile);
 * ``sparse_bwd_dkdv_kernel``: one program per (batch * kv head, tile); per chunk it sums the
@@ -177,12 +179,12 @@ def sparse_bwd_dq_kernel(Q, K, V, DO, DELTA, LSE, DQ,
 
 def sparse_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_,
                            TILE_Q0, TILE_Q1, COL_START, COL_END, COLS, VIS_START, VIS_HEAD, VIS_WORDS, VIS,
-                           scale, HKV, GROUP, D, DV,
+                           CHUNKS, N_CHUNKS, max_chunks, scale, HKV, D, DV,
                            sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
                            sdob, sdoh, sdos, sdod, slb, slh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                            BLOCK_DV: tl.constexpr, WIDEN: tl.constexpr, PRECISION: tl.constexpr,
-                           LOWP: tl.constexpr):
+                           LOWP: tl.constexpr, GROUP: tl.constexpr):
     """DK/DV of a (batch * kv head, tile): per column chunk, the GROUP query heads of the kv head
     recompute P and dS over the tile's rows and their dK = scale * dS^T.Q, dV = P^T.dO are summed
     in registers, then added to the fp32 [b, hkv, sk, *] buffers with one atomic add (columns
@@ -205,7 +207,12 @@ def sparse_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_,
     offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < D
     dv_ok = offs_dv < DV
-    for c0 in range(c_start, c_end, BLOCK_N):
+    # the chunks some query head of this kv head sees (chunk_lists per kv head); GROUP is a
+    # constexpr and its loop unrolled, so the chunk loop is the innermost runtime loop
+    at = (tile * HKV + hk).to(tl.int64)
+    chunk_list = CHUNKS + at * max_chunks
+    for i in range(0, tl.load(N_CHUNKS + at)):
+        c0 = c_start + tl.load(chunk_list + i).to(tl.int64) * BLOCK_N
         offs_c = c0 + tl.arange(0, BLOCK_N)
         c_ok = offs_c < c_end
         cols = tl.load(COLS + offs_c, mask=c_ok, other=0).to(tl.int64)
@@ -218,8 +225,7 @@ def sparse_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_,
             v = v.to(tl.float32)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-        any_seen = 0
-        for g in range(0, GROUP):
+        for g in tl.static_range(GROUP):
             h = hk * GROUP + g
             vis_row = vis_tile + h * vis_head + offs_m.to(tl.int64) * n_words
             lse = tl.load(LSE + b * slb + h * slh + rows, mask=row_ok, other=float("-inf"))
@@ -228,8 +234,7 @@ def sparse_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_,
             words = tl.load(vis_row[:, None] + (local // 32)[None, :], mask=row_ok[:, None] & c_ok[None, :],
                             other=0)
             seen = (((words >> (local % 32)[None, :]) & 1) != 0) & row_live[:, None]
-            if tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0:  # this head sees none of the chunk
-                any_seen = 1
+            if tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0:  # else this head sees none of the chunk
                 q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + offs_d[None, :] * sqd,
                             mask=row_ok[:, None] & d_ok[None, :], other=0.0)
                 do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdos + offs_dv[None, :] * sdod,
@@ -249,8 +254,8 @@ def sparse_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_,
                 else:
                     dv = tl.dot(tl.trans(p), do.to(tl.float32), dv, input_precision=PRECISION)
                     dk = tl.dot(tl.trans(ds), q.to(tl.float32), dk, input_precision=PRECISION)
-        if any_seen > 0:
-            tl.atomic_add(DK + b * sdkb + hk * sdkh + cols[:, None] * sdks + offs_d[None, :], dk * scale,
-                          mask=c_ok[:, None] & d_ok[None, :])
-            tl.atomic_add(DV_ + b * sdvb + hk * sdvh + cols[:, None] * sdvs + offs_dv[None, :], dv,
-                          mask=c_ok[:, None] & dv_ok[None, :])
+        # some head of the group sees the chunk (it is on the list)
+        tl.atomic_add(DK + b * sdkb + hk * sdkh + cols[:, None] * sdks + offs_d[None, :], dk * scale,
+                      mask=c_ok[:, None] & d_ok[None, :])
+        tl.atomic_add(DV_ + b * sdvb + hk * sdvh + cols[:, None] * sdvs + offs_dv[None, :], dv,
+                      mask=c_ok[:, None] & dv_ok[None, :])

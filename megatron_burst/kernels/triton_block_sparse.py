@@ -27,7 +27,8 @@ column index, ``tl.dot`` scores (fp32 accumulation), masks them by the
 bitmask and keeps an online softmax; writes out (fp32; 0 where a row sees nothing) and lse (fp32;
 -inf there). Backward, two kernels recomputing P from the given lse: dq per (batch * query head,
 tile), stored for the tile's rows (tiles' rows are disjoint); dk/dv per (batch * kv head, tile),
-summing the chunk's dk/dv over the GQA group's query heads in registers and adding them with one
+walking the chunks some head of the GQA group sees (GROUP, a constexpr, unrolled), summing the
+chunk's dk/dv over the group's query heads in registers and adding them with one
 ``tl.atomic_add`` into fp32 [b, hkv, sk, *] buffers (columns repeat across tiles): GROUP times
 fewer atomics than one program per query head adding its own, for two more products per chunk.
 
@@ -117,21 +118,27 @@ def pack(plan, heads: int, device: torch.device) -> PackedTiles:
 CHUNK_LIST_STEP = 1 << 24
 
 
-def chunk_lists(p: PackedTiles, block_n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(lists [T, heads, n] int32, counts [T, heads] int32, n): for each tile and query head, the
-    tile's column chunks [j block_n, (j + 1) block_n) in which the head sees some pair, increasing
-    (entries past the count are padding). The forward and dq kernels walk these instead of testing
+def chunk_lists(p: PackedTiles, block_n: int, group: int = 1) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(lists [T, heads / group, n] int32, counts [T, heads / group] int32, n): for each tile and
+    group of ``group`` consecutive query heads (1: each head; the GQA group: each kv head), the
+    tile's column chunks [j block_n, (j + 1) block_n) in which some head of the group sees a pair,
+    increasing (entries past the count are padding). The kernels walk these instead of testing
     every chunk: a runtime test around a chunk's loads leaves the loop unpipelined on the GPU. On
     p's device with no host read for the planner's uniform layout (``p.words``); hand-written tiles
-    are listed tile by tile on the host. Cached on ``p`` per ``block_n`` (a power of two)."""
+    are listed tile by tile on the host. Cached on ``p`` per (``block_n`` (a power of two), group)."""
     store = p.__dict__.setdefault("_chunk_lists", {})
-    if block_n not in store:
+    if (block_n, group) not in store:
         n = max(1, -(-p.max_cols // block_n))
-        seen = _chunks_seen_uniform(p, block_n, n) if p.words is not None else _chunks_seen_by_tile(p, block_n, n)
+        seen = store.get(("seen", block_n))
+        if seen is None:
+            seen = store[("seen", block_n)] = (_chunks_seen_uniform(p, block_n, n) if p.words is not None
+                                               else _chunks_seen_by_tile(p, block_n, n))
+        if group > 1:
+            seen = seen.view(p.tiles, p.heads // group, group, n).any(2)
         index = torch.arange(n, dtype=torch.int32, device=p.device).expand_as(seen)
         lists = torch.where(seen, index, n).sort(-1).values.to(torch.int32)  # seen chunks first, increasing
-        store[block_n] = (lists.contiguous(), seen.sum(-1, dtype=torch.int32).contiguous(), n)
-    return store[block_n]
+        store[(block_n, group)] = (lists.contiguous(), seen.sum(-1, dtype=torch.int32).contiguous(), n)
+    return store[(block_n, group)]
 
 
 def _chunks_seen_uniform(p: PackedTiles, block_n: int, n: int) -> torch.Tensor:
@@ -273,8 +280,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     # query heads summed before one atomic add per column chunk
     bwd_dq[(b * hq, p.tiles)](q, k, v, dout, D, lse, dq, *plan_args, *chunk_lists(p, opts["BLOCK_N"]), float(scale),
                               hq, hq // hkv, d, v.shape[-1], *strides, *dq.stride()[:3], **opts)
-    bwd_dkdv[(b * hkv, p.tiles)](q, k, v, dout, D, lse, dk, dv, *plan_args, float(scale), hkv, hq // hkv, d,
-                                 v.shape[-1], *strides, *dk.stride()[:3], *dv.stride()[:3], **opts)
+    bwd_dkdv[(b * hkv, p.tiles)](q, k, v, dout, D, lse, dk, dv, *plan_args, *chunk_lists(p, opts["BLOCK_N"], hq // hkv),
+                                 float(scale), hkv, d, v.shape[-1], *strides, *dk.stride()[:3], *dv.stride()[:3],
+                                 GROUP=hq // hkv, **opts)
     return dq, dk, dv
 
 
