@@ -286,6 +286,41 @@ def _peak_flops(override: Optional[float], device: str) -> Optional[float]:
     return next((v for k, v in PEAK_BF16.items() if k in device), None)
 
 
+def _run_logged(name: str, cmd: List[str], cwd: str, env: dict, timeout: float, log) -> tuple:
+    """Run one variant's process, its command and output in ``log``: (returncode or "timeout",
+    stdout, stderr, wall seconds)."""
+    log.write(f"\n=== {name}\n$ {' '.join(cmd)}\n")
+    log.flush()
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, out, err = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, out, err = "timeout", exc.stdout or "", exc.stderr or ""
+        out, err = (x.decode() if isinstance(x, bytes) else x for x in (out, err))
+    log.write(out[-20000:] + ("\n--- stderr (tail)\n" + err[-6000:] if rc != 0 else ""))
+    log.flush()
+    return rc, out, err, round(time.perf_counter() - t0, 1)
+
+
+def _failure(err: str, fallback: str) -> str:
+    """What a failed variant reports: out of memory, or the last line of its stderr."""
+    if "OutOfMemoryError" in err or "out of memory" in err.lower():
+        return "out of GPU memory"
+    return (err.strip().splitlines() or [fallback])[-1][-500:]
+
+
+def _rates(c: dict, times: List[float], args) -> Dict:
+    """Step time (mean after the warm-up iterations), tokens/s, TFLOP/s and MFU (both FLOP counts)
+    from the per-iteration seconds of one variant (global batch 1: c["seq"] tokens per iteration)."""
+    steady = times[c["warmup"]:] or times[-1:]
+    step_s = sum(steady) / len(steady)
+    return {"iteration_s": [round(t, 4) for t in times], "step_s": round(step_s, 4),
+            "tokens_per_s": round(c["seq"] / step_s, 1), "tflops_per_s": round(flops_megatron(c) / step_s / 1e12, 1),
+            "mfu": round(flops_megatron(c) / step_s / args.peak, 4) if args.peak else None,
+            "mfu_6n": round(flops_6n(c) / step_s / args.peak, 4) if args.peak else None}
+
+
 def run_mlm_variant(name: str, c: dict, args, log) -> Dict:
     """One Megatron-LM variant: .mlm/pretrain_gpt.py in a fresh single-rank process (env:// rendezvous)."""
     if name == "mlm_megatron_local":
@@ -307,37 +342,17 @@ def run_mlm_variant(name: str, c: dict, args, log) -> Dict:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1", "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CUDA_DEVICE_MAX_CONNECTIONS": "1",
            "PYTHONPATH": os.pathsep.join([MLM_DIR, REPO, os.environ.get("PYTHONPATH", "")])}
-    log.write(f"\n=== {name}\n$ {' '.join(cmd)}\n")
-    log.flush()
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=MLM_DIR, env=env, capture_output=True, text=True, timeout=args.per_run_timeout)
-        rc, out, err = proc.returncode, proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc, out, err = "timeout", exc.stdout or "", exc.stderr or ""
-        out, err = (x.decode() if isinstance(x, bytes) else x for x in (out, err))
-    result.update(returncode=rc, wall_s=round(time.perf_counter() - t0, 1))
-    log.write(out[-20000:] + ("\n--- stderr (tail)\n" + err[-6000:] if rc != 0 else ""))
-    log.flush()
+    rc, out, err, wall = _run_logged(name, cmd, MLM_DIR, env, args.per_run_timeout, log)
+    result.update(returncode=rc, wall_s=wall)
     parsed = parse_mlm_log(out)
     if rc != 0 or not parsed["elapsed_s"]:
-        oom = "OutOfMemoryError" in err or "out of memory" in err.lower()
-        result["error"] = "out of GPU memory" if oom else ((err.strip().splitlines() or ["no iteration logged"])[-1][-500:])
+        result["error"] = _failure(err, "no iteration logged")
         if not parsed["elapsed_s"]:
             return result
-    times = parsed["elapsed_s"]
-    steady = times[c["warmup"]:] or times[-1:]
-    step_s = sum(steady) / len(steady)
     peak = parsed["max_memory_allocated_bytes"]
-    result.update({
-        "iteration_s": [round(t, 4) for t in times], "lm_loss": [round(x, 4) for x in parsed["lm_loss"]],
-        "step_s": round(step_s, 4), "tokens_per_s": round(c["seq"] / step_s, 1),
-        "tflops_per_s": round(flops_megatron(c) / step_s / 1e12, 1),
-        "megatron_tflops_per_gpu": parsed["megatron_tflops"],
-        "mfu": round(flops_megatron(c) / step_s / args.peak, 4) if args.peak else None,
-        "mfu_6n": round(flops_6n(c) / step_s / args.peak, 4) if args.peak else None,
-        "peak_memory_gib": round(peak / 2 ** 30, 2) if peak else None,
-    })
+    result.update(_rates(c, parsed["elapsed_s"], args))
+    result.update(lm_loss=[round(x, 4) for x in parsed["lm_loss"]], megatron_tflops_per_gpu=parsed["megatron_tflops"],
+                  peak_memory_gib=round(peak / 2 ** 30, 2) if peak else None)
     return result
 
 
@@ -356,37 +371,17 @@ def run_variant(name: str, c: dict, args, log) -> Dict:
            else [sys.executable, "-m", "megatron_burst.train"]) + flags
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    log.write(f"\n=== {name}\n$ {' '.join(cmd)}\n")
-    log.flush()
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.per_run_timeout)
-        rc, out, err = proc.returncode, proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc, out, err = "timeout", exc.stdout or "", exc.stderr or ""
-        out, err = (x.decode() if isinstance(x, bytes) else x for x in (out, err))
-    wall = time.perf_counter() - t0
-    log.write(out + ("\n--- stderr (tail)\n" + err[-6000:] if rc != 0 else ""))
-    log.flush()
-    result: Dict = {"variant": name, "flags": flags[:-2], "returncode": rc, "wall_s": round(wall, 1)}
+    rc, out, err, wall = _run_logged(name, cmd, REPO, env, args.per_run_timeout, log)
+    result: Dict = {"variant": name, "flags": flags[:-2], "returncode": rc, "wall_s": wall}
     if rc != 0:
-        oom = "OutOfMemoryError" in err or "out of memory" in err.lower()
-        result["error"] = "out of GPU memory" if oom else (err.strip().splitlines() or ["?"])[-1][-500:]
+        result["error"] = _failure(err, "?")
         return result
     data = json.load(open(metrics_file))
     rows = data["metrics"]
-    steady = rows[c["warmup"]:] or rows[-1:]
-    step_s = sum(r["elapsed_s"] for r in steady) / len(steady)
-    tokens = c["seq"]  # global batch 1
     banner = re.search(r"(\d+) parameters per TP rank", out)
+    result.update(_rates(c, [r["elapsed_s"] for r in rows], args))
     result.update({
-        "iteration_s": [round(r["elapsed_s"], 4) for r in rows],
         "lm_loss": [round(r["lm_loss"], 4) for r in rows],
-        "step_s": round(step_s, 4),
-        "tokens_per_s": round(tokens / step_s, 1),
-        "tflops_per_s": round(flops_megatron(c) / step_s / 1e12, 1),
-        "mfu": round(flops_megatron(c) / step_s / args.peak, 4) if args.peak else None,
-        "mfu_6n": round(flops_6n(c) / step_s / args.peak, 4) if args.peak else None,
         "peak_memory_gib": (round(rows[-1]["max_memory_allocated_bytes"] / 2**30, 2)
                             if "max_memory_allocated_bytes" in rows[-1] else None),
         "parameters_trainer": int(banner.group(1)) if banner else None,
