@@ -138,15 +138,11 @@ def compile_for_gpu(direction: str, dtype: torch.dtype, d: int, capability: int 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from megatron_burst.kernels import _triton_block_sparse_src as src
-
-    source = {"forward": src.sparse_fwd_kernel, "dq": src.sparse_bwd_dq_kernel, "dkdv": src.sparse_bwd_dkdv_kernel}
-    fn = triton.jit(source[direction])
+    fwd, (dq, dkdv) = triton_block_sparse._kernels()  # also binds the helpers the kernels call
+    fn = {"forward": fwd, "dq": dq, "dkdv": dkdv}[direction]
     opts = triton_block_sparse.launch_options("forward" if direction == "forward" else "backward", {dtype}, d, d, 64,
                                               interpret=False)
     warps = opts.pop("num_warps")
-    if direction == "dkdv":
-        opts["GROUP"] = 4  # a GQA group of 4 query heads per kv head (a constexpr of that kernel)
     elem = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     typed = {"Q": elem, "K": elem, "V": elem, "DO": elem, "TILE_Q0": "i32", "TILE_Q1": "i32", "COL_START": "i64",
              "COL_END": "i64", "COLS": "i32", "VIS_START": "i64", "VIS_HEAD": "i64", "VIS_WORDS": "i32",

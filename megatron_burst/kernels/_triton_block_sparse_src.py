@@ -1,6 +1,7 @@
 """Triton source of the kernels wrapped by :mod:`megatron_burst.kernels.triton_block_sparse` (imports triton).
 
-Plain functions: triton_block_sparse applies ``triton.jit`` on first use. See that module for the
+Plain functions: triton_block_sparse applies ``triton.jit`` on first use, to the kernels and to the
+helpers they call by global name (``_chunk_kv``, ``_chunk_seen``: bound here per interpreter mode). See that module for the
 packed plan, the grid and the precision policy.
 
 The kernels share one column walk: the tile's key columns ``COLS[COL_START[t]:COL_END[t]]`` in
@@ -11,8 +12,8 @@ columns are the union over heads: the forward and dq programs walk only their he
 a list per (tile, head) (CHUNKS [T, HQ, max_chunks], N_CHUNKS [T, HQ]: triton_block_sparse.
 chunk_lists), so their loops hold no test and stay software-pipelined; the dk/dv program (all
 heads of a kv head) walks the chunks some head of its group sees (a list per (tile, kv head)) and
-tests each head's bits per chunk, skipping a head that sees none of it (that test keeps its loop
-unpipelined).
+tests each head's bits per chunk, skipping a head that sees none of it (that test, and the head
+loop inside, keep its loop unpipelined).
 
 * ``sparse_fwd_kernel`` and ``sparse_bwd_dq_kernel``: one program per (batch * query head, tile);
 * ``sparse_bwd_dkdv_kernel``: one program per (batch * kv head, tile); per chunk it sums the
@@ -26,6 +27,30 @@ otherwise every product runs on the fp32 operands at ``PRECISION``.
 from __future__ import annotations
 
 import triton.language as tl
+
+
+def _chunk_kv(CHUNK_LIST, i, c_start, c_end, COLS, k_base, v_base, sks, skd, svs, svd, offs_d, d_ok, offs_dv, dv_ok,
+              BLOCK_N: tl.constexpr, WIDEN: tl.constexpr):
+    """The i-th listed column chunk of a tile: (its columns [BLOCK_N] as offsets into COLS, which of
+    them exist, their key indices, K rows [BLOCK_N, BLOCK_D], V rows [BLOCK_N, BLOCK_DV]) gathered
+    by key index from k_base / v_base (this batch and kv head)."""
+    offs_c = c_start + tl.load(CHUNK_LIST + i).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = offs_c < c_end
+    cols = tl.load(COLS + offs_c, mask=c_ok, other=0).to(tl.int64)
+    k = tl.load(k_base + cols[:, None] * sks + offs_d[None, :] * skd, mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(v_base + cols[:, None] * svs + offs_dv[None, :] * svd, mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
+    if WIDEN:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return offs_c, c_ok, cols, k, v
+
+
+def _chunk_seen(vis_row, offs_c, c_start, c_ok, row_ok):
+    """[BLOCK_M, BLOCK_N] bool: the head's rows (bitmask words from vis_row, one per row) see the
+    chunk's columns: bit c % 32 of word c // 32 for the tile's c-th column."""
+    local = offs_c - c_start
+    words = tl.load(vis_row[:, None] + (local // 32)[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0)
+    return ((words >> (local % 32)[None, :]) & 1) != 0
 
 
 def sparse_fwd_kernel(Q, K, V, OUT, LSE,
@@ -66,23 +91,11 @@ def sparse_fwd_kernel(Q, K, V, OUT, LSE,
     # this head's chunks of the tile (chunk_lists): others' columns are never walked, and no test
     # inside the loop keeps it software-pipelined
     at = (tile * HQ + h).to(tl.int64)
-    chunk_list = CHUNKS + at * max_chunks
     for i in range(0, tl.load(N_CHUNKS + at)):
-        c0 = c_start + tl.load(chunk_list + i).to(tl.int64) * BLOCK_N
-        offs_c = c0 + tl.arange(0, BLOCK_N)
-        c_ok = offs_c < c_end
-        local = offs_c - c_start  # the chunk's bits: bit c % 32 of word c // 32 of each row
-        words = tl.load(vis_row[:, None] + (local // 32)[None, :], mask=row_ok[:, None] & c_ok[None, :],
-                        other=0)
-        seen = (((words >> (local % 32)[None, :]) & 1) != 0)
-        cols = tl.load(COLS + offs_c, mask=c_ok, other=0).to(tl.int64)
-        k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :] * skd,
-                    mask=c_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + offs_dv[None, :] * svd,
-                    mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
-        if WIDEN:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        offs_c, c_ok, cols, k, v = _chunk_kv(CHUNKS + at * max_chunks, i, c_start, c_end, COLS, K + b * skb + hk * skh,
+                                             V + b * svb + hk * svh, sks, skd, svs, svd, offs_d, d_ok, offs_dv, dv_ok,
+                                             BLOCK_N, WIDEN)
+        seen = _chunk_seen(vis_row, offs_c, c_start, c_ok, row_ok)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -148,23 +161,11 @@ def sparse_bwd_dq_kernel(Q, K, V, DO, DELTA, LSE, DQ,
     vis_row = VIS + tl.load(VIS_START + tile) + h * tl.load(VIS_HEAD + tile) + offs_m.to(tl.int64) * n_words
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     at = (tile * HQ + h).to(tl.int64)  # this head's chunks of the tile, as in the forward
-    chunk_list = CHUNKS + at * max_chunks
     for i in range(0, tl.load(N_CHUNKS + at)):
-        c0 = c_start + tl.load(chunk_list + i).to(tl.int64) * BLOCK_N
-        offs_c = c0 + tl.arange(0, BLOCK_N)
-        c_ok = offs_c < c_end
-        local = offs_c - c_start  # the chunk's bits: bit c % 32 of word c // 32 of each row
-        words = tl.load(vis_row[:, None] + (local // 32)[None, :], mask=row_ok[:, None] & c_ok[None, :],
-                        other=0)
-        seen = (((words >> (local % 32)[None, :]) & 1) != 0) & row_live[:, None]
-        cols = tl.load(COLS + offs_c, mask=c_ok, other=0).to(tl.int64)
-        k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :] * skd,
-                    mask=c_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + offs_dv[None, :] * svd,
-                    mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
-        if WIDEN:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        offs_c, c_ok, cols, k, v = _chunk_kv(CHUNKS + at * max_chunks, i, c_start, c_end, COLS, K + b * skb + hk * skh,
+                                             V + b * svb + hk * svh, sks, skd, svs, svd, offs_d, d_ok, offs_dv, dv_ok,
+                                             BLOCK_N, WIDEN)
+        seen = _chunk_seen(vis_row, offs_c, c_start, c_ok, row_ok) & row_live[:, None]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         p = tl.where(seen, tl.exp(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -179,12 +180,12 @@ def sparse_bwd_dq_kernel(Q, K, V, DO, DELTA, LSE, DQ,
 
 def sparse_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_,
                            TILE_Q0, TILE_Q1, COL_START, COL_END, COLS, VIS_START, VIS_HEAD, VIS_WORDS, VIS,
-                           CHUNKS, N_CHUNKS, max_chunks, scale, HKV, D, DV,
+                           CHUNKS, N_CHUNKS, max_chunks, scale, HKV, GROUP, D, DV,
                            sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
                            sdob, sdoh, sdos, sdod, slb, slh, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                            BLOCK_DV: tl.constexpr, WIDEN: tl.constexpr, PRECISION: tl.constexpr,
-                           LOWP: tl.constexpr, GROUP: tl.constexpr):
+                           LOWP: tl.constexpr):
     """DK/DV of a (batch * kv head, tile): per column chunk, the GROUP query heads of the kv head
     recompute P and dS over the tile's rows and their dK = scale * dS^T.Q, dV = P^T.dO are summed
     in registers, then added to the fp32 [b, hkv, sk, *] buffers with one atomic add (columns
@@ -207,33 +208,22 @@ def sparse_bwd_dkdv_kernel(Q, K, V, DO, DELTA, LSE, DK, DV_,
     offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < D
     dv_ok = offs_dv < DV
-    # the chunks some query head of this kv head sees (chunk_lists per kv head); GROUP is a
-    # constexpr and its loop unrolled, so the chunk loop is the innermost runtime loop
+    # the chunks some query head of this kv head sees (chunk_lists per kv head). The head loop stays a
+    # runtime loop: unrolled (GROUP a constexpr) it spills registers and still leaves the chunk loop
+    # unpipelined, as each head's products sit under its own test
     at = (tile * HKV + hk).to(tl.int64)
-    chunk_list = CHUNKS + at * max_chunks
     for i in range(0, tl.load(N_CHUNKS + at)):
-        c0 = c_start + tl.load(chunk_list + i).to(tl.int64) * BLOCK_N
-        offs_c = c0 + tl.arange(0, BLOCK_N)
-        c_ok = offs_c < c_end
-        cols = tl.load(COLS + offs_c, mask=c_ok, other=0).to(tl.int64)
-        k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :] * skd,
-                    mask=c_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + offs_dv[None, :] * svd,
-                    mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
-        if WIDEN:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        offs_c, c_ok, cols, k, v = _chunk_kv(CHUNKS + at * max_chunks, i, c_start, c_end, COLS, K + b * skb + hk * skh,
+                                             V + b * svb + hk * svh, sks, skd, svs, svd, offs_d, d_ok, offs_dv, dv_ok,
+                                             BLOCK_N, WIDEN)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-        for g in tl.static_range(GROUP):
+        for g in range(0, GROUP):
             h = hk * GROUP + g
             vis_row = vis_tile + h * vis_head + offs_m.to(tl.int64) * n_words
             lse = tl.load(LSE + b * slb + h * slh + rows, mask=row_ok, other=float("-inf"))
             row_live = lse > float("-inf")
-            local = offs_c - c_start  # the chunk's bits: bit c % 32 of word c // 32 of each row
-            words = tl.load(vis_row[:, None] + (local // 32)[None, :], mask=row_ok[:, None] & c_ok[None, :],
-                            other=0)
-            seen = (((words >> (local % 32)[None, :]) & 1) != 0) & row_live[:, None]
+            seen = _chunk_seen(vis_row, offs_c, c_start, c_ok, row_ok) & row_live[:, None]
             if tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0:  # else this head sees none of the chunk
                 q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + offs_d[None, :] * sqd,
                             mask=row_ok[:, None] & d_ok[None, :], other=0.0)

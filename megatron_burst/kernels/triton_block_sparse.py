@@ -27,7 +27,7 @@ column index, ``tl.dot`` scores (fp32 accumulation), masks them by the
 bitmask and keeps an online softmax; writes out (fp32; 0 where a row sees nothing) and lse (fp32;
 -inf there). Backward, two kernels recomputing P from the given lse: dq per (batch * query head,
 tile), stored for the tile's rows (tiles' rows are disjoint); dk/dv per (batch * kv head, tile),
-walking the chunks some head of the GQA group sees (GROUP, a constexpr, unrolled), summing the
+walking the chunks some head of the GQA group sees (a list per (tile, kv head)), summing the
 chunk's dk/dv over the group's query heads in registers and adding them with one
 ``tl.atomic_add`` into fp32 [b, hkv, sk, *] buffers (columns repeat across tiles): GROUP times
 fewer atomics than one program per query head adding its own, for two more products per chunk.
@@ -174,7 +174,8 @@ def _chunks_seen_by_tile(p: PackedTiles, block_n: int, n: int) -> torch.Tensor:
     return out.to(p.device)
 
 
-_jitted: dict[bool, tuple[Any, tuple[Any, Any]]] = {}
+_HELPERS = ("_chunk_kv", "_chunk_seen")
+_jitted: dict[bool, tuple[dict, tuple[Any, tuple[Any, Any]]]] = {}
 
 
 def _kernels() -> tuple[Any, tuple[Any, Any]]:
@@ -188,9 +189,12 @@ def _kernels() -> tuple[Any, tuple[Any, Any]]:
 
     mode = interpreting()
     if mode not in _jitted:
-        _jitted[mode] = (triton.jit(src.sparse_fwd_kernel), (triton.jit(src.sparse_bwd_dq_kernel),
-                                                             triton.jit(src.sparse_bwd_dkdv_kernel)))
-    return _jitted[mode]
+        helpers = {name: triton.jit(getattr(src, name)) for name in _HELPERS}
+        _jitted[mode] = (helpers, (triton.jit(src.sparse_fwd_kernel), (triton.jit(src.sparse_bwd_dq_kernel),
+                                                                       triton.jit(src.sparse_bwd_dkdv_kernel))))
+    helpers, kernels = _jitted[mode]
+    src.__dict__.update(helpers)  # the kernels call the helpers of this mode by their global names
+    return kernels
 
 
 def _fits(p: PackedTiles, q: torch.Tensor, k: torch.Tensor) -> None:
@@ -281,8 +285,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     bwd_dq[(b * hq, p.tiles)](q, k, v, dout, D, lse, dq, *plan_args, *chunk_lists(p, opts["BLOCK_N"]), float(scale),
                               hq, hq // hkv, d, v.shape[-1], *strides, *dq.stride()[:3], **opts)
     bwd_dkdv[(b * hkv, p.tiles)](q, k, v, dout, D, lse, dk, dv, *plan_args, *chunk_lists(p, opts["BLOCK_N"], hq // hkv),
-                                 float(scale), hkv, d, v.shape[-1], *strides, *dk.stride()[:3], *dv.stride()[:3],
-                                 GROUP=hq // hkv, **opts)
+                                 float(scale), hkv, hq // hkv, d, v.shape[-1], *strides, *dk.stride()[:3],
+                                 *dv.stride()[:3], **opts)
     return dq, dk, dv
 
 
