@@ -215,6 +215,29 @@ def skipped_tiles_unread() -> dict:
 NAMES_OF_KERNELS = {"forward": "masked_fwd_kernel", "dq": "masked_bwd_dq_kernel", "dkdv": "masked_bwd_dkdv_kernel"}
 
 
+def launch_signature(arg_names, opts: dict, pointers: dict, unit_strides: tuple = ()) -> tuple[dict, dict]:
+    """(signature, attributes) of an ahead-of-time compile, as Triton specializes a real launch:
+    ``opts`` keys constexpr; ``pointers`` name -> element type, 16-divisible; ``scale``/``scale2``
+    fp32; other arguments i32, those starting with "s" (strides) 16-divisible, except
+    ``unit_strides``, which become the constexpr 1 (added to ``opts``)."""
+    signature, attrs = {}, {}
+    for i, name in enumerate(arg_names):
+        if name in opts:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = f"*{pointers[name]}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("scale", "scale2"):
+            signature[name] = "fp32"
+        elif name in unit_strides:
+            signature[name], opts[name] = "constexpr", 1
+        else:
+            signature[name] = "i32"
+            if name.startswith("s"):  # strides
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, attrs
+
+
 def compile_for_gpu(kernel: str, dtype: torch.dtype, d: int, capability: int = 90, flags: dict | None = None) -> dict:
     """Compile ``kernel`` ("forward", "dq", "dkdv") for a CUDA GPU of ``capability`` without one,
     with the module's GPU launch options for ``dtype`` and head dim ``d`` and the mask ``flags``
@@ -239,19 +262,7 @@ def compile_for_gpu(kernel: str, dtype: torch.dtype, d: int, capability: int = 9
     pointers = {"Q": elem, "K": elem, "V": elem, "DO": elem, "RANGES": "i32", "QKEY": "i32", "KKEY": "i32",
                 "QDOC": "i32", "KDOC": "i32", "HBAND": "i32", "HKEYS": "i8", "HHOLES": "i32", "OUT": "fp32", "LSE": "fp32", "DELTA": "fp32", "DQ": "fp32",
                 "DK": "fp32", "DV_": "fp32"}
-    signature, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in opts:
-            signature[name] = "constexpr"
-        elif name in pointers:
-            signature[name] = f"*{pointers[name]}"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("scale", "scale2"):
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-            if name.startswith("s"):  # strides
-                attrs[(i,)] = [["tt.divisibility", 16]]
+    signature, attrs = launch_signature(fn.arg_names, opts, pointers)
     compiled = triton.compile(ASTSource(fn, signature, opts, attrs), target=GPUTarget("cuda", capability, 32),
                               options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": True})
     res = {"stages": sorted(compiled.asm), "shared": compiled.metadata.shared, "num_warps": warps,

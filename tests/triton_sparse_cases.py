@@ -138,32 +138,19 @@ def compile_for_gpu(direction: str, dtype: torch.dtype, d: int, capability: int 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from triton_masked_cases import launch_signature
+
     fwd, (dq, dkdv) = triton_block_sparse._kernels()  # also binds the helpers the kernels call
     fn = {"forward": fwd, "dq": dq, "dkdv": dkdv}[direction]
     opts = triton_block_sparse.launch_options("forward" if direction == "forward" else "backward", {dtype}, d, d, 64,
                                               interpret=False)
     warps = opts.pop("num_warps")
     elem = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    typed = {"Q": elem, "K": elem, "V": elem, "DO": elem, "TILE_Q0": "i32", "TILE_Q1": "i32", "COL_START": "i64",
-             "COL_END": "i64", "COLS": "i32", "VIS_START": "i64", "VIS_HEAD": "i64", "VIS_WORDS": "i32",
-             "VIS": "i32", "CHUNKS": "i32", "N_CHUNKS": "i32"}
-    pointers = set(typed) | {"OUT", "LSE", "DELTA", "DQ", "DK", "DV_"}
-    # as Triton specializes a launch: pointers and strides 16-divisible, the unit last-dim strides 1
-    signature, attrs = {}, {}
-    for i, n in enumerate(fn.arg_names):
-        if n in opts:
-            signature[n] = "constexpr"
-        elif n in pointers:
-            signature[n] = f"*{typed.get(n, 'fp32')}"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif n == "scale":
-            signature[n] = "fp32"
-        elif n in ("sqd", "skd", "svd", "sdod"):
-            signature[n], opts[n] = "constexpr", 1
-        else:
-            signature[n] = "i32"
-            if n.startswith("s"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
+    pointers = {"Q": elem, "K": elem, "V": elem, "DO": elem, "TILE_Q0": "i32", "TILE_Q1": "i32", "COL_START": "i64",
+                "COL_END": "i64", "COLS": "i32", "VIS_START": "i64", "VIS_HEAD": "i64", "VIS_WORDS": "i32",
+                "VIS": "i32", "CHUNKS": "i32", "N_CHUNKS": "i32", "OUT": "fp32", "LSE": "fp32", "DELTA": "fp32",
+                "DQ": "fp32", "DK": "fp32", "DV_": "fp32"}
+    signature, attrs = launch_signature(fn.arg_names, opts, pointers, unit_strides=("sqd", "skd", "svd", "sdod"))
     kernel = triton.compile(ASTSource(fn, signature, opts, attrs), target=GPUTarget("cuda", capability, 32),
                             options={"num_warps": warps, "enable_fp_fusion": True})
     return {"shared": kernel.metadata.shared, "stages": sorted(kernel.asm), "regs": getattr(kernel, "n_regs", None),
