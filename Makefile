@@ -11,6 +11,9 @@ TORCH_SPEC ?= torch==2.13.0
 MCORE_SPEC ?= megatron-core==0.16.1
 STAMP := $(VENV)/.megatron-burst-env
 PYTEST_ARGS ?=
+# make test's pytest-xdist workers (2 keep CI's 2 cores busy: ranks and subprocesses leave one idle
+# about a third of the time in a single worker); TEST_WORKERS=0 runs it in this process
+TEST_WORKERS ?= 2
 
 .PHONY: all env demo test gpu-test functional-test clean-data help
 
@@ -38,7 +41,7 @@ demo: env
 
 # tests/gpu needs CUDA (make gpu-test); here its code runs as a CPU dry run (tests/test_gpu_suite_dry_run.py)
 test: env
-	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/gpu $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/gpu -n $(TEST_WORKERS) $(PYTEST_ARGS) tests
 
 # The GPU suite (every test skipped without CUDA). On a GPU machine whose python already has a CUDA
 # torch and no network for `make env`: make gpu-test GPU_PY=python3 (that python runs it, env is skipped).

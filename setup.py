@@ -11,8 +11,9 @@ setup(
     install_requires=["torch>=2.6", "megatron-core>=0.15,<0.17", "numpy", "pyyaml"],  # pyyaml: functional-test cases
     extras_require={
         # triton: its CPU interpreter tests the GPU kernels; six, regex, pydantic: what Megatron-LM's
-        # training package imports when the functional-test check drives its parse_args
-        "test": ["pytest>=7", "triton", "six", "regex", "pydantic"],
+        # training package imports when the functional-test check drives its parse_args; pytest-xdist:
+        # make test runs in 2 workers (the suite is CPU-bound: 2 workers fill the 2 cores CI has)
+        "test": ["pytest>=7", "pytest-xdist", "triton", "six", "regex", "pydantic"],
         "bench": ["matplotlib"],
         "triton": ["triton"],
         "gpu": ["flash-attn", "transformer-engine"],
