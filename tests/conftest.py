@@ -21,6 +21,21 @@ if importlib.util.find_spec("megatron_burst") is None:
 import harness  # noqa: E402  (needs the sys.path entry above)
 
 
+# Modules whose tests take the longest in all, longest first (one 2-core run, 2026-11-26). make test
+# runs the suite in pytest-xdist workers, which take tests in collection order: starting these first
+# lets the workers finish together instead of one running a long test alone at the end (392 s
+# against 428 s in collection order). Order only: nothing is skipped.
+LONGEST_FIRST = ("test_functional_tests", "test_triton_masked", "test_megatron_train", "test_fused_loss",
+                 "test_e2e_smoke", "test_world", "test_linear_documents", "test_sparse", "test_nccl_schedule",
+                 "test_gpu_suite_dry_run", "test_triton_block_sparse", "test_bench_loss", "test_megatron_model",
+                 "test_cp_allgather_ulysses_usp", "test_gpu_bench_smoke", "test_window", "test_fused_loss_onchip")
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__ if item.module else "", len(rank)))  # stable
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     """Workers (and the forkserver) exit before pytest reports, leaving no orphan processes."""
     harness.shutdown_pools(stop_forkserver=True)
