@@ -33,7 +33,7 @@ Where that scratch lives (:func:`plan_vocab_tiles`):
   (tens, where even ``MIN_TILE_ROWS`` rows do not fit) use a buffer of their own of at most
   ``TAIL_BYTES``. The pass's peak above the gradient is then that buffer: at N = 16K, V = 128K,
   d = 4096, bf16, ~1.4 MiB -- the op's backward peaks at the two bf16 gradients (1152 MiB) plus that.
-  The price is more, smaller tiles near the end (each re-reads h): ~100 tiles instead of 64 there.
+  The price is more, smaller tiles near the end (each re-reads h): 82 tiles instead of 64 there, heights multiples of ROW_ALIGN but the last.
 * **in a buffer of its own** (with ``main_grad``: no result to borrow from; or ``in_result=False``):
   fixed tiles, ``vt`` = min(vocab_chunk, VOCAB_TILE) rows, ``tn`` tokens from TILE_BYTES; at the
   shape above vt = 2048, tn = 4096: 48 MiB of logits / G and a 32 MiB accumulator.
@@ -68,6 +68,9 @@ TAIL_BYTES = 1 << 20
 # Token sub-chunk sizes tried when splitting the tokens lets a tile keep more rows.
 SPLIT_TOKENS = (4096, 2048, 1024, 512)
 ALIGN = 256  # bytes: every scratch piece starts on a 256-byte boundary (cuBLAS / vector loads)
+# Tile heights are multiples of this many rows (but the last tile): a tile's height is the leading
+# dimension of its [tn, vt] logits and G scratch, and odd ones keep cuBLAS off its tensor-core kernels.
+ROW_ALIGN = 16
 # Whether d weight's own unwritten rows hold the scratch (module switch for tests and benchmarks).
 SCRATCH_IN_RESULT = True
 
@@ -151,7 +154,7 @@ def plan_vocab_tiles(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, vo
     ``acc_temp``: as :func:`tile_scratch`. Host arithmetic only, cached per shape (and per value
     of the module's tiling constants).
     """
-    constants = (VOCAB_TILE, TILE_BYTES, MIN_TILE_ROWS, TAIL_BYTES, SPLIT_TOKENS, ALIGN)
+    constants = (VOCAB_TILE, TILE_BYTES, MIN_TILE_ROWS, TAIL_BYTES, SPLIT_TOKENS, ALIGN, ROW_ALIGN)
     return _plan(n_tokens, v_local, d, dtype, vocab_chunk, in_result, dest_fp32, acc_temp, constants)
 
 
@@ -175,7 +178,7 @@ def _plan(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, vocab_chunk: 
         rem = v_local - a
         best = None  # ((bytes per row, -vt), vt, tn, offset): the cheapest shape that fits behind its rows
         top = min(cap, rem - 1)  # at least one row behind the tile to hold scratch
-        sizes = sorted({top, *range(MIN_TILE_ROWS, top + 1, MIN_TILE_ROWS)}, reverse=True)
+        sizes = sorted({_aligned_rows(top), *range(MIN_TILE_ROWS, top + 1, MIN_TILE_ROWS)}, reverse=True)
         for vt in (x for x in sizes if x >= min(MIN_TILE_ROWS, cap)):
             offset = _align((a + vt) * row_bytes)
             for tn in _token_options(n_tokens, vt, dtype):
@@ -191,7 +194,8 @@ def _plan(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, vocab_chunk: 
         a += vt
     if a < v_local:  # the last rows: an own buffer of at most TAIL_BYTES where some shape fits
         rem = v_local - a
-        options = [(vt, tn) for vt in range(min(cap, rem), 0, -1) for tn in _token_options(n_tokens, vt, dtype)]
+        heights = {min(cap, rem), *range(ROW_ALIGN, min(cap, rem) + 1, ROW_ALIGN)}  # the whole rest in one, or aligned
+        options = [(vt, tn) for vt in sorted(heights, reverse=True) for tn in _token_options(n_tokens, vt, dtype)]
         fits = [(_bytes_per_row(vt, tn, n_tokens, d, elt), vt, tn) for vt, tn in options if scratch(vt, tn) <= TAIL_BYTES]
         if fits:
             _, vt, tn = min(fits)
@@ -199,6 +203,11 @@ def _plan(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, vocab_chunk: 
             vt, tn = min(options, key=lambda o: scratch(*o))
         tiles += [VocabTile(b, min(b + vt, v_local), tn, None) for b in range(a, v_local, vt)]
     return tuple(tiles)
+
+
+def _aligned_rows(rows: int) -> int:
+    """``rows`` rounded down to a multiple of ROW_ALIGN (as it is below ROW_ALIGN)."""
+    return rows // ROW_ALIGN * ROW_ALIGN or rows
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor, G: torch.Tensor, impl: str) -> None:
