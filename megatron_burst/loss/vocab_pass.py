@@ -33,7 +33,8 @@ Where that scratch lives (:func:`plan_vocab_tiles`):
   (tens, where even ``MIN_TILE_ROWS`` rows do not fit) use a buffer of their own of at most
   ``TAIL_BYTES``. The pass's peak above the gradient is then that buffer: at N = 16K, V = 128K,
   d = 4096, bf16, ~1.4 MiB -- the op's backward peaks at the two bf16 gradients (1152 MiB) plus that.
-  The price is more, smaller tiles near the end (each re-reads h): 82 tiles instead of 64 there, heights multiples of ROW_ALIGN but the last.
+  The price is more, smaller tiles near the end (each re-reads h): 82 tiles instead of 64 there
+  (heights multiples of ROW_ALIGN but the last).
 * **in a buffer of its own** (with ``main_grad``: no result to borrow from; or ``in_result=False``):
   fixed tiles, ``vt`` = min(vocab_chunk, VOCAB_TILE) rows, ``tn`` tokens from TILE_BYTES; at the
   shape above vt = 2048, tn = 4096: 48 MiB of logits / G and a 32 MiB accumulator.
