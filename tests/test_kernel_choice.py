@@ -104,6 +104,42 @@ def test_self_check_refuses_wrong_gradients(fused_on_cpu):
         choice.checked("cudnn", CPU, torch.float32, 32, ("causal",))
 
 
+def _positions_altered(alter):
+    """A stand-in positions kernel (tiled) whose every call sees ``alter(positions)`` instead."""
+    mod = _stand_in("triton_masked")
+
+    def forward(q, k, v, kind="full", block=1, scale=1.0, positions=None):
+        return tiled.forward(q, k, v, kind, block, scale, alter(positions))
+
+    def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0, positions=None):
+        return tiled.backward(dout, q, k, v, D, lse, kind, block, scale, alter(positions))
+
+    mod.forward, mod.backward = forward, backward
+    return mod
+
+
+@pytest.mark.parametrize("flaw", ["holes ignored", "per-head columns ignored", "band clamped at the diagonal"])
+def test_positions_self_check_catches_what_only_the_engines_masks_use(fused_on_cpu, flaw):
+    """The positions self-check runs the masks the engine now makes on CUDA: a sparse pattern's
+    per-head bands with holes and per-head columns, and a block_causal block's stripe rest (band
+    (-1, None)). A kernel that gets any one of them wrong fails it, before any training step."""
+    from megatron_burst.masks.block import HeadBands
+
+    def alter(positions):
+        q_pos, kv_pos, q_doc, kv_doc, band = positions
+        if flaw == "holes ignored" and isinstance(band, HeadBands):
+            band = HeadBands(band.bounds, band.keys, None)
+        elif flaw == "per-head columns ignored" and isinstance(band, HeadBands):
+            band = HeadBands(band.bounds, None, band.holes)
+        elif flaw == "band clamped at the diagonal" and band == (-1, None):
+            band = (0, None)
+        return q_pos, kv_pos, q_doc, kv_doc, band
+
+    fused_on_cpu("triton_masked", _positions_altered(alter))
+    with pytest.raises(choice.KernelSelfCheckError, match=r"failed its self-check \(positions block"):
+        choice.checked("triton_masked", CPU, torch.float32, 32, ("positions",))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["tiled", "cpu_flash", "reference"])
 def test_correct_kernels_pass_the_self_check_for_every_dense_kind(name, dtype):

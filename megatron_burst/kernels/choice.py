@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 
 from megatron_burst import env
+from megatron_burst.masks.block import HeadBands
 
 logger = logging.getLogger("megatron_burst.kernels")
 
@@ -160,11 +161,23 @@ def _self_check_cases(kind: str) -> list[dict]:
     pos = torch.arange(80)
     doc = (pos >= 30).long()
     striped = torch.arange(0, 96, 2)
+    # the rest of a block_causal block's stripes of 16 (masks.block.split_block_causal: band
+    # (-1, None), stripes as documents), without each stripe's last row (it sees nothing there)
+    upper = torch.tensor([p for p in range(96) if p % 16 != 15])
+    # per-head bands with holes (a sparse pattern's gathered lines, its slash runs cut out) and
+    # per-head columns: every head sees column 0, so no row is empty (the reference needs one pair)
+    keys = (torch.arange(4)[:, None] + torch.arange(80)[None, :]) % 3 != 1
+    keys[:, 0] = True
+    holes = torch.tensor([[[3, 5], [9, 12]], [[1, 0], [1, 0]], [[10, 40], [1, 0]], [[1, 2], [60, 70]]])
+    bands = HeadBands(torch.tensor([[90, 0], [20, 0], [90, 0], [90, 0]]), keys, holes)
     # documents + window on a diagonal block and an offset contiguous block: the varlen op's route
-    # of varlen_or_triton; striped positions (no single diagonal): its Triton route (both checked)
+    # of varlen_or_triton; striped positions (no single diagonal), the stripes' rest and the bands:
+    # its Triton route (all checked)
     return [dict(sq=80, sk=80, positions=(pos, pos, doc, doc, (20, 0))),
             dict(sq=40, sk=40, positions=(pos[40:], pos[:40], None, None, (None, 0))),
-            dict(sq=48, sk=48, positions=(striped, striped, None, None, (None, 0)))]
+            dict(sq=48, sk=48, positions=(striped, striped, None, None, (None, 0))),
+            dict(sq=90, sk=96, positions=(upper, torch.arange(96), upper // 16, torch.arange(96) // 16, (-1, None))),
+            dict(sq=80, sk=80, positions=(pos, pos, None, None, bands))]
 
 
 def _compare(name: str, what: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> Optional[str]:
