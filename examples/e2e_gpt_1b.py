@@ -287,19 +287,27 @@ def _peak_flops(override: Optional[float], device: str) -> Optional[float]:
 
 
 def _run_logged(name: str, cmd: List[str], cwd: str, env: dict, timeout: float, log) -> tuple:
-    """Run one variant's process, its command and output in ``log``: (returncode or "timeout",
-    stdout, stderr, wall seconds)."""
+    """Run one variant's process: (returncode or "timeout", stdout, stderr, wall seconds). Its
+    command and stdout go into ``log`` (opened for appending) and its stderr into
+    ``<log>.<name>.stderr`` as they are written, so a driver killed from outside (the GPU session's
+    time limit) still leaves them."""
     log.write(f"\n=== {name}\n$ {' '.join(cmd)}\n")
     log.flush()
+    start = os.path.getsize(log.name)
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-        rc, out, err = proc.returncode, proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc, out, err = "timeout", exc.stdout or "", exc.stderr or ""
-        out, err = (x.decode() if isinstance(x, bytes) else x for x in (out, err))
-    log.write(out[-20000:] + ("\n--- stderr (tail)\n" + err[-6000:] if rc != 0 else ""))
-    log.flush()
+    with open(f"{log.name}.{name}.stderr", "w+") as err_file:
+        try:
+            rc = subprocess.run(cmd, cwd=cwd, env=env, stdout=log, stderr=err_file, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        err_file.seek(0)
+        err = err_file.read()
+    with open(log.name, "rb") as f:
+        f.seek(start)
+        out = f.read().decode(errors="replace")
+    if rc != 0:
+        log.write("\n--- stderr (tail)\n" + err[-6000:])
+        log.flush()
     return rc, out, err, round(time.perf_counter() - t0, 1)
 
 

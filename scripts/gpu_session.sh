@@ -11,7 +11,7 @@
 #    fused loss (examples/e2e_gpt_1b.py mlm_burst; needs .mlm from scripts/mlm_bundle.sh, carried)
 # 3. the whole GPU suite (tests/gpu: attention, sparse, fused loss, linear), xdist workers when installed
 # Shares of the budget: ATTN_BENCH_SHARE 25, LOSS_BENCH_SHARE 15, LINEAR_BENCH_SHARE 10, E2E_SHARE 15, SUITE_SHARE 35,
-# TUNE_SHARE 0 (scripts/gpu_tune_masked.py: Triton masked kernel launch configs) (percent; 0 skips a part); GPU_BENCH_ARGS, LINEAR_BENCH_ARGS, GPU_TEST_ARGS override each part's arguments.
+# TUNE_SHARE 0 (scripts/gpu_tune_masked.py: Triton masked kernel launch configs) (percent; 0 skips a part); GPU_BENCH_ARGS, LINEAR_BENCH_ARGS, GPU_TEST_ARGS, GPU_MULTI_ARGS override each part's arguments.
 # Carry `.whl` and `.mlm` (git-ignored): fla_core, flash_linear_attention, einops (I3); liger_kernel,
 # cut_cross_entropy (the loss bench's peers), megatron_core and pydantic (+ its needs: scripts/mlm_bundle.sh,
 # which also writes .mlm, Megatron-LM's patched training side), e.g.
@@ -64,14 +64,16 @@ part loss-bench $(share ${LOSS_BENCH_SHARE:-15}) bash -o pipefail -c "$PY -m meg
 part masked-tune $(share ${TUNE_SHARE:-0}) bash -o pipefail -c "$PY scripts/gpu_tune_masked.py --out '$OUT_DIR/tune_masked.jsonl' 2>&1 | tail -3"
 part linear-bench $(share ${LINEAR_BENCH_SHARE:-10}) bash -o pipefail -c "$PY -m megatron_burst.bench linear --gpu --out '$OUT_DIR/bench_linear.jsonl' \
   ${LINEAR_BENCH_ARGS:---seq 32768 --heads 16 --head-dim 128 --worlds 2 --repeats 5 --warmup 2 --max-seconds 2} 2>&1 | tee -a '$OUT_DIR/session.log'"
-part e2e $(share ${E2E_SHARE:-15}) bash -o pipefail -c "$PY examples/e2e_gpt_1b.py --out '$OUT_DIR/e2e' --per-run-timeout $(( $(share ${E2E_SHARE:-15}) - 5 )) \
+part e2e $(share ${E2E_SHARE:-15}) bash -o pipefail -c "$PY examples/e2e_gpt_1b.py --out '$OUT_DIR/e2e' --per-run-timeout $(( $(share ${E2E_SHARE:-15}) - 20 )) \
   ${E2E_ARGS:---variants mlm_burst} 2>&1 | tail -5 | tee -a '$OUT_DIR/session.log'"
 # the multi-rank tests (W processes per test sharing the GPU) run serially beside the xdist run of
 # the rest: rank pools and xdist workers are kept apart
-# (exit status: the single-process suite's, or the multi-rank one's when that failed)
+# (exit status: the single-process suite's, or the multi-rank one's when that failed). GPU_TEST_ARGS
+# goes to the single-process run only; GPU_MULTI_ARGS replaces the multi-rank run's (empty: no such run)
 part gpu-suite $(share ${SUITE_SHARE:-35}) bash -o pipefail -c "export GPU_TEST_FAILLOG='$OUT_DIR/gpu_failures.log'
-  $PY -m pytest -q -p no:cacheprovider $TIMEOUT ${GPU_TEST_ARGS:-} tests/gpu/test_gpu_cp_multi.py > '$OUT_DIR/gpu_test_multi.log' 2>&1 &
-  multi=\$!
+  multi=0
+  [ -n '${GPU_MULTI_ARGS-tests/gpu/test_gpu_cp_multi.py}' ] && { $PY -m pytest -q -p no:cacheprovider $TIMEOUT \
+    ${GPU_MULTI_ARGS-tests/gpu/test_gpu_cp_multi.py} > '$OUT_DIR/gpu_test_multi.log' 2>&1 & multi=\$!; }
   $PY -m pytest -q -p no:cacheprovider $XDIST $TIMEOUT --durations=15 ${GPU_TEST_ARGS:-} tests/gpu --ignore=tests/gpu/test_gpu_cp_multi.py 2>&1 | tee '$OUT_DIR/gpu_test.log'
-  single=\$?; wait \$multi; multi=\$?; exit \$(( single ? single : multi ))"
+  single=\$?; if (( multi )); then wait \$multi; multi=\$?; fi; exit \$(( single ? single : multi ))"
 echo "session: $(( $(date +%s) - START ))s of ${BUDGET}s" | tee -a "$OUT_DIR/session.log"

@@ -102,3 +102,39 @@ def test_megatron_lm_worker_runs_pretrain_gpt_with_the_wheel_fitted_start_up(tmp
     assert "dataset index helpers: compiled in the megatron-core wheel" in proc.stdout
     assert "legacy fused kernels: none to build; nvcc not usable here (TypeError" in proc.stdout
     assert "ran as __main__ with ['--num-layers', '2']" in proc.stdout
+
+
+def test_a_variants_output_is_in_the_log_while_it_runs(tmp_path):
+    """The GPU session kills the driver from outside when its share ends: what a variant printed so
+    far must already be in e2e.log (stdout) and beside it (stderr), not held in a pipe. A run past
+    its own timeout reports "timeout" with what it printed."""
+    import threading
+    import time
+
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    try:
+        import e2e_gpt_1b as e2e
+    finally:
+        sys.path.pop(0)
+    child = ("import sys, time; print('iteration 1 lm loss 9.5', flush=True); "
+             "print('boom', file=sys.stderr, flush=True); time.sleep(60)")
+    path = tmp_path / "e2e.log"
+    result = {}
+    with open(path, "a") as log:
+        runner = threading.Thread(target=lambda: result.update(r=e2e._run_logged(
+            "v", [sys.executable, "-c", child], str(tmp_path), dict(os.environ), 4, log)))
+        runner.start()
+        err_path = tmp_path / "e2e.log.v.stderr"
+        deadline = time.time() + 3.5
+        while not ("iteration 1" in path.read_text() and err_path.exists() and err_path.read_text()) \
+                and time.time() < deadline:
+            time.sleep(0.2)
+        try:
+            assert "iteration 1 lm loss 9.5" in path.read_text()  # while the variant still runs
+            assert err_path.read_text().strip() == "boom"
+            assert runner.is_alive()
+        finally:
+            runner.join()
+    rc, out, err, _ = result["r"]
+    assert rc == "timeout" and out.strip() == "iteration 1 lm loss 9.5" and err.strip() == "boom"
+    assert "--- stderr (tail)\nboom" in path.read_text()
