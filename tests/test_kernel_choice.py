@@ -276,6 +276,38 @@ def test_mask_kinds_cover_every_block_a_call_produces(split, monkeypatch):
         assert seen <= set(cfg.mask_kinds), (cfg.layout, cfg.stripe, cfg.causal, cfg.window, seen, cfg.mask_kinds)
 
 
+@pytest.mark.parametrize("forced", [None, "triton_masked"])
+def test_block_causal_kernel_is_chosen_only_where_its_blocks_run(fused_on_cpu, monkeypatch, forced):
+    """Block-striped layouts: where a dense op runs the causal blocks, every block_causal block is
+    split (CPConfig.splits_block_causal, on CUDA), so no block_causal kernel is chosen, self-checked
+    or compiled (seconds of Triton compile per process on a GPU); where the causal blocks run the
+    Triton kernel too (forced here), block_causal blocks stay whole and get their kernel. CUDA's
+    split is stood in for by its rule on the stand-ins (the device here is the CPU)."""
+    from megatron_burst.algorithms.prepare import choose_kernels
+    from megatron_burst.algorithms.schedule import DENSE_CAUSAL_OPS, CPConfig
+    from megatron_burst.topology import CPTopology
+
+    monkeypatch.setattr(CPConfig, "splits_block_causal", property(
+        lambda self: self.stripe > 1 and self.kernel is not None
+        and self.kernel.get("causal", "forward") in DENSE_CAUSAL_OPS))
+    calls = []
+    fused_on_cpu("triton_masked", _stand_in("triton_masked", calls=calls, dtypes=(torch.bfloat16,)))
+    if forced:
+        monkeypatch.setenv("MEGATRON_BURST_KERNEL", forced)
+    cfg = CPConfig(CPTopology(None, 0, 2, 2, None), "flat", "striped", 4, True, 0.1)
+    assert "block_causal" in cfg.mask_kinds
+    q = torch.zeros(1, 4, 32, 16, dtype=torch.bfloat16)
+    choose_kernels(cfg, q, 16, None, None)
+    checked = {kind for _, kind, _, _ in calls}
+    if forced:
+        assert cfg.kernel.get("block_causal", "forward") == "triton_masked" and "block_causal" in checked
+        assert not cfg.splits_block_causal
+    else:
+        assert cfg.kernel.get("causal", "forward") in DENSE_CAUSAL_OPS and cfg.splits_block_causal
+        assert "block_causal" not in cfg.kernel.kinds and "block_causal" not in checked, (cfg.kernel, checked)
+        assert {m.kind for r in range(2) for o in range(2) for _, m in cfg.blocks(r, o, 32)} <= set(cfg.kernel.kinds)
+
+
 # ------------------------------------------------------ CUDA adapters on fake CUDA tensors
 
 

@@ -85,7 +85,13 @@ def choose_kernels(cfg: CPConfig, q: torch.Tensor, head_dim: int, kernel: Option
     """Resolve the local kernels of every mask kind ``cfg`` can produce (self-checked on first use,
     megatron_burst.kernels.choice) into ``cfg.kernel``; on CUDA every rank of the CP group must
     agree (one small all-gather per group and choice, before the first block)."""
-    cfg.kernel = choose(q.device, q.dtype, head_dim, cfg.mask_kinds, KernelPolicy.from_env(kernel))
+    policy, kinds = KernelPolicy.from_env(kernel), cfg.mask_kinds
+    # where causal blocks run a dense op, every block_causal block is split into causal + positions
+    # (CPConfig.splits_block_causal): then no kernel of its own is chosen, self-checked or compiled
+    if "block_causal" in kinds:
+        cfg.kernel = choose(q.device, q.dtype, head_dim, tuple(k for k in kinds if k != "block_causal"), policy)
+    if "block_causal" not in kinds or not cfg.splits_block_causal:
+        cfg.kernel = choose(q.device, q.dtype, head_dim, kinds, policy)
     if q.is_cuda:
         agree(cfg.kernel, cp_group)
 

@@ -451,8 +451,8 @@ def rank_block_work(layout: str, stripe: int, W: int, n: int, scale: float):
 
 
 def section_rank_block(B: Bench) -> None:
+    from megatron_burst.algorithms.prepare import choose_kernels
     from megatron_burst.kernels import block_backward, block_forward, empty_accumulator, merge_into, row_dot
-    from megatron_burst.kernels.choice import choose
 
     a, dev, dt, S = B.args, B.device, B.dtype, "rank_block"
     W, s = a.rank_world, a.rank_seq
@@ -474,11 +474,11 @@ def section_rank_block(B: Bench) -> None:
         shape = {"W": W, "rank": r, "s": s, "local": n, "b": b, "hq": hq, "hkv": hkv, "d": d,
                  "layout": layout, "stripe": stripe, "work_per_rank": work}
         try:
-            choice = choose(dev, dt, d, cfg.mask_kinds)
-            cfg.kernel = choice
             g = torch.Generator(device=dev).manual_seed(1)
             mk = lambda h: torch.randn(b, h, n, d, generator=g, device=dev).to(dt)  # noqa: E731
             q, dout = mk(hq), mk(hq)
+            choose_kernels(cfg, q, d, None, None)  # as cp_attention resolves them (one process: no agreement)
+            choice = cfg.kernel
             kvs = [(mk(hkv), mk(hkv)) for _ in range(W)]
             blocks = [cfg.blocks(r, o, n) for o in range(W)]
         except Exception as e:  # noqa: BLE001

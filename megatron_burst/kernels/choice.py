@@ -130,6 +130,10 @@ class KernelChoice:
     head_dim: int
     kernels: tuple[tuple[str, str, str], ...] = field(default=())
 
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(k for k, _, _ in self.kernels)
+
     def get(self, kind: str, direction: str) -> Optional[str]:
         for k, fwd, bwd in self.kernels:
             if k == kind:
@@ -398,7 +402,7 @@ def agree(choice: KernelChoice, group=None) -> None:
     # keyed by what every rank shares (the call's shape), never by the local choice: a rank whose
     # choice differs must still reach the same all-gather as the others
     key = (id(group) if group is not None else None, world, choice.device_type, choice.dtype, choice.head_dim,
-           tuple(k for k, _, _ in choice.kernels))
+           choice.kinds)
     if key in _AGREED:
         return
     text = choice.describe().encode()[:AGREE_BYTES]
