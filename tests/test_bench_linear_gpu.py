@@ -51,3 +51,28 @@ def test_fla_variants_against_the_stand_in(tmp_path, monkeypatch):
         assert max(l["errors"].values()) <= 1e-5, l
     fla_lines = [l for l in lines if l["variant"] == "fla"]
     assert all(any("self-checked" in k for k in l["linear_kernels"]) for l in fla_lines)
+
+
+def test_forms_fla_refuses_are_skipped_with_the_reason(tmp_path, monkeypatch):
+    """On Hopper with 3.4 <= Triton < 3.7.1 fla refuses its gated backward kernels (fla issue #640):
+    the bench records those variants (ours through fla, fla's own) as skipped, naming the refusal and
+    the carried-Triton fix, instead of compiling fla's forward and failing in its backward; the
+    ungated form (channel) and our torch path still run."""
+    fla_standin.install(monkeypatch)
+    monkeypatch.setattr(attention_choice, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(kernel_choice, "_fla_flags", lambda: (True, True, False))  # Hopper, Triton 3.6
+    kernel_choice.reset()
+    out = tmp_path / "linear.jsonl"
+    try:
+        linear_gpu.main(["--gpu", "--smoke", "--sections", "local", "--kernels", "torch", "fla", "--seq", "96",
+                         "--forms", "head", "channel", "--out", str(out)])
+    finally:
+        kernel_choice.reset()
+    lines = {(l["name"], l["variant"]): l for l in _lines(out) if l["variant"] != "done"}
+    assert not [l for l in lines.values() if "error" in l]
+    for name in ("lasp2_head", "gdn"):
+        for variant in ("fla", "fla_direct"):
+            assert "fla issue #640" in lines[name, variant]["skipped"], lines[name, variant]
+            assert "scripts/triton_bundle.sh" in lines[name, variant]["skipped"]
+        assert "skipped" not in lines[name, "torch"]
+    assert all("skipped" not in lines["lasp2_channel", v] for v in ("torch", "fla", "fla_direct"))

@@ -195,10 +195,16 @@ def section_local(rec: Recorder, args, device: torch.device, dtype: torch.dtype)
             ref = reference(op, form, x, args.ref_heads)
         except Exception as e:  # noqa: BLE001
             rec.error("local", name, "fp32_reference", e, shape=shape)
+        refused = _fla_refusal(op, form)
         for kernel in args.kernels:
+            if kernel == "fla" and refused:  # fla raises in the backward, after its forward's compiles
+                rec.skip("local", name, kernel, refused, shape=shape)
+                continue
             measure(rec, args, device, name, kernel, op, form, x,
                     lambda leaves, kernel=kernel: run_ours(op, form, kernel, x, leaves), ref, shape)
-        if "fla" in args.kernels:  # fla's own kernel, the bar, whenever ours runs with fla
+        if "fla" in args.kernels and refused:
+            rec.skip("local", name, "fla_direct", refused, shape=shape)
+        elif "fla" in args.kernels:  # fla's own kernel, the bar, whenever ours runs with fla
             try:
                 direct = fla_direct_fn(op, form)
             except Exception as e:  # noqa: BLE001
@@ -207,6 +213,15 @@ def section_local(rec: Recorder, args, device: torch.device, dtype: torch.dtype)
             measure(rec, args, device, name, "fla_direct", op, form, x, lambda leaves: direct(x, leaves), ref, shape)
         del x, ref
         free_memory(device)
+
+
+def _fla_refusal(op: str, form: str) -> Optional[str]:
+    """Why fla refuses (op, form)'s backward on this machine (None: it runs it): the variants it
+    would refuse are recorded as skipped with that reason instead of failing late."""
+    from megatron_burst.linear import kernel_choice
+
+    why = kernel_choice.fla_refusal(op, form)
+    return None if why is None else f"{why}; carry a newer Triton for the linear parts: scripts/triton_bundle.sh"
 
 
 # ------------------------------------------------------------------------------------------ multi_rank
@@ -283,6 +298,12 @@ def section_multi_rank(rec: Recorder, args, device: torch.device, dtype: torch.d
     how = "fla" if cuda else "torch"
     variants = [f"lasp2:token:{how}"] + ([] if args.no_gdn else [f"gdn:token:{how}"] +
                                          (["gdn:token:fla_cp"] if cuda else []))
+    for variant in list(variants):  # forms fla refuses on this machine: said once, not run W + 1 times
+        op, form, kern = variant.split(":")
+        refused = _fla_refusal(op, form) if kern.startswith("fla") else None
+        if refused:
+            rec.skip("multi_rank", f"W{'/'.join(map(str, args.worlds))}_s{args.seq}", variant, refused)
+            variants.remove(variant)
     cfg = {"s": args.seq, "h": args.heads, "d": args.head_dim, "dtype": str(dtype).replace("torch.", ""), "seed": 3,
            "variants": variants, "warmup": args.warmup, "repeats": args.repeats, "cuda": cuda}
     transport = "host_staged (CUDA tensors through pinned host memory over gloo)" if cuda else \
