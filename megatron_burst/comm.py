@@ -599,7 +599,7 @@ class RingComm:
         g = self.group if self.group is not None else dist.group.WORLD
         if id(g) in _READY_COMMUNICATORS:
             return
-        device = torch.device("cuda", torch.cuda.current_device()) if _backend(g) == "nccl" else torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in _backend(g) else torch.device("cpu")
         trace_id = _trace_post(g, [TracedOp("all_reduce", -1, 4)], "communicator init")
         dist.all_reduce(torch.zeros(1, device=device), group=g)
         _trace_wait(trace_id)

@@ -6,7 +6,7 @@
 #
 # fla wheels: the device has no package registry. .whl/ (git-ignored) holds
 #   flash_linear_attention-0.6.0-py3-none-any.whl, fla_core-0.6.0-py3-none-any.whl, einops-0.8.2-py3-none-any.whl;
-# carry it with the working tree (device run: carry [".whl"]; copy it from /work/main/.whl into the
+# carry it with the working tree (device run: carry [".whl", ".triton"]; copy it from /work/main/.whl into the
 # checkout first if it is not there), and this script runs
 #   pip install --no-deps .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/einops-*.whl
 # Budget: under ~4 minutes on one H100/H200 -- install ~10 s, tests <= 90 s (first fla calls autotune),
@@ -23,6 +23,10 @@ if ! $PY -c "import fla" 2>/dev/null; then
     echo "no fla wheels in .whl/: carry .whl (see the header)"; exit 2; }
   $PY -m pip install --quiet --no-deps .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl .whl/einops-*.whl 2>&1 | tail -3
 fi
+# a carried Triton >= 3.7.1 first on PYTHONPATH (fla's gated backward kernels on Hopper: scripts/triton_bundle.sh)
+. scripts/carried_triton.sh
+FLA_TRITON=$(carried_triton_path "$PY")
+[ -n "$FLA_TRITON" ] && export PYTHONPATH="$FLA_TRITON:$PYTHONPATH"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   $PY -c "import torch, triton, fla; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'fla', getattr(fla, '__version__', '?'), torch.cuda.get_device_name())"

@@ -10,11 +10,14 @@
 # 2. end to end (I2): the 1.17B GPT at 16K through Megatron-LM's pretrain_gpt.py with our attention and
 #    fused loss (examples/e2e_gpt_1b.py mlm_burst; needs .mlm from scripts/mlm_bundle.sh, carried)
 # 3. the whole GPU suite (tests/gpu: attention, sparse, fused loss, linear), xdist workers when installed
-# Shares of the budget: ATTN_BENCH_SHARE 25, LOSS_BENCH_SHARE 15, LINEAR_BENCH_SHARE 10, E2E_SHARE 15, SUITE_SHARE 35,
+# Shares of the budget: ATTN_BENCH_SHARE 23, LOSS_BENCH_SHARE 15, LINEAR_BENCH_SHARE 14, E2E_SHARE 15, SUITE_SHARE 33,
 # TUNE_SHARE 0 (scripts/gpu_tune_masked.py: Triton masked kernel launch configs) (percent; 0 skips a part); GPU_BENCH_ARGS, LINEAR_BENCH_ARGS, GPU_TEST_ARGS, GPU_MULTI_ARGS override each part's arguments.
-# Carry `.whl` and `.mlm` (git-ignored): fla_core, flash_linear_attention, einops (I3); liger_kernel,
-# cut_cross_entropy (the loss bench's peers), megatron_core and pydantic (+ its needs: scripts/mlm_bundle.sh,
-# which also writes .mlm, Megatron-LM's patched training side), e.g.
+# Carry `.whl`, `.mlm` and `.triton` (git-ignored). .whl: fla_core, flash_linear_attention, einops (I3);
+# liger_kernel, cut_cross_entropy (the loss bench's peers), megatron_core and pydantic (+ its needs:
+# scripts/mlm_bundle.sh, which also writes .mlm, Megatron-LM's patched training side). .triton:
+# scripts/triton_bundle.sh, a Triton >= 3.7.1 that only the linear parts run with (fla 0.6 refuses its
+# gated backward kernels on Hopper with the image's Triton 3.6); test_gpu_linear.py then runs there, not in
+# the suite. E.g.
 #   pip download --no-deps -d .whl flash-linear-attention fla-core einops liger-kernel cut-cross-entropy
 #   pip download --no-deps -d .whl --python-version 3.12 --only-binary=:all: megatron-core==0.16.1
 # Outputs: OUT_DIR/session.log (versions; each part's start, exit status and seconds), gpu_test.log,
@@ -58,11 +61,23 @@ $PY -c "import pydantic" 2>/dev/null || { ls .whl/typing_extensions-*.whl >/dev/
   $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'triton', triton.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee -a "$OUT_DIR/session.log"
 part cudnn-probe 40 bash -o pipefail -c "$PY scripts/gpu_probe_cudnn.py 2>&1 | tee -a '$OUT_DIR/session.log'"
-part attention-bench $(share ${ATTN_BENCH_SHARE:-25}) bash -o pipefail -c "$PY -m megatron_burst.bench gpu --out '$OUT_DIR/bench_gpu.jsonl' \
+part attention-bench $(share ${ATTN_BENCH_SHARE:-23}) bash -o pipefail -c "$PY -m megatron_burst.bench gpu --out '$OUT_DIR/bench_gpu.jsonl' \
   ${GPU_BENCH_ARGS:---sections sparse documents rank_block dense --seqs 32768 --doc-seqs 32768 --no-flex --repeats 5 --max-seconds 2} 2>&1 | tee '$OUT_DIR/bench_gpu.log'"
 part loss-bench $(share ${LOSS_BENCH_SHARE:-15}) bash -o pipefail -c "$PY -m megatron_burst.bench loss --quick --plot '' ${LOSS_BENCH_ARGS:-} 2>&1 | tee '$OUT_DIR/bench_loss.log'"
 part masked-tune $(share ${TUNE_SHARE:-0}) bash -o pipefail -c "$PY scripts/gpu_tune_masked.py --out '$OUT_DIR/tune_masked.jsonl' 2>&1 | tail -3"
-part linear-bench $(share ${LINEAR_BENCH_SHARE:-10}) bash -o pipefail -c "$PY -m megatron_burst.bench linear --gpu --out '$OUT_DIR/bench_linear.jsonl' \
+# the linear parts with a carried newer Triton first on PYTHONPATH when there is one (.triton: fla's gated
+# backward kernels need Triton >= 3.7.1 on Hopper; scripts/triton_bundle.sh): its GPU tests, then the bench
+. scripts/carried_triton.sh
+FLA_TRITON=$(carried_triton_path "$PY")
+LINEAR_PP="${FLA_TRITON:+$FLA_TRITON:}$PYTHONPATH"
+PYTHONPATH="$LINEAR_PP" $PY -c "import triton; print('linear parts: triton', triton.__version__, triton.__file__)" 2>&1 | tee -a "$OUT_DIR/session.log"
+LINEAR_S=$(share ${LINEAR_BENCH_SHARE:-14})
+if [ -n "$FLA_TRITON" ]; then  # a third of the linear share, from the bench's
+  part linear-tests $(( LINEAR_S / 3 )) bash -o pipefail -c "PYTHONPATH='$LINEAR_PP' $PY -m pytest -q -p no:cacheprovider \
+    tests/gpu/test_gpu_linear.py 2>&1 | tee '$OUT_DIR/gpu_test_linear.log'"
+  LINEAR_S=$(( LINEAR_S - LINEAR_S / 3 ))
+fi
+part linear-bench $LINEAR_S bash -o pipefail -c "PYTHONPATH='$LINEAR_PP' $PY -m megatron_burst.bench linear --gpu --out '$OUT_DIR/bench_linear.jsonl' \
   ${LINEAR_BENCH_ARGS:---seq 32768 --heads 16 --head-dim 128 --worlds 2 --repeats 5 --warmup 2 --max-seconds 2} 2>&1 | tee -a '$OUT_DIR/session.log'"
 part e2e $(share ${E2E_SHARE:-15}) bash -o pipefail -c "$PY examples/e2e_gpt_1b.py --out '$OUT_DIR/e2e' --per-run-timeout $(( $(share ${E2E_SHARE:-15}) - 20 )) \
   ${E2E_ARGS:---variants mlm_burst} 2>&1 | tail -5 | tee -a '$OUT_DIR/session.log'"
@@ -70,10 +85,11 @@ part e2e $(share ${E2E_SHARE:-15}) bash -o pipefail -c "$PY examples/e2e_gpt_1b.
 # the rest: rank pools and xdist workers are kept apart
 # (exit status: the single-process suite's, or the multi-rank one's when that failed). GPU_TEST_ARGS
 # goes to the single-process run only; GPU_MULTI_ARGS replaces the multi-rank run's (empty: no such run)
-part gpu-suite $(share ${SUITE_SHARE:-35}) bash -o pipefail -c "export GPU_TEST_FAILLOG='$OUT_DIR/gpu_failures.log'
+part gpu-suite $(share ${SUITE_SHARE:-33}) bash -o pipefail -c "export GPU_TEST_FAILLOG='$OUT_DIR/gpu_failures.log'
   multi=0
   [ -n '${GPU_MULTI_ARGS-tests/gpu/test_gpu_cp_multi.py}' ] && { $PY -m pytest -q -p no:cacheprovider $TIMEOUT \
     ${GPU_MULTI_ARGS-tests/gpu/test_gpu_cp_multi.py} > '$OUT_DIR/gpu_test_multi.log' 2>&1 & multi=\$!; }
-  $PY -m pytest -q -p no:cacheprovider $XDIST $TIMEOUT --durations=15 ${GPU_TEST_ARGS:-} tests/gpu --ignore=tests/gpu/test_gpu_cp_multi.py 2>&1 | tee '$OUT_DIR/gpu_test.log'
+  $PY -m pytest -q -p no:cacheprovider $XDIST $TIMEOUT --durations=15 ${GPU_TEST_ARGS:-} tests/gpu --ignore=tests/gpu/test_gpu_cp_multi.py \
+    ${FLA_TRITON:+--ignore=tests/gpu/test_gpu_linear.py} 2>&1 | tee '$OUT_DIR/gpu_test.log'
   single=\$?; if (( multi )); then wait \$multi; multi=\$?; fi; exit \$(( single ? single : multi ))"
 echo "session: $(( $(date +%s) - START ))s of ${BUDGET}s" | tee -a "$OUT_DIR/session.log"

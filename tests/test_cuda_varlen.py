@@ -330,8 +330,9 @@ def _tiled_part(calls: list):
 
 def test_dispatcher_routes_per_block_and_the_self_check_runs_both_routes(monkeypatch):
     """On a fused device (CPU declared one, the op emulated), "positions" chooses varlen_or_triton;
-    its self-check sends the documents + window and offset blocks to cuda_varlen and the striped one
-    to Triton, each against the fp32 reference. A D=None backward of a Triton block forms D from out."""
+    its self-check sends the documents + window and offset blocks to cuda_varlen and the striped ones
+    (plain, a block_causal block's stripe rest, per-head bands with holes) to Triton, each against the
+    float64 reference. A D=None backward of a Triton block forms D from out."""
     calls = []
     monkeypatch.setattr(torch_ops, "call", _emulated_op(2))
     monkeypatch.setattr(torch_ops, "_DENSE_OUTPUTS", {})
@@ -347,15 +348,16 @@ def test_dispatcher_routes_per_block_and_the_self_check_runs_both_routes(monkeyp
         monkeypatch.delenv(var, raising=False)
     got = choice.choose(CPU, torch.bfloat16, 32, ("positions",))
     assert got.get("positions", "forward") == "varlen_or_triton"
-    assert calls == ["varlen", "varlen", "triton", "triton"]  # 3 self-check cases, forward + backward of Triton
+    # 5 self-check cases: 2 varlen (forward recorded), 3 Triton (forward and backward recorded)
+    assert calls == ["varlen", "varlen"] + ["triton"] * 6
     cases = choice._self_check_cases("positions")
     q = torch.zeros(1, 4, 80, 32, dtype=torch.bfloat16)
     routes = [varlen_dispatch.route(q[:, :, :c["sq"]], q[:, :2, :c["sk"]], c["positions"]).__name__ for c in cases]
-    assert routes == ["megatron_burst.kernels.cuda_varlen"] * 2 + ["megatron_burst.kernels.triton_masked"]
+    assert routes == ["megatron_burst.kernels.cuda_varlen"] * 2 + ["megatron_burst.kernels.triton_masked"] * 3
     # a wrong varlen result fails the self-check loudly
     monkeypatch.setattr(choice, "_VERIFIED", {})
     monkeypatch.setattr(cv, "forward", lambda *a, **kw: (real_forward(*a, **kw)[0] * 0, real_forward(*a, **kw)[1]))
-    with pytest.raises(choice.KernelSelfCheckError, match="varlen_or_triton .* out is off the fp32 reference"):
+    with pytest.raises(choice.KernelSelfCheckError, match="varlen_or_triton .* out is off the float64 reference"):
         choice.checked("varlen_or_triton", CPU, torch.bfloat16, 32, ("positions",))
     # D=None with out: the Triton route forms D itself
     striped = cases[2]["positions"]

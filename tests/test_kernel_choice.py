@@ -100,7 +100,7 @@ def test_self_check_surfaces_the_exception_naming_kernel_device_dtype(fused_on_c
 
 def test_self_check_refuses_wrong_gradients(fused_on_cpu):
     fused_on_cpu("cudnn", _stand_in("cudnn", ignore_d=True))
-    with pytest.raises(choice.KernelSelfCheckError, match=r"\(causal block 80x80\): dq is off the fp32 reference"):
+    with pytest.raises(choice.KernelSelfCheckError, match=r"\(causal block 80x80\): dq is off the float64 reference"):
         choice.checked("cudnn", CPU, torch.float32, 32, ("causal",))
 
 

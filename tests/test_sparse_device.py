@@ -210,3 +210,43 @@ def test_rows_clipped_blocks_compute_the_first_rows():
     torch.testing.assert_close(o2[:, :, :100], o1[:, :, :100].double(), atol=1e-6, rtol=0)
     torch.testing.assert_close(l2[:, :, :100], l1[:, :, :100].double(), atol=1e-6, rtol=0)
     assert not o2[:, :, 100:].any() and torch.isinf(l2[:, :, 100:]).all()
+
+
+def test_dynamic_estimate_is_mtrainings_masses_without_per_head_copies():
+    """estimate at W = 1 against the masses written out densely (GQA 4/2, batch 2): the last last_q
+    queries' causal softmax, summed over batch and rows per key (vertical) and per offset q - k
+    (slash); each head's lines are the fewest largest entries reaching p of its mass. And no
+    tensor it makes is larger than those queries' scores [b, hq, last_q, n] (fp32): no per-query-head
+    copy of k [b, hq, n, d], no int64 offsets per sample and head [b, hq, last_q, n]."""
+    from fused_loss_cases import CreatedTensors
+
+    from megatron_burst.masks.dynamic import estimate
+
+    g = torch.Generator().manual_seed(3)
+    b, hq, hkv, n, d, last_q = 2, 4, 2, 160, 48, 24
+    q, k = torch.randn(b, hq, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g)
+    budgets = Dynamic(p_v=0.8, p_s=0.7, last_q=last_q, pool=8)
+    with CreatedTensors() as made:
+        got = estimate(q, k, budgets, layout="contiguous", stripe=1)
+    assert max(numel * torch.empty((), dtype=dt).element_size() for dt, numel in made.made) <= b * hq * last_q * n * 4
+    rows = torch.arange(n - last_q, n)
+    s = (q[:, :, rows].double() @ k.double().repeat_interleave(hq // hkv, 1).transpose(-1, -2)) * d ** -0.5
+    s = s.masked_fill(torch.arange(n)[None, :] > rows[:, None], float("-inf"))
+    p = s.softmax(-1).sum(0)  # [hq, last_q, n]
+    vertical = p.sum(1)
+    offsets = (rows[:, None] - torch.arange(n)[None, :]).clamp_min(0)
+    slash = torch.zeros(hq, n, dtype=torch.float64).index_add_(1, offsets.reshape(-1), p.reshape(hq, -1))
+
+    def top_p(mass, share):  # the fewest largest entries reaching share of the row's mass, per head
+        out = []
+        for row in mass:
+            order = row.argsort(descending=True)
+            count = int((row[order].cumsum(0) < share * row.sum() * (1 - 1e-9)).sum()) + 1
+            out.append(set(order[:count].tolist()))
+        return out
+
+    assert [set(v.tolist()) for v in got.vertical] == top_p(vertical, 0.8)
+    pooled = slash.view(hq, -1, 8).sum(-1)  # offsets pooled by 8: the count of pools sets the count of offsets
+    counts = [len(x) * 8 for x in top_p(pooled, 0.7)]
+    want = [set(slash[h].argsort(descending=True)[:counts[h]].tolist()) for h in range(hq)]
+    assert [set(x.tolist()) for x in got.slash] == want

@@ -5,6 +5,7 @@ import io
 import os
 import queue as queue_module
 import traceback
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
@@ -14,10 +15,15 @@ import torch.multiprocessing as mp
 from megatron_burst.world import exit_rank, free_port
 
 
+COLLECTIVE_TIMEOUT_S = 120
+
+
 def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: tuple, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # a rank that fails inside a collective (say, out of memory) leaves its peers waiting: each
+    # collective gives up after COLLECTIVE_TIMEOUT_S instead of gloo's default 30 minutes
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
         result = fn(*args)
     except Exception:

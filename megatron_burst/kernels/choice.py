@@ -6,7 +6,7 @@ torch's cuDNN and flash ops for "full" and "causal" blocks; for "positions" bloc
 flash op where it computes the block exactly, else this package's Triton kernel (decided per block
 by ``varlen_or_triton``, :mod:`megatron_burst.kernels.varlen_dispatch`); Triton kernels for the
 rest. The first candidate that is installed (``unavailable()`` is None) and covers the dtype and
-head dim (``supports(...)`` is None) must pass a self-check against the fp32 reference on the
+head dim (``supports(...)`` is None) must pass a self-check against the float64 reference on the
 device, forward and backward, for every kind it will run. A candidate that fails raises
 :class:`KernelSelfCheckError` naming the kernel, device, dtype, head dim and the original
 exception. When no fused candidate covers a CUDA block, the plain-torch kernel runs with a
@@ -165,9 +165,12 @@ def _self_check_cases(kind: str) -> list[dict]:
     pos = torch.arange(80)
     doc = (pos >= 30).long()
     striped = torch.arange(0, 96, 2)
-    # the rest of a block_causal block's stripes of 16 (masks.block.split_block_causal: band
-    # (-1, None), stripes as documents), without each stripe's last row (it sees nothing there)
-    upper = torch.tensor([p for p in range(96) if p % 16 != 15])
+    striped2 = torch.arange(0, 192, 2)
+    # the rest of a block_causal block's stripes (masks.block.split_block_causal: band (-1, None),
+    # stripes as documents) over every other position (so the Triton route runs it, as the engine's
+    # blocks, whose stripes' last rows see nothing), without each stripe's last row (the reference
+    # needs a visible pair per row)
+    upper = striped2[striped2 % 32 != 30]
     # per-head bands with holes (a sparse pattern's gathered lines, its slash runs cut out) and
     # per-head columns: every head sees column 0, so no row is empty (the reference needs one pair)
     keys = (torch.arange(4)[:, None] + torch.arange(80)[None, :]) % 3 != 1
@@ -180,7 +183,7 @@ def _self_check_cases(kind: str) -> list[dict]:
     return [dict(sq=80, sk=80, positions=(pos, pos, doc, doc, (20, 0))),
             dict(sq=40, sk=40, positions=(pos[40:], pos[:40], None, None, (None, 0))),
             dict(sq=48, sk=48, positions=(striped, striped, None, None, (None, 0))),
-            dict(sq=90, sk=96, positions=(upper, torch.arange(96), upper // 16, torch.arange(96) // 16, (-1, None))),
+            dict(sq=90, sk=96, positions=(upper, striped2, upper // 32, striped2 // 32, (-1, None))),
             dict(sq=80, sk=80, positions=(pos, pos, None, None, bands))]
 
 
@@ -194,12 +197,12 @@ def _compare(name: str, what: str, got: torch.Tensor, ref: torch.Tensor, tol: fl
     err = (g[finite] - r[finite]).abs().max().item() if finite.any() else 0.0
     scale = max(r[finite].abs().max().item() if finite.any() else 0.0, 1.0)
     if not err <= tol * scale:
-        return f"{what} is off the fp32 reference by {err:.3g} (allowed {tol * scale:.3g})"
+        return f"{what} is off the float64 reference by {err:.3g} (allowed {tol * scale:.3g})"
     return None
 
 
 def self_check(name: str, device: torch.device, dtype: torch.dtype, head_dim: int, kinds: tuple[str, ...]) -> None:
-    """Run kernel ``name`` against the fp32 reference on ``device`` for each dense kind in ``kinds``,
+    """Run kernel ``name`` against the float64 reference on ``device`` for each dense kind in ``kinds``,
     forward and backward; raise KernelSelfCheckError naming what failed (the exception chained)."""
     from megatron_burst.kernels import reference
 
@@ -215,12 +218,14 @@ def self_check(name: str, device: torch.device, dtype: torch.dtype, head_dim: in
             extra = {"positions": case["positions"]} if "positions" in case else {}
             scale = 1.0 / math.sqrt(head_dim)
             try:
-                ref_out, ref_lse = reference.forward(q.float(), k.float(), v.float(), kind, block, scale, **extra)
-                D = (do.float() * ref_out).sum(-1)
-                ref_grads = reference.backward(do.float(), q.float(), k.float(), v.float(), D, ref_lse, kind, block,
-                                               scale, **extra)
+                # the reference in float64: exact whatever matmul precision the process allows (fp32
+                # matmuls in TF32, e.g. under NVIDIA containers' TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1)
+                ref_out, ref_lse = reference.forward(q.double(), k.double(), v.double(), kind, block, scale, **extra)
+                D = (do.double() * ref_out).sum(-1)
+                ref_grads = reference.backward(do.double(), q.double(), k.double(), v.double(), D, ref_lse, kind,
+                                               block, scale, **extra)
                 out, lse = impl.forward(q, k, v, kind, block, scale, **extra)
-                grads = impl.backward(do, q, k, v, D, ref_lse, kind, block, scale, **extra)
+                grads = impl.backward(do, q, k, v, D.float(), ref_lse.float(), kind, block, scale, **extra)
             except Exception as e:  # surfaced, never swallowed: this is how a wrong call into an op shows
                 raise KernelSelfCheckError(
                     f"{label} raised in its self-check ({kind} block {sq}x{sk}): {type(e).__name__}: {e}. "

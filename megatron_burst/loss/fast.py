@@ -115,9 +115,14 @@ def _addmm_fp32_works(device: torch.device) -> bool:
             want = c + a.float().t() @ b.float()
             out = torch.addmm(c, a.t(), b, out_dtype=torch.float32, out=c)
             ok = out.data_ptr() == c.data_ptr() and bool(torch.allclose(c, want, rtol=1e-4, atol=1e-4))
+            why = "" if ok else "it did not accumulate in place"
         except (RuntimeError, TypeError) as e:
-            logger.info("megatron-burst: torch.addmm(out_dtype=float32) into an fp32 accumulator is not "
-                        "available on %s (%s); the fused loss accumulates d weight through a tile buffer", device, e)
+            why = f"{type(e).__name__}: {e}"
+        if not ok:  # a slower path (an fp32 product and an add per GEMM): said, never silent
+            logger.warning("megatron-burst: torch %s cannot accumulate a bf16 GEMM into an fp32 buffer in place on "
+                           "%s (torch.addmm(out_dtype=float32, out=C): %s); the fused loss forms d weight through "
+                           "an fp32 tile buffer instead (an extra pass per tile; torch >= 2.8 has it)",
+                           torch.__version__, device, why)
         _ADDMM_F32[key] = ok
     return _ADDMM_F32[key]
 

@@ -94,8 +94,9 @@ def estimate(q: torch.Tensor, k: torch.Tensor, budgets: Dynamic, *, group=None, 
     q_last[:, :, pos[mine] - first] = q[:, :, mine].float()
     if multi:  # every rank holds some (or none) of the last queries: the sum assembles them
         comm.all_reduce(q_last, group, "forward", label="dynamic pattern: last queries").wait()
-    kf = k.float().repeat_interleave(hq // k.shape[1], dim=1)
-    scores = (q_last @ kf.transpose(-1, -2)) * scale  # [b, hq, last_q, n]
+    # GQA: each kv head's query heads as one [group * last_q] block (no copy of k per query head)
+    hkv = k.shape[1]
+    scores = (q_last.view(b, hkv, -1, d) @ k.float().transpose(-1, -2)).view(b, hq, budgets.last_q, n) * scale
     q_pos = torch.arange(first, S, device=device)
     kv_pos = pos
     visible = kv_pos[None, :] <= q_pos[:, None]
@@ -110,9 +111,10 @@ def estimate(q: torch.Tensor, k: torch.Tensor, budgets: Dynamic, *, group=None, 
     probs = probs / row_sum[..., None]
     masses = torch.zeros(2, hq, S, dtype=torch.float32, device=device)  # [vertical, slash] by position/offset
     masses[0].index_add_(1, kv_pos, probs.sum((0, 2)))
-    offsets = (q_pos[:, None] - kv_pos[None, :]).clamp_min(0).expand(b, hq, -1, -1)
-    masses[1].scatter_add_(1, offsets.reshape(b, hq, -1).permute(1, 0, 2).reshape(hq, -1),
-                           probs.permute(1, 0, 2, 3).reshape(hq, -1))
+    # slash mass by offset q - kv: the offsets [last_q, n] are every head's and sample's (none of
+    # the b x hq copies of an index the size of the scores)
+    offsets = (q_pos[:, None] - kv_pos[None, :]).clamp_min(0).reshape(-1)
+    masses[1].index_add_(1, offsets, (probs[0] if b == 1 else probs.sum(0)).reshape(hq, -1))
     if multi:
         comm.all_reduce(masses, group, "forward", label="dynamic pattern: masses").wait()
     masses = masses.double()
