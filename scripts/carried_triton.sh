@@ -8,8 +8,10 @@ carried_triton_path() {
   bundle=$(ls .triton/triton-*-cp"$tag".tar.xz 2>/dev/null | tail -n 1)
   [ -n "$bundle" ] || return 0
   if [ "$(cat "$dest/.bundle" 2>/dev/null)" != "$bundle" ]; then
-    rm -rf "$dest" && mkdir -p "$dest" && tar -xJf "$bundle" -C "$dest" && echo "$bundle" > "$dest/.bundle" \
-      || { echo "could not unpack $bundle" >&2; return 0; }
+    # python's own tarfile (lzma) first: the image may lack the xz program that tar -J calls
+    rm -rf "$dest" && mkdir -p "$dest" && { $py -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' \
+      "$bundle" "$dest" || tar -xJf "$bundle" -C "$dest"; } && echo "$bundle" > "$dest/.bundle" \
+      || { echo "could not unpack $bundle" >&2; rm -rf "$dest"; return 0; }
   fi
   echo "$dest"
 }
