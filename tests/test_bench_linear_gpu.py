@@ -33,7 +33,9 @@ def test_smoke_runs_every_section_and_records_errors_vs_fp32(tmp_path, capsys):
     assert "| local | gdn | torch |" in capsys.readouterr().out
 
 
-def test_fla_variants_against_the_stand_in(tmp_path, monkeypatch):
+def _local_with_stand_in(tmp_path, monkeypatch) -> list[dict]:
+    """The W = 1 section with ours (torch, fla) and fla's own kernel on the stand-in fla, on the CUDA
+    decision path: its JSON lines but the closing one."""
     fla_standin.install(monkeypatch)
     monkeypatch.setattr(attention_choice, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
     kernel_choice.reset()
@@ -43,7 +45,11 @@ def test_fla_variants_against_the_stand_in(tmp_path, monkeypatch):
                          "--forms", "head", "channel", "--out", str(out)])
     finally:
         kernel_choice.reset()
-    lines = [l for l in _lines(out) if l["variant"] != "done"]
+    return [l for l in _lines(out) if l["variant"] != "done"]
+
+
+def test_fla_variants_against_the_stand_in(tmp_path, monkeypatch):
+    lines = _local_with_stand_in(tmp_path, monkeypatch)
     assert not [l for l in lines if "error" in l], [l["error"] for l in lines if "error" in l]
     got = {(l["name"], l["variant"]) for l in lines}
     assert got == {(n, v) for n in ("lasp2_head", "lasp2_channel", "gdn") for v in ("torch", "fla", "fla_direct")}
@@ -58,17 +64,8 @@ def test_forms_fla_refuses_are_skipped_with_the_reason(tmp_path, monkeypatch):
     the bench records those variants (ours through fla, fla's own) as skipped, naming the refusal and
     the carried-Triton fix, instead of compiling fla's forward and failing in its backward; the
     ungated form (channel) and our torch path still run."""
-    fla_standin.install(monkeypatch)
-    monkeypatch.setattr(attention_choice, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(kernel_choice, "_fla_flags", lambda: (True, True, False))  # Hopper, Triton 3.6
-    kernel_choice.reset()
-    out = tmp_path / "linear.jsonl"
-    try:
-        linear_gpu.main(["--gpu", "--smoke", "--sections", "local", "--kernels", "torch", "fla", "--seq", "96",
-                         "--forms", "head", "channel", "--out", str(out)])
-    finally:
-        kernel_choice.reset()
-    lines = {(l["name"], l["variant"]): l for l in _lines(out) if l["variant"] != "done"}
+    lines = {(l["name"], l["variant"]): l for l in _local_with_stand_in(tmp_path, monkeypatch)}
     assert not [l for l in lines.values() if "error" in l]
     for name in ("lasp2_head", "gdn"):
         for variant in ("fla", "fla_direct"):

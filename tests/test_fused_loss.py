@@ -360,21 +360,15 @@ def test_row_kernel_compiles_for_hopper_in_every_mode(grad_dtype):
     (BLOCK_V 4096, 8 warps), in each mode a call uses -- statistics only (the forward), statistics
     and gradient, gradient from given statistics (the vocabulary pass) -- so a kernel that only the
     interpreter accepts fails here, not on the GPU."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from megatron_burst.loss import triton_kernels
-    from triton_masked_cases import launch_signature
+    from triton_masked_cases import aot_compile
 
     fn = triton_kernels._kernel()
     pointers = {"Z": "fp32", "G": grad_dtype, "TGT": "i64", "WTS": "fp32", "MAX": "fp32", "SUMEXP": "fp32",
                 "ZTGT": "fp32"}
     for stats, grad in ((True, False), (True, True), (False, True)):
         opts = dict(BLOCK_V=triton_kernels.GPU_BLOCK_V, STATS=stats, GRAD=grad)
-        signature, attrs = launch_signature(fn.arg_names, opts, pointers)
-        compiled = triton.compile(ASTSource(fn, signature, opts, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": triton_kernels.GPU_NUM_WARPS, "enable_fp_fusion": True})
+        compiled = aot_compile(fn, opts, pointers, {"num_warps": triton_kernels.GPU_NUM_WARPS})
         assert "cubin" in compiled.asm and compiled.metadata.shared <= 227 * 1024, (stats, grad)
 
 

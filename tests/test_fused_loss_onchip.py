@@ -101,12 +101,8 @@ def test_onchip_kernels_compile_for_hopper():
     """No GPU here: the three kernels compiled for sm_90 down to a cubin with their GPU blocks and
     launch options on bf16 inputs (tensor-core code, shared memory within an H100's 227 KiB), so a
     kernel that only the interpreter accepts fails here, not on the GPU."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from megatron_burst.loss import onchip
-    from triton_masked_cases import launch_signature
+    from triton_masked_cases import aot_compile
 
     src = onchip._kernels()
     pointers = {"H": "bf16", "W": "bf16", "TGT": "i64", "MAX": "fp32", "SUMEXP": "fp32", "ZTGT": "fp32", "LSE": "fp32",
@@ -115,8 +111,6 @@ def test_onchip_kernels_compile_for_hopper():
                         ("weight_grad_kernel", {"ACCUMULATE": True}), ("weight_grad_kernel", {"ACCUMULATE": False})):
         fn = getattr(src, name)
         opts = dict(onchip.GPU_BLOCKS, UPCAST=False, PREC="tf32", **extra)
-        signature, attrs = launch_signature(fn.arg_names, opts, pointers)
-        compiled = triton.compile(ASTSource(fn, signature, opts, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options={**onchip.GPU_LAUNCH, "enable_fp_fusion": True})
+        compiled = aot_compile(fn, opts, pointers, onchip.GPU_LAUNCH)
         assert "cubin" in compiled.asm and compiled.metadata.shared <= 227 * 1024, name
         assert "wgmma.mma_async" in compiled.asm["ptx"], name

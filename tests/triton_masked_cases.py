@@ -238,6 +238,19 @@ def launch_signature(arg_names, opts: dict, pointers: dict, unit_strides: tuple 
     return signature, attrs
 
 
+def aot_compile(fn, opts: dict, pointers: dict, launch: dict, capability: int = 90, unit_strides: tuple = ()):
+    """``fn`` (a jitted kernel) compiled for a CUDA GPU of ``capability`` without one, down to a
+    cubin: signature from :func:`launch_signature` (``opts``, ``pointers``, ``unit_strides``),
+    ``launch`` the compile options (num_warps, num_stages), FP fusion on as at run time."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, attrs = launch_signature(fn.arg_names, opts, pointers, unit_strides)
+    return triton.compile(ASTSource(fn, signature, opts, attrs), target=GPUTarget("cuda", capability, 32),
+                          options={**launch, "enable_fp_fusion": True})
+
+
 def compile_for_gpu(kernel: str, dtype: torch.dtype, d: int, capability: int = 90, flags: dict | None = None) -> dict:
     """Compile ``kernel`` ("forward", "dq", "dkdv") for a CUDA GPU of ``capability`` without one,
     with the module's GPU launch options for ``dtype`` and head dim ``d`` and the mask ``flags``
@@ -250,8 +263,6 @@ def compile_for_gpu(kernel: str, dtype: torch.dtype, d: int, capability: int = 9
     import tempfile
 
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     fn = triton_masked._kernels()[NAMES_OF_KERNELS[kernel]]
     opts = triton_masked.launch_options(kernel, {dtype}, d, d, interpret=False)
@@ -262,9 +273,7 @@ def compile_for_gpu(kernel: str, dtype: torch.dtype, d: int, capability: int = 9
     pointers = {"Q": elem, "K": elem, "V": elem, "DO": elem, "RANGES": "i32", "QKEY": "i32", "KKEY": "i32",
                 "QDOC": "i32", "KDOC": "i32", "HBAND": "i32", "HKEYS": "i8", "HHOLES": "i32", "OUT": "fp32", "LSE": "fp32", "DELTA": "fp32", "DQ": "fp32",
                 "DK": "fp32", "DV_": "fp32"}
-    signature, attrs = launch_signature(fn.arg_names, opts, pointers)
-    compiled = triton.compile(ASTSource(fn, signature, opts, attrs), target=GPUTarget("cuda", capability, 32),
-                              options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": True})
+    compiled = aot_compile(fn, opts, pointers, {"num_warps": warps, "num_stages": stages}, capability)
     res = {"stages": sorted(compiled.asm), "shared": compiled.metadata.shared, "num_warps": warps,
            "num_stages": stages, "BLOCK_M": opts["BLOCK_M"], "BLOCK_N": opts["BLOCK_N"],
            "wgmma": compiled.asm.get("ptx", "").count("wgmma.mma_async"),

@@ -134,11 +134,7 @@ def compile_for_gpu(direction: str, dtype: torch.dtype, d: int, capability: int 
     """Compile a kernel (``direction``: "forward", "dq" or "dkdv", the backward's two) for a CUDA GPU of
     ``capability`` without one, with the launch options the module uses there (64-row tiles).
     Returns its shared memory (bytes) and the compiled stages."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from triton_masked_cases import launch_signature
+    from triton_masked_cases import aot_compile
 
     fwd, (dq, dkdv) = triton_block_sparse._kernels()  # also binds the helpers the kernels call
     fn = {"forward": fwd, "dq": dq, "dkdv": dkdv}[direction]
@@ -150,9 +146,8 @@ def compile_for_gpu(direction: str, dtype: torch.dtype, d: int, capability: int 
                 "COL_END": "i64", "COLS": "i32", "VIS_START": "i64", "VIS_HEAD": "i64", "VIS_WORDS": "i32",
                 "VIS": "i32", "CHUNKS": "i32", "N_CHUNKS": "i32", "OUT": "fp32", "LSE": "fp32", "DELTA": "fp32",
                 "DQ": "fp32", "DK": "fp32", "DV_": "fp32"}
-    signature, attrs = launch_signature(fn.arg_names, opts, pointers, unit_strides=("sqd", "skd", "svd", "sdod"))
-    kernel = triton.compile(ASTSource(fn, signature, opts, attrs), target=GPUTarget("cuda", capability, 32),
-                            options={"num_warps": warps, "enable_fp_fusion": True})
+    kernel = aot_compile(fn, opts, pointers, {"num_warps": warps}, capability,
+                         unit_strides=("sqd", "skd", "svd", "sdod"))
     return {"shared": kernel.metadata.shared, "stages": sorted(kernel.asm), "regs": getattr(kernel, "n_regs", None),
             "spills": getattr(kernel, "n_spills", None),
             # loads the software pipeliner made asynchronous copies (0: the column loop runs unpipelined)
