@@ -22,7 +22,8 @@
 #   pip download --no-deps -d .whl --python-version 3.12 --only-binary=:all: megatron-core==0.16.1
 # Outputs: OUT_DIR/session.log (versions; each part's start, exit status and seconds), gpu_test.log,
 # gpu_test_multi.log, gpu_failures.log (each failure as it happens),
-# bench_gpu.{jsonl,log}, bench_loss.log, bench_linear.jsonl, e2e/e2e_results.json (the e2e log: e2e/e2e.log; the linear log goes to session.log;
+# bench_gpu.{jsonl,log}, bench_loss.{jsonl,log}, bench_linear.jsonl, e2e/e2e_results.json (the e2e log: e2e/e2e.log; the linear log goes to session.log;
+# verdict.md: every figure against the open issues' done-when bars, python -m megatron_burst.bench verdict;
 # bench gpu / linear can redraw their plots here from the JSON lines).
 # scripts/gpu_check.sh and scripts/gpu_linear.sh run one family alone with a larger share.
 set -u
@@ -63,7 +64,8 @@ $PY -c "import pydantic" 2>/dev/null || { ls .whl/typing_extensions-*.whl >/dev/
 part cudnn-probe 40 bash -o pipefail -c "$PY scripts/gpu_probe_cudnn.py 2>&1 | tee -a '$OUT_DIR/session.log'"
 part attention-bench $(share ${ATTN_BENCH_SHARE:-23}) bash -o pipefail -c "$PY -m megatron_burst.bench gpu --out '$OUT_DIR/bench_gpu.jsonl' \
   ${GPU_BENCH_ARGS:---sections sparse documents rank_block dense --seqs 32768 --doc-seqs 32768 --no-flex --repeats 5 --max-seconds 2} 2>&1 | tee '$OUT_DIR/bench_gpu.log'"
-part loss-bench $(share ${LOSS_BENCH_SHARE:-15}) bash -o pipefail -c "$PY -m megatron_burst.bench loss --quick --plot '' ${LOSS_BENCH_ARGS:-} 2>&1 | tee '$OUT_DIR/bench_loss.log'"
+part loss-bench $(share ${LOSS_BENCH_SHARE:-15}) bash -o pipefail -c "$PY -m megatron_burst.bench loss --quick --plot '' \
+  --out '$OUT_DIR/bench_loss.jsonl' ${LOSS_BENCH_ARGS:-} 2>&1 | tee '$OUT_DIR/bench_loss.log'"
 part masked-tune $(share ${TUNE_SHARE:-0}) bash -o pipefail -c "$PY scripts/gpu_tune_masked.py --out '$OUT_DIR/tune_masked.jsonl' 2>&1 | tail -3"
 # the linear parts with a carried newer Triton first on PYTHONPATH when there is one (.triton: fla's gated
 # backward kernels need Triton >= 3.7.1 on Hopper; scripts/triton_bundle.sh): its GPU tests, then the bench
@@ -93,3 +95,5 @@ part gpu-suite $(share ${SUITE_SHARE:-33}) bash -o pipefail -c "export GPU_TEST_
     ${FLA_TRITON:+--ignore=tests/gpu/test_gpu_linear.py} 2>&1 | tee '$OUT_DIR/gpu_test.log'
   single=\$?; if (( multi )); then wait \$multi; multi=\$?; fi; exit \$(( single ? single : multi ))"
 echo "session: $(( $(date +%s) - START ))s of ${BUDGET}s" | tee -a "$OUT_DIR/session.log"
+# the figures against the issues' bars (reads the files above; no GPU work, about a second)
+$PY -m megatron_burst.bench verdict "$OUT_DIR" --out "$OUT_DIR/verdict.md" 2>&1 | tail -n +3 | head -60

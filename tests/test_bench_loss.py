@@ -2,18 +2,23 @@
 is refused on a CPU, and a tiny run prints a row per variant with errors against fp32."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from megatron_burst.bench import loss as bench
 
 
-def test_peers_are_skipped_lines_on_cpu(capsys):
+def test_peers_are_skipped_lines_on_cpu(capsys, tmp_path):
     bench.main(["--device", "cpu", "--tokens", "64", "--vocab", "128", "--hidden", "16", "--variants", "liger", "cce",
-                "--plot", ""])
+                "--plot", "", "--out", str(tmp_path / "loss.jsonl")])
     out = capsys.readouterr().out
     assert "- skipped liger at N=64 V=128 d=16 TP=1: needs CUDA (this run is on cpu)" in out
     assert "- skipped cce at N=64 V=128 d=16 TP=1: needs CUDA (this run is on cpu)" in out
+    lines = [json.loads(line) for line in (tmp_path / "loss.jsonl").read_text().splitlines()]
+    assert [(r["variant"], r["skipped"]) for r in lines] == [("liger", "needs CUDA (this run is on cpu)"),
+                                                             ("cce", "needs CUDA (this run is on cpu)")]
 
 
 def test_skip_reasons():
@@ -32,9 +37,10 @@ def test_quick_is_for_a_gpu():
     assert exc.value.code == 2
 
 
-def test_tiny_run_prints_rows_with_errors(capsys):
+def test_tiny_run_prints_rows_with_errors(capsys, tmp_path):
     bench.main(["--device", "cpu", "--tokens", "96", "--vocab", "256", "--hidden", "16", "--variants", "unfused",
-                "fused", "--fast-chunks", "32", "--repeats", "1", "--errors", "--plot", ""])
+                "fused", "--fast-chunks", "32", "--repeats", "1", "--errors", "--plot", "",
+                "--out", str(tmp_path / "loss.jsonl")])
     out = capsys.readouterr().out
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| 96 |")]
     assert [r[4].strip() for r in rows] == ["unfused", "fused", "fused@32"], out
@@ -43,6 +49,14 @@ def test_tiny_run_prints_rows_with_errors(capsys):
     for r in rows:  # fp32 on CPU: every error tiny
         assert all(float(x) < 1e-5 for x in (r[13], r[14], r[15])), r
     assert float(by["fused@32"][12]) < 1.0 and float(by["unfused"][12]) >= 1.0  # largest / NxV
+    # the JSON lines carry what the table shows (the verdict reads them: megatron_burst.bench.verdict)
+    lines = {r["variant"]: r for r in map(json.loads, (tmp_path / "loss.jsonl").read_text().splitlines())}
+    assert list(lines) == ["unfused", "fused", "fused@32"]
+    for name, r in lines.items():
+        assert (r["tokens"], r["vocab"], r["hidden"], r["tp"], r["dtype"]) == (96, 256, 16, 1, "float32")
+        assert f"{r['time_s'] * 1e3:.1f}" == by[name][7].strip()
+        assert f"{r['peak_bytes'] / 2 ** 20:.0f}" == by[name][9].strip()
+        assert f"{r['errors']['dh']:.1e}" == by[name][14].strip()
 
 
 def test_reference_errors_of_an_exact_gradient_are_zero():

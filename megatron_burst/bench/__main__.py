@@ -1,4 +1,5 @@
-"""``python -m megatron_burst.bench <name> [options]``: attention | kernels | multinode | loss | ckpt | linear | sparse | gpu."""
+"""``python -m megatron_burst.bench <name> [options]``: attention | kernels | multinode | loss | ckpt | linear | sparse | gpu
+| documents, and ``verdict OUT_DIR`` (a GPU session's results against the open issues' bars)."""
 import importlib
 import sys
 
@@ -12,6 +13,7 @@ BENCHES = {
     "sparse": "megatron_burst.bench.sparse",
     "gpu": "megatron_burst.bench.gpu",
     "documents": "megatron_burst.bench.documents",
+    "verdict": "megatron_burst.bench.verdict",
 }
 
 

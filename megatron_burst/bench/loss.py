@@ -451,6 +451,7 @@ def main(argv=None) -> None:
     p.add_argument("--errors", action="store_true", help="errors against fp32 on CPU too (always on CUDA at TP=1)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per (configuration, variant)")
     p.add_argument("--plot", default="docs/loss.png", help="peak memory and time per configuration; '' to skip")
+    p.add_argument("--out", default=None, help="also append one JSON line per (configuration, variant) to this file")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -497,6 +498,9 @@ def main(argv=None) -> None:
                 why = "TP = 1 only"
             if why is not None:
                 skipped.append(f"{variant} at N={N} V={V} d={d} TP={tp}: {why}")
+                if args.out:
+                    _append_line(args.out, dict(tokens=N, vocab=V, hidden=d, tp=tp, variant=variant, dtype=dtype,
+                                                device=args.device, torch=torch.__version__, skipped=why))
                 continue
             chunk = None
             if "@" in variant:
@@ -507,6 +511,9 @@ def main(argv=None) -> None:
                         repeats=3 if args.quick else args.repeats, threads=args.threads, token_chunk=chunk, tp=tp,
                         sequence_parallel=args.sequence_parallel, errors=args.errors)
             res[variant] = _run(spec, args.timeout)
+            if args.out:  # as it is taken: a run cut short keeps what finished
+                _append_line(args.out, dict(tokens=N, vocab=V, hidden=d, tp=tp, variant=variant, dtype=dtype,
+                                            device=args.device, torch=torch.__version__, **res[variant]))
             if "error" in res[variant]:
                 errors.append(f"{variant} at N={N} V={V} d={d} TP={tp}: {res[variant]['error']}")
                 continue
@@ -518,6 +525,11 @@ def main(argv=None) -> None:
         print(f"- error {e}")
     if args.plot and rows:
         _plot(rows, variants, args.plot, f"{dtype}, {args.device}")
+
+
+def _append_line(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def _row(N: int, V: int, d: int, tp: int, variant: str, res: dict) -> str:

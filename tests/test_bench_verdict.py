@@ -1,0 +1,182 @@
+"""python -m megatron_burst.bench verdict: a GPU session's files against the issues' bars. Each bar's
+arithmetic at its edge, "missing" (never met) for absent, skipped, CPU or wrong-size figures, and the
+whole report from the CPU smoke runs of the benches that write those files."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_burst.bench import verdict as vd
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU = {"device": "NVIDIA H100 80GB HBM3", "capability": "9.0", "torch": "2.11.0+cu130", "cuda": "13.0",
+       "triton": "3.6.0"}
+CPU = {"device": "cpu (x86_64, 2 cores)", "capability": None, "torch": "2.13.0+cpu", "cuda": None}
+
+
+def line(section, name, variant, ms, env=GPU, **extra):
+    return {"section": section, "name": name, "variant": variant, "ms": ms, **env, **extra}
+
+
+def write(tmp_path, name, records):
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def rows_of(tmp_path, issue=None, bar=None):
+    rows, _ = vd.verdict(str(tmp_path))
+    return [r for r in rows if (issue is None or r.issue == issue) and (bar is None or bar in r.bar)]
+
+
+@pytest.mark.parametrize("engine_ms, status", [(105.0, vd.MET), (105.2, vd.NOT_MET)])
+def test_dense_bar_is_105_percent_of_the_fastest_sdpa_backend(tmp_path, engine_ms, status):
+    write(tmp_path, "bench_gpu.jsonl", [line("dense", "causal_s32768", "sdpa_flash", 180.0),
+                                        line("dense", "causal_s32768", "sdpa_cudnn", 100.0),
+                                        line("dense", "causal_s32768", "engine_w1_burst", engine_ms)])
+    [row] = rows_of(tmp_path, bar="dense causal 32K")
+    assert row.status == status and "sdpa_cudnn 100.00 ms" in row.figure, row
+
+
+def test_dense_bar_needs_both_sides_on_a_gpu(tmp_path):
+    write(tmp_path, "bench_gpu.jsonl", [line("dense", "causal_s32768", "sdpa_flash", 100.0, env=CPU),
+                                        line("dense", "causal_s32768", "engine_w1_burst", 50.0, env=CPU)])
+    [row] = rows_of(tmp_path, bar="dense causal 32K")
+    assert row.status == vd.MISSING and "not on a GPU" in row.figure
+    write(tmp_path, "bench_gpu.jsonl", [line("dense", "causal_s32768", "engine_w1_burst", 50.0),
+                                        {**line("dense", "causal_s32768", "sdpa_cudnn", None), "skipped": "no"}])
+    [row] = rows_of(tmp_path, bar="dense causal 32K")
+    assert row.status == vd.MISSING  # a skipped baseline is no baseline
+
+
+@pytest.mark.parametrize("engine_ms, status", [(117.6, vd.MET), (117.7, vd.NOT_MET)])
+def test_rank_block_bar_is_085_of_one_call_speed(tmp_path, engine_ms, status):
+    write(tmp_path, "bench_gpu.jsonl", [line("rank_block", "W8_s65536_zigzag", "one_call_sdpa_flash", 100.0),
+                                        line("rank_block", "W8_s65536_zigzag", "engine_blocks", engine_ms)])
+    [row] = rows_of(tmp_path, bar="rank block")
+    assert row.status == status, row
+
+
+def test_documents_and_windows_bars(tmp_path):
+    write(tmp_path, "bench_gpu.jsonl", [
+        line("documents", "docs64_lognormal_s32768", "varlen_flash", 4.0),
+        line("documents", "docs64_lognormal_s32768", "flex_attention", 2.0),  # not a flash baseline
+        line("documents", "docs64_lognormal_s32768", "engine_w1_burst", 4.99),
+        line("documents", "window4096_s32768", "varlen_flash", 10.0),
+        line("documents", "window4096_s32768", "flash_attn", 8.0),
+        line("documents", "window4096_s32768", "engine_w1_burst", 10.5),
+        line("documents", "window_s32768", "causal_dense_sdpa_flash", 50.0)])  # the upper bound: no bar
+    rows = rows_of(tmp_path, bar="varlen / windowed flash")
+    assert [(r.bar.split(":")[0], r.status) for r in rows] == [("docs64_lognormal_s32768", vd.MET),
+                                                               ("window4096_s32768", vd.NOT_MET)]
+    assert "flash_attn 8.00 ms" in rows[1].figure
+
+
+def test_sparse_bar_is_3x_the_fastest_dense_at_64k(tmp_path):
+    write(tmp_path, "bench_gpu.jsonl", [
+        line("sparse", "s65536", "dense_engine_w1_burst", 300.0), line("sparse", "s65536", "dense_sdpa_cudnn", 240.0),
+        line("sparse", "dynamic_s65536", "sparse_dynamic", 80.0, sparsity=0.95),
+        line("sparse", "static_s65536", "sparse_static", 81.0, sparsity=0.95),
+        line("sparse", "s16384", "dense_engine_w1_burst", 30.0),
+        line("sparse", "static_s16384", "sparse_static", 5.0, sparsity=0.9)])
+    got = {r.bar.split(" (")[0]: r.status for r in rows_of(tmp_path, bar="sparse")}
+    assert got == {"sparse dynamic_s65536 sparse_dynamic": vd.MET, "sparse static_s65536 sparse_static": vd.NOT_MET,
+                   "sparse static_s16384 sparse_static": vd.MISSING}
+
+
+def test_gpu_suite_from_the_pytest_closing_lines(tmp_path):
+    (tmp_path / "gpu_test.log").write_text("....\n===== 80 passed, 6 skipped in 200.1s =====\n")
+    (tmp_path / "gpu_test_multi.log").write_text("F.\n1 failed, 16 passed in 100.0s\n")
+    (tmp_path / "gpu_test_linear.log").write_text("sss\n11 skipped in 3.0s\n")
+    got = [(r.bar, r.status, r.figure) for r in rows_of(tmp_path, bar="make gpu-test")]
+    assert [g[1] for g in got] == [vd.MET, vd.NOT_MET, vd.MISSING], got
+    assert got[0][2] == "80 passed, 6 skipped" and got[1][2] == "16 passed, 1 failed"
+    (tmp_path / "gpu_test.log").write_text("killed\n")  # cut by the time limit: no closing line
+    assert rows_of(tmp_path, bar="single-process")[0].status == vd.MISSING
+
+
+def loss_line(variant, ms, peak_mib, dh, dw, device="cuda", **over):
+    return {"tokens": 16384, "vocab": 131072, "hidden": 4096, "tp": 1, "variant": variant, "dtype": "bfloat16",
+            "device": device, "time_s": ms / 1e3, "peak_bytes": peak_mib * 2 ** 20, "errors": {"dh": dh, "dw": dw},
+            **over}
+
+
+def test_loss_bar_needs_every_part_at_once(tmp_path):
+    write(tmp_path, "bench_loss.jsonl", [
+        loss_line("unfused", 115.7, 24576, 8.6e-4, 1.7e-4), loss_line("cce", 103.6, 1154, 1e-2, 4.6e-3),
+        loss_line("fused", 98.0, 3200, 5.9e-4, 1.3e-4),       # fast, but above CCE's memory
+        loss_line("fused_bwdw", 103.0, 1153, 5.9e-4, 1.3e-4),  # meets all four
+        {"tokens": 16384, "vocab": 131072, "hidden": 4096, "tp": 1, "variant": "liger", "skipped": "not installed"}])
+    rows = rows_of(tmp_path, bar="fused loss")
+    assert [r.status for r in rows] == [vd.NOT_MET, vd.MET]
+    assert rows[0].figure.endswith("fails peak <= cce")
+    write(tmp_path, "bench_loss.jsonl", [loss_line("unfused", 100.0, 24576, 8.6e-4, 1.7e-4),
+                                         loss_line("fused_bwdw", 90.0, 1000, 5.9e-4, 1.3e-4)])
+    assert [r.status for r in rows_of(tmp_path, bar="fused loss")] == [vd.MISSING]  # no CCE: not comparable
+
+
+def test_e2e_mfu_bar(tmp_path):
+    def e2e(mfu, device="NVIDIA H100 80GB HBM3"):
+        write(tmp_path, "e2e/e2e_results.json", [])
+        (tmp_path / "e2e" / "e2e_results.json").write_text(json.dumps(
+            {"env": {"device": device}, "results": [{"variant": "mlm_burst", "mfu": mfu, "tokens_per_s": 30000},
+                                                    {"variant": "sdpa", "mfu": 0.9}]}))
+        return [r.status for r in rows_of(tmp_path, bar="MFU")]
+
+    assert e2e(0.45) == [vd.MET]
+    assert e2e(0.4499) == [vd.NOT_MET]
+    assert e2e(0.5, device="cpu") == [vd.MISSING]
+
+
+def test_linear_bar_time_and_errors(tmp_path):
+    shape = {"s": 32768, "b": 1, "h": 16, "d": 128, "W": 1}
+    write(tmp_path, "bench_linear.jsonl", [
+        line("local", "gdn", "fla_direct", 10.0, shape=shape, errors={"out": 2e-3, "dq": 3e-3}),
+        line("local", "gdn", "fla", 11.0, shape=shape, errors={"out": 2e-3, "dq": 3e-3}),
+        line("local", "gdn", "torch", 90.0, shape=shape, errors={"out": 1e-3, "dq": 1e-3}),
+        line("local", "lasp2_token", "fla_direct", 10.0, shape=shape, errors={"out": 2e-3}),
+        line("local", "lasp2_token", "fla", 10.0, shape=shape, errors={"out": 2.1e-3}),
+        line("local", "lasp2_none", "fla_direct", 1.0, shape={**shape, "s": 8192}, errors={}),
+        line("local", "lasp2_none", "fla", 1.0, shape={**shape, "s": 8192}, errors={})])
+    got = {r.bar.split(",")[0]: (r.status, r.figure) for r in rows_of(tmp_path, "I3")}
+    assert got["gdn"][0] == vd.MET and got["lasp2_none"][0] == vd.MISSING
+    assert got["lasp2_token"] == (vd.NOT_MET, "10.00 ms vs 10.00 ms: 1.00x; errors above fla's: out 2.1e-03 > 2.0e-03")
+
+
+def test_an_empty_directory_is_all_missing(tmp_path, capsys):
+    assert vd.main([str(tmp_path), "--out", str(tmp_path / "verdict.md")]) == 0
+    text = capsys.readouterr().out
+    assert text == (tmp_path / "verdict.md").read_text()
+    rows, _ = vd.verdict(str(tmp_path))
+    assert rows and {r.status for r in rows} == {vd.MISSING}
+    assert f"0 met, 0 not met, {len(rows)} missing" in text
+    with pytest.raises(SystemExit):
+        vd.main([str(tmp_path / "absent")])
+
+
+def test_reads_what_the_benches_write(tmp_path):
+    """The CPU smoke runs of bench gpu / linear and a tiny loss run, as scripts/gpu_session.sh names their
+    files: every bar of theirs is found (CPU figures: missing, with the figure shown, not 'no timing')."""
+    env = {**os.environ, "PYTHONPATH": REPO}
+    for cmd in (["gpu", "--smoke", "--sections", "dense", "rank_block", "--out", str(tmp_path / "bench_gpu.jsonl")],
+                ["linear", "--gpu", "--smoke", "--sections", "local", "--out", str(tmp_path / "bench_linear.jsonl")],
+                ["loss", "--device", "cpu", "--tokens", "64", "--vocab", "128", "--hidden", "16", "--variants",
+                 "unfused", "fused", "cce", "--repeats", "1", "--errors", "--plot", "",
+                 "--out", str(tmp_path / "bench_loss.jsonl")]):
+        subprocess.run([sys.executable, "-m", "megatron_burst.bench", *cmd], env=env, check=True, capture_output=True,
+                       timeout=300)
+    rows, machines = vd.verdict(str(tmp_path))
+    assert machines and all("cpu" in m for m in machines)
+    rank = [r for r in rows if r.bar.startswith("rank block")]
+    assert len(rank) == 3 and all("(not on a GPU)" in r.figure for r in rank), rank
+    dense = [r for r in rows if r.bar.startswith("dense")]
+    assert dense[0].status == vd.MISSING and "no timing of" in dense[0].figure  # the smoke size is not 32K
+    loss = [r for r in rows if r.bar.startswith("fused loss")]
+    assert "lacks" in loss[0].figure  # tiny shape, and CCE skipped on CPU
+    local = [r for r in rows if r.issue == "I3"]
+    assert {r.bar.split(",")[0] for r in local} == {"lasp2_none", "lasp2_head", "lasp2_token", "lasp2_channel", "gdn"}
+    assert {r.status for r in rows} == {vd.MISSING}
