@@ -107,6 +107,8 @@ SAME_TRAINING = [  # (CP size, flags): patched vs unpatched CP = 1 with the mode
     # placed per batch; the CP = 1 reference has the same documents
     (4, ["--reset-attention-mask", "--cp-layout", "balanced", "--cp-algo", "burst"]),
     (2, ["--reset-attention-mask", "--cp-layout", "balanced", "--cp-algo", "ring"]),
+    # linear layers in the balanced placement: a rank's runs are their segments (LASP-2)
+    (2, LIGHTNING_3_1 + ["--reset-attention-mask", "--cp-layout", "balanced"]),
 ]
 TRAINS = [  # (CP size, flags): the patched model takes a step (finite loss); any length at CP = 1
     (1, ["--seq-length", "31"]),
@@ -130,12 +132,12 @@ REFUSED = [  # (CP size, flags, the flag the error must name)
     (2, GDN_1_1 + ["--cp-comm-type", "a2a"], "--cp-comm-type a2a"),
     (2, ["--sparse-attention", "vertical_slash", "--sparse-last-q", "16", "--cp-algo", "allgather"],
      "--cp-algo allgather (use ring or burst)"),
-    (2, LIGHTNING_3_1 + ["--cp-layout", "balanced"], "--cp-layout balanced"),
+    (2, LIGHTNING_3_1 + ["--cp-layout", "balanced", "--linear-cp-algo", "lasp1"], "--linear-cp-algo lasp1"),
 ]
 # --quick: one check of each kind and the issue-M2 cases (the full list takes 8-10 minutes on 2 cores)
 QUICK = {"same_model": [[]], "same_training": [(2, ["--cp-layout", "zigzag", "--cp-comm-type", "p2p"]),
                                                (2, GDN_1_1 + ["--cp-layout", "zigzag"]),
-                                               SAME_TRAINING[-2]],
+                                               SAME_TRAINING[-3], SAME_TRAINING[-1]],
          "trains": TRAINS[:1], "hybrid": [], "refused": [REFUSED[0], REFUSED[-4], REFUSED[-2], REFUSED[-1]]}
 # flags that change the computation's precision: compared with a looser tolerance
 LOSS_RTOL, GRAD_RTOL, BF16_LOSS_RTOL, BF16_GRAD_RTOL = 1e-5, 1e-4, 2e-2, 1e-1

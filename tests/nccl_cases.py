@@ -188,3 +188,18 @@ def balanced_nodes_schedule(algo: str, ranks_per_node: int):
     result["inter"] = counter.bytes("sent", link="inter")
     result["sent"] = counter.bytes("sent")
     return result
+
+
+def run_layouts_schedule():
+    """The data-derived layouts (THD, balanced) of the linear family: LASP-2 and the gated delta rule
+    over runs (padded all-gathers), and the conv halo over runs, recorded and replayed."""
+    from linear_run_cases import run_halo_case, run_layout_cases
+
+    with record_schedule() as trace:
+        cases = run_layout_cases()
+        halo = run_halo_case()
+    result = _replays(trace)
+    cases.pop("runs")
+    result["max_err"] = max([v for errs in cases.values() for k, v in errs.items() if k != "sent"]
+                            + [halo["halo"], halo["grad"]])
+    return result

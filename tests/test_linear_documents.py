@@ -43,5 +43,5 @@ def test_documents_refused_before_any_collective():
         assert "causal=True" in m["bidirectional"]
         assert "last boundary must be 16" in m["last_bound"]
         assert "2 per-sample" in m["samples"]
-        assert "THD" in m["thd"] and "[b, s]" in m["thd"]
+        assert "placed for layout 'thd'" in m["thd"] and "pass layout='thd'" in m["thd"]  # tests/test_linear_runs.py
         assert "strictly increasing" in m["gdn_bounds"]

@@ -8,6 +8,8 @@ batch's documents as the softmax layers do.
   the patched pretrain_gpt.py's pieces (megatron_lm.slice_batch, the stand-in gpt_builder), the
   loss and every gradient equal CP = 1's.
 * Megatron-LM's flags no longer refuse --reset-attention-mask with --linear-attention-type.
+* Packed THD batches (PackedSeqParams qkv_format "thd") and the balanced layout: at CP = 2 and 3 the
+  hybrids equal CP = 1 (every variant family, Gated DeltaNet's conv halo over runs shorter than its window).
 """
 from __future__ import annotations
 
@@ -67,18 +69,45 @@ def _build(cp: int, variant: str, extra: List[str], seq: int, fp64: bool):
     return args, opts, groups, model
 
 
+def thd_hybrid_batch() -> Dict[str, torch.Tensor]:
+    """One packed sample (PackedSeqParams qkv_format 'thd', as Megatron-LM's SFT data): sequences of 7,
+    20 and 1 real tokens padded to 12, 24 and 12 (multiples of 2 x CP for CP = 2 and 3). At CP = 3 a
+    sequence's chunks are 2 or 4 tokens, shorter than Gated DeltaNet's conv window for the short ones:
+    their halo comes from several runs back."""
+    g = torch.Generator().manual_seed(23)
+    real, padded = [7, 20, 1], [12, 24, 12]
+    T = sum(padded)
+    tokens = torch.randint(0, EOD, (1, T + 1), generator=g)
+    loss_mask, pos = torch.zeros(1, T), torch.zeros(1, T, dtype=torch.long)
+    start = 0
+    for n, p in zip(real, padded):
+        loss_mask[0, start:start + n] = 1.0
+        pos[0, start:start + p] = torch.arange(p)
+        start += p
+    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "loss_mask": loss_mask,
+            "position_ids": pos, "cu_seqlens": torch.tensor([0, 7, 27, 28], dtype=torch.int32),
+            "cu_seqlens_padded": torch.tensor([0, 12, 36, 48], dtype=torch.int32),
+            "max_seqlen": torch.tensor([24], dtype=torch.int32)}
+
+
+THD_SEQ = 48
+
+
 def trainer_steps(cp: int, cases: list) -> list:
-    """One forward/backward per case (variant, extra flags, seq) of the hybrid GPT on eod_batch
-    through megatron_burst.train's loss_and_grads with the EOD documents: loss and every gradient."""
+    """One forward/backward per case (variant, extra flags, seq) of the hybrid GPT on eod_batch (seq
+    "thd": thd_hybrid_batch) through megatron_burst.train's loss_and_grads with the documents: loss
+    and every gradient."""
     from megatron_burst import train
     from test_megatron_model import full_grads
 
     out = []
     for variant, extra, seq in cases:
         fp64 = variant == "gated_delta_net"
+        thd = seq == "thd"
+        batch, eod = (thd_hybrid_batch(), None) if thd else (eod_batch(seq), EOD)
         try:
-            _, opts, groups, model = _build(cp, variant, extra, seq, fp64)
-            loss = train.loss_and_grads(model, [eod_batch(seq)], opts, groups, torch.device("cpu"), eod_token=EOD)
+            _, opts, groups, model = _build(cp, variant, extra, THD_SEQ if thd else seq, fp64)
+            loss = train.loss_and_grads(model, [batch], opts, groups, torch.device("cpu"), eod_token=eod)
             train.allreduce_grads(model, groups)
         finally:
             torch.set_default_dtype(torch.float32)
@@ -135,6 +164,9 @@ CP2_CASES = [
     ("gated_delta_net", ["--cp-layout", "zigzag"], 40),
     ("gated_delta_net", ["--cp-layout", "contiguous"], 40),
     ("gla", ["--cp-layout", "striped", "--cp-stripe", "64"], 256),
+    # the balanced plan: most documents whole on one rank, the one spanning every rank split
+    ("gla", ["--cp-layout", "balanced"], 40),
+    ("gated_delta_net", ["--cp-layout", "balanced"], 40),
 ]
 
 
@@ -206,23 +238,21 @@ def test_megatron_lm_flags_accept_reset_attention_mask(variant):
     megatron_lm.check_args(_megatron_lm_flags(reset_attention_mask=True, linear_attention_type=variant))
 
 
-def thd_refusal(variant: str) -> str:
-    """A packed THD batch (PackedSeqParams qkv_format 'thd') reaching a linear layer."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    _, _, _, model = _build(1, variant, [], 40, False)
-    cu = torch.tensor([0, 16, 40], dtype=torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=24, max_seqlen_kv=24)
-    batch = eod_batch(40)
-    try:
-        model(batch["tokens"][:1], batch["position_ids"][:1], None, labels=batch["labels"][:1],
-              packed_seq_params=params)
-    except ValueError as exc:
-        return str(exc)
-    return "accepted"
+# packed THD batches: the linear layers run in TransformerEngine's partitioning, as the softmax layers
+THD_CASES = [("basic", [], "thd"), ("gla", [], "thd"), ("gated_delta_net", [], "thd"),
+             ("retention", ["--cp-layout", "balanced"], "thd")]  # a THD batch placed by the balanced plan
 
 
-@pytest.mark.parametrize("variant,noun", [("gla", "linear attention"), ("gated_delta_net", "gated delta net")])
-def test_packed_thd_batches_are_refused_by_linear_layers(variant, noun):
-    msg = run_ranks(1, thd_refusal, variant)[0]
-    assert msg.startswith(f"{noun} (layer 1)") and "THD" in msg and "--reset-attention-mask" in msg, msg
+@pytest.mark.parametrize("cp", [2, 3])
+def test_packed_thd_hybrids_equal_cp1(cp):
+    from test_megatron_model import _assert_matches
+
+    refs = run_ranks(1, trainer_steps, 1, THD_CASES)[0]
+    failures = []
+    for rank, results in enumerate(run_ranks(cp, trainer_steps, cp, THD_CASES)):
+        for (variant, extra, _), res, ref in zip(THD_CASES, results, refs):
+            try:
+                _assert_matches(res, ref, f"{variant} THD CP={cp} {' '.join(extra)} rank {rank}")
+            except AssertionError as exc:
+                failures.append(str(exc).splitlines()[0])
+    assert not failures, "\n".join(failures)

@@ -165,14 +165,17 @@ def test_flags_accept_balanced():
     assert (opts.layout, opts.algo) == ("balanced", "burst")
 
 
-@pytest.mark.parametrize("kind,noun", [("lightning", "linear-attention (lightning)"),
-                                       ("gated_delta_net", "Gated DeltaNet")])
-def test_balanced_refuses_linear_layers(kind, noun):
-    with pytest.raises(ValueError) as err:
-        _options(BALANCED + ["--context-parallel-size", "2", "--linear-attention-type", kind,
-                             "--linear-attention-freq", "2"])
-    message = str(err.value)
-    assert noun in message and "--cp-layout zigzag" in message and "layers 1, 3" in message
+@pytest.mark.parametrize("kind", ["lightning", "gated_delta_net"])
+def test_balanced_takes_linear_layers(kind):
+    """LASP-2 and Gated DeltaNet run in the balanced placement (tests/test_linear_hybrid_documents.py);
+    LASP-1 is refused at the flags, naming them."""
+    flags = BALANCED + ["--context-parallel-size", "2", "--linear-attention-type", kind, "--linear-attention-freq", "2"]
+    assert _options(flags).cp.layout == "balanced"
+    if kind != "gated_delta_net":
+        with pytest.raises(ValueError) as err:
+            _options(flags + ["--linear-cp-algo", "lasp1"])
+        message = str(err.value)
+        assert "--linear-cp-algo lasp2" in message and "layers 1, 3" in message and "lightning" in message
 
 
 def test_balanced_refusals_name_the_flag():

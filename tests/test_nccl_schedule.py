@@ -159,6 +159,15 @@ def test_gated_delta_rule_schedules_complete_under_nccl(layout, world_size):
         assert res["max_err"] < 1e-5
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_linear_run_layout_schedules_complete_under_nccl(world_size):
+    """THD and balanced in the linear family: a rank's all-gather part padded to the most runs a rank
+    holds (NCCL needs equal counts), and the conv halo over runs."""
+    for rank, res in enumerate(run_ranks(world_size, nccl_cases.run_layouts_schedule, timeout=300)):
+        _assert_replays(res, f"run layouts W={world_size} rank {rank}")
+        assert res["max_err"] < 1e-5
+
+
 @pytest.mark.parametrize("algo,ring,world_size", [(a, r, W) for a in ("ring", "burst") for r in ("flat", "double")
                                                   for W in (3, 4)])
 def test_document_mask_schedules_complete_under_nccl(algo, ring, world_size):

@@ -119,6 +119,8 @@ def _torch_would_run_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
     cuda_backends = torch.backends.cuda
     if not hasattr(cuda_backends, "can_use_cudnn_attention") or not hasattr(cuda_backends, "SDPAParams"):
         return False
+    if q.device.type != "cuda":  # never cuDNN; and torch's check would start CUDA (it raises on a CUDA build
+        return False             # of torch without a driver, seen with torch 2.11+cu130 on a CPU machine)
     gqa = q.shape[1] != k.shape[1]
     try:
         params = cuda_backends.SDPAParams(q, k, v, None, 0.0, causal, gqa)

@@ -18,11 +18,12 @@ import torch.distributed as dist
 from megatron_burst.masks.documents import CuSeqlens, Documents
 from megatron_burst.linear.checks import MIN_STRIPE, check_qkv, segment_order, segments_per_rank
 from megatron_burst.linear.chunked import segment_output, segment_state
-from megatron_burst.linear.docs import check_documents, segment_documents
+from megatron_burst.linear.docs import check_documents, segment_documents, unplaced
 from megatron_burst.linear import fla_adapter, kernel_choice
 from megatron_burst.linear.exchange import (Lasp1Chain, Lasp2Exchange, SegmentMap, local_entering_states,
                                             post_state_gather)
 from megatron_burst.linear.delta import gated_delta_rule
+from megatron_burst.linear.runs import RUN_LAYOUTS, rank_runs, run_documents, run_map, split_runs
 from megatron_burst.linear.reference import expand_log_decay, naive_gated_delta_rule, naive_linear_attention
 
 __all__ = ["linear_attention", "naive_linear_attention", "gated_delta_rule", "naive_gated_delta_rule", "LINEAR_CP_ALGOS", "MIN_STRIPE"]
@@ -53,12 +54,18 @@ def _validate(q, k, v, g, *, world_size, causal, layout, stripe, algo, qkv_forma
                              f"head; per key channel) for q {tuple(q.shape)} ({qkv_format})")
         if g.device != q.device:
             raise ValueError(f"g is on {g.device}, q on {q.device}")
+    if layout in RUN_LAYOUTS:
+        if cu_seqlens is None:
+            raise ValueError(f"layout={layout!r} places tokens by the batch's documents: pass them as cu_seqlens "
+                             "(boundaries, or the Documents the batch was sliced with)")
+        if algo != "lasp2":
+            raise ValueError(f"algo={algo!r} with layout={layout!r}: the data-derived layouts run LASP-2 (algo='lasp2')")
     if cu_seqlens is None:
         return None
     if not causal:
         raise ValueError("documents (cu_seqlens) need causal=True: bidirectional linear attention over packed "
                          "documents is not supported")
-    return check_documents(cu_seqlens, s * world_size, b)
+    return check_documents(cu_seqlens, s * world_size, b, layout, world_size)
 
 
 def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -81,7 +88,10 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     posted before the intra-segment work so they overlap, and one all-gather of the state gradients
     backward. ``"lasp1"``: the state passes from rank to rank (W - 1 sequential hops for contiguous).
     Layouts: contiguous, zigzag, block-striped with stripe >= 64 (a rank holds s / stripe
-    segments). ``comm_counter`` counts an all-gather as (W - 1) x this rank's contribution sent;
+    segments), and the data-derived "thd" (packed sequences, TransformerEngine's partitioning) and
+    "balanced" (:func:`megatron_burst.dispatch.plan_dispatch`), which need ``cu_seqlens`` and run
+    LASP-2: a rank's runs of consecutive positions are its segments (:mod:`megatron_burst.linear.runs`).
+    ``comm_counter`` counts an all-gather as (W - 1) x this rank's contribution sent;
     for contiguous and zigzag that does not depend on the sequence length.
 
     ``cu_seqlens``: packed documents, as :func:`megatron_burst.cp_attention` takes them -- an int
@@ -111,6 +121,10 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     scale = dk ** -0.5 if scale is None else scale
     acc = torch.promote_types(q.dtype, torch.float32)
     to_bhsd = (lambda t: t.permute(1, 2, 0, 3)) if sbhd else (lambda t: t.permute(0, 2, 1, 3))  # noqa: E731
+    if layout in RUN_LAYOUTS:
+        if world_size > 1:
+            return _lasp2_runs(q, k, v, g, documents, pg, rank, world_size, sbhd, scale, acc, kernel, to_bhsd)
+        layout, documents = "contiguous", unplaced(documents)  # one rank holds the sequence in order
     per_rank = segments_per_rank(layout, s, stripe)
     L = s // per_rank
 
@@ -182,6 +196,59 @@ def _fla_local(fla_fn, form, q, k, v, g, nseg, b, h, s, dk, dv, L, sbhd, scale, 
     a = G = None
     if g is not None:
         g_sbhd = g if (sbhd or g.dim() == 1) else g.transpose(0, 1)
-        G = torch.cumsum(segments(expand_log_decay(g_sbhd, b, h, s, dk).to(acc)), dim=-2)
-        a = torch.exp(G[..., -1, :])
+        a, G = _decays(segments(expand_log_decay(g_sbhd, b, h, s, dk).to(acc)))
     return o.to(acc), M, a, G, segments(to_bhsd(q).to(acc))
+
+
+def _lasp2_runs(q, k, v, g, documents: Documents, pg, rank: int, world_size: int, sbhd: bool, scale: float, acc,
+                kernel: str, to_bhsd) -> torch.Tensor:
+    """LASP-2 over a data-derived layout (THD, balanced; W > 1): each of this rank's runs is a segment of
+    its own length (:mod:`megatron_burst.linear.runs`), computed by the same kernels as the fixed layouts'
+    segments, and the exchange scans every run's (M, a) in global order."""
+    s, b, h, dk = q.shape if sbhd else (q.shape[1], q.shape[0], q.shape[2], q.shape[3])
+    dv = v.shape[-1]
+    form = kernel_choice.decay_form(g)
+    _, fla_fn = kernel_choice.choose("lasp2", form, q.device, q.dtype, dk, dv, kernel, documents=True)
+    runs = rank_runs(documents, world_size)
+    smap = run_map(pg, rank, world_size, runs)
+    lengths = runs.lengths(rank)
+    rd = run_documents(documents, b, runs, rank, q.device)
+    qs, ks, vs = (split_runs(to_bhsd(t).to(acc), lengths) for t in (q, k, v))  # per run [1, b, h, L_i, d]
+    gs = [None] * len(lengths)
+    if g is not None:
+        g_sbhd = g if (sbhd or g.dim() == 1) else g.transpose(0, 1)
+        gs = split_runs(expand_log_decay(g_sbhd, b, h, s, dk).to(acc), lengths)
+    if fla_fn is None:
+        maps = [segment_state(kr, vr, gr, dr) for kr, vr, gr, dr in zip(ks, vs, gs, rd.doc)]
+        M = torch.cat([m[0] for m in maps])
+    else:  # fla: every run's zero-start output and the state it leaves, in one varlen call
+        pieces = fla_adapter.run_pieces(documents, b, runs.per_rank[rank], q.device)
+        flat = [fla_adapter.runs_to_flat(t, lengths, sbhd) for t in (q, k, v)]
+        o_flat, M = fla_adapter.lasp2_segments(fla_fn, form, *flat, g,
+                                               fla_adapter.decay_flat(g, form, lengths, b, sbhd), scale, pieces)
+        M = M.view(len(lengths), b, h, dk, dv).to(acc)
+        o_local = fla_adapter.flat_to_local(o_flat, lengths, b, False).permute(0, 2, 1, 3)  # [b, h, s, dv]
+        outs = split_runs(o_local.to(acc), lengths)
+        maps = [(None,) + _decays(gr) for gr in gs]
+    a = None if g is None else torch.cat([m[1] for m in maps])
+    gathered, pending = post_state_gather(M, a, smap)  # overlaps with the runs' own outputs
+    if fla_fn is None:
+        outs = [segment_output(qr, kr, vr, gr, scale, dr) for qr, kr, vr, gr, dr in zip(qs, ks, vs, gs, rd.doc)]
+    pending.wait()
+    S_in = Lasp2Exchange.apply(M, a, gathered, smap, False, rd.keep)
+    for i, (qr, m) in enumerate(zip(qs, maps)):
+        q_in = qr if m[2] is None else qr * torch.exp(m[2])
+        q_in = q_in * rd.from_entering(i).unsqueeze(-1).to(q_in.dtype)
+        outs[i] = outs[i] + scale * (q_in @ S_in[i:i + 1])
+    o = torch.cat(outs, dim=-2)[0]  # [b, h, s, dv]
+    out = o.permute(2, 0, 1, 3) if sbhd else o.permute(0, 2, 1, 3)
+    return out.to(q.dtype).contiguous()
+
+
+def _decays(g: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(a, G) of a segment's log-decay g [..., L, dkg]: its total decay and the cumulative one (None, None
+    without decay), as :func:`~megatron_burst.linear.chunked.segment_state` forms them."""
+    if g is None:
+        return None, None
+    G = torch.cumsum(g, dim=-2)
+    return torch.exp(G[..., -1, :]), G

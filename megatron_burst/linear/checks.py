@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_burst.masks.layout import LAYOUTS, check_layout, check_local_len
+from megatron_burst.masks.documents import THD
+from megatron_burst.masks.layout import BALANCED, LAYOUTS, check_layout, check_local_len
 from megatron_burst.linear.chunked import CHUNK
 
 MIN_STRIPE = CHUNK  # block-striped segments shorter than a chunk would make the state exchange dominate
@@ -27,12 +28,14 @@ def segments_per_rank(layout: str, local_len: int, stripe: int) -> int:
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: int, layout: str, stripe: int,
               qkv_format: str) -> tuple[int, int, int, int]:
     """Raise ValueError unless q, k [s, b, h, dk] and v [s, b, h, dv] (or bshd) fit ``layout`` on
-    ``world_size`` ranks. Returns (s, b, h, dk). Local checks only."""
-    check_layout(layout, stripe)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout {layout!r} is not supported by linear attention (a state is carried through the "
-                         f"sequence's segments in order; 'balanced' places documents anywhere): choose one of "
-                         f"{', '.join(LAYOUTS)}")
+    ``world_size`` ranks. Returns (s, b, h, dk). Local checks only. The data-derived layouts ("thd",
+    "balanced": :mod:`megatron_burst.linear.runs`) are checked with their documents, not here."""
+    derived = layout in (THD, BALANCED)
+    if not derived:
+        check_layout(layout, stripe)
+    if layout not in LAYOUTS and not derived:
+        raise ValueError(f"layout {layout!r} is not supported by linear attention: choose one of "
+                         f"{', '.join(LAYOUTS + (THD, BALANCED))}")
     if layout == "striped" and stripe < MIN_STRIPE:
         raise ValueError(f"layout='striped' with stripe={stripe}: linear attention needs stripes of at least "
                          f"{MIN_STRIPE} tokens (a state is exchanged per stripe); use layout='zigzag' (balanced "
@@ -49,5 +52,6 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: 
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     s, b, h, dk = q.shape if qkv_format == "sbhd" else (q.shape[1], q.shape[0], q.shape[2], q.shape[3])
-    check_local_len(s, world_size, layout, stripe)
+    if not derived:
+        check_local_len(s, world_size, layout, stripe)
     return s, b, h, dk

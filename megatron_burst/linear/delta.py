@@ -52,8 +52,9 @@ from megatron_burst.masks.documents import CuSeqlens, Documents
 from megatron_burst.linear.checks import check_qkv, segment_order, segments_per_rank
 from megatron_burst.linear.chunked import CHUNK
 from megatron_burst.linear import fla_adapter, kernel_choice
-from megatron_burst.linear.docs import check_documents, segment_documents
+from megatron_burst.linear.docs import check_documents, segment_documents, unplaced
 from megatron_burst.linear.exchange import Lasp2Exchange, SegmentMap, local_entering_states, post_state_gather
+from megatron_burst.linear.runs import RUN_LAYOUTS, rank_runs, run_documents, run_map, split_runs
 
 __all__ = ["gated_delta_rule", "delta_segment_maps", "delta_segment_outputs", "GDN_KERNELS"]
 
@@ -187,7 +188,10 @@ def _validate(q, k, v, g, beta, *, world_size, layout, stripe, qkv_format, cu_se
                              f"({qkv_format})")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    return None if cu_seqlens is None else check_documents(cu_seqlens, s * world_size, b)
+    if layout in RUN_LAYOUTS and cu_seqlens is None:
+        raise ValueError(f"layout={layout!r} places tokens by the batch's documents: pass them as cu_seqlens "
+                         "(boundaries, or the Documents the batch was sliced with)")
+    return None if cu_seqlens is None else check_documents(cu_seqlens, s * world_size, b, layout, world_size)
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
@@ -206,7 +210,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     Communication: one all-gather of every segment's (A [dk, dk], B [dk, dv]) forward, posted
     before the local outputs are formed, and one all-gather of the entering-state gradients
     [dk, dv] backward; ``comm_counter`` counts (W - 1) x this rank's part, independent of s for the
-    contiguous and zigzag layouts. Layouts: contiguous, zigzag, block-striped with stripe >= 64.
+    contiguous and zigzag layouts. Layouts: contiguous, zigzag, block-striped with stripe >= 64, and
+    the data-derived "thd" and "balanced" (need ``cu_seqlens``; a rank's runs of consecutive positions
+    are its segments, one map each: :mod:`megatron_burst.linear.runs`).
 
     ``kernel``: "torch" (the chunked kernel above, everywhere), "fla" (flash-linear-attention's
     Triton kernel forms the outputs from the exchanged entering states, its autograd giving their
@@ -233,6 +239,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     dv = v.shape[-1]
     scale = dk ** -0.5 if scale is None else scale
     acc = torch.promote_types(q.dtype, torch.float32)
+    if layout in RUN_LAYOUTS:
+        if world_size > 1:
+            return _gdn_runs(fla, q, k, v, g, beta, documents, pg, rank, world_size, sbhd, scale, acc)
+        layout, documents = "contiguous", unplaced(documents)  # one rank holds the sequence in order
     per_rank = segments_per_rank(layout, s, stripe)
     L = s // per_rank
 
@@ -292,3 +302,40 @@ def _fla_outputs(fla, q, k, v, g, beta, maps, smap: SegmentMap, sbhd: bool, scal
     init = None if S_in is None else S_in.reshape(nseg * b, h, dk, dv)
     o = fla_adapter.gdn_rows(fla, rows(q), rows(k), rows(v), rows(g), rows(beta), scale, init, pieces)
     return fla_adapter.rows_to_local(o, nseg, sbhd).to(q.dtype).contiguous()
+
+
+def _gdn_runs(fla, q, k, v, g, beta, documents: Documents, pg, rank: int, world_size: int, sbhd: bool,
+              scale: float, acc) -> torch.Tensor:
+    """The gated delta rule over a data-derived layout (THD, balanced; W > 1): each of this rank's runs is
+    a segment of its own length (:mod:`megatron_burst.linear.runs`) with its own map (A, B); the exchange
+    composes every run's map in global order; the outputs by our chunked kernel or by fla's (the runs
+    as its varlen rows, each entering with its state)."""
+    b = q.shape[1] if sbhd else q.shape[0]
+    runs = rank_runs(documents, world_size)
+    smap = run_map(pg, rank, world_size, runs)
+    lengths = runs.lengths(rank)
+    rd = run_documents(documents, b, runs, rank, q.device)
+    bhsd = (lambda t: t.permute(1, 2, 0, 3)) if sbhd else (lambda t: t.permute(0, 2, 1, 3))  # noqa: E731
+    per_run = lambda t: split_runs(bhsd(t.unsqueeze(-1) if t.dim() == 3 else t).to(acc), lengths)  # noqa: E731
+    qs = per_run(q) if fla is None else [None] * len(lengths)
+    ks, vs = per_run(k), per_run(v)
+    gs, bs = ([x[..., 0] for x in per_run(t)] for t in (g, beta))
+    maps = [delta_segment_maps(qr, kr, vr, gr, br, dr, er)
+            for qr, kr, vr, gr, br, dr, er in zip(qs, ks, vs, gs, bs, rd.doc, rd.enter)]
+    A, B = torch.cat([m[0] for m in maps]), torch.cat([m[1] for m in maps])
+    gathered, pending = post_state_gather(B, A, smap, label="gdn (A, B) all-gather")
+    pending.wait()
+    S_in = Lasp2Exchange.apply(B, A, gathered, smap, True)  # [nseg, b, h, dk, dv]; A = 0 where a run resets
+    if fla is not None:  # each run a row entering with its state (pieces: cut at document starts)
+        pieces = fla_adapter.run_pieces(documents, b, runs.per_rank[rank], q.device)
+        flat = [fla_adapter.runs_to_flat(t, lengths, sbhd) for t in (q, k, v, g, beta)]
+        h, dk, dv = S_in.shape[2:]
+        o = fla_adapter.gdn_rows(fla, *flat, scale, S_in.reshape(len(lengths) * b, h, dk, dv), pieces)
+        return fla_adapter.flat_to_local(o, lengths, b, sbhd).to(q.dtype).contiguous()
+    outs = []
+    for i, (_, _, chunks) in enumerate(maps):
+        o0, q_in = delta_segment_outputs(chunks, scale)
+        outs.append(o0 + scale * (q_in @ S_in[i:i + 1]))
+    o = torch.cat(outs, dim=-2)[0]  # [b, h, s, dv]
+    out = o.permute(2, 0, 1, 3) if sbhd else o.permute(0, 2, 1, 3)
+    return out.to(q.dtype).contiguous()

@@ -31,9 +31,10 @@ from typing import Optional
 
 import torch
 
-from megatron_burst.masks.documents import CuSeqlens, Documents, check_cu_seqlens
+from megatron_burst.masks.documents import THD, CuSeqlens, Documents, balanced_documents, check_cu_seqlens, check_thd
+from megatron_burst.masks.layout import BALANCED
 
-__all__ = ["SegmentDocuments", "check_documents", "segment_documents", "document_index"]
+__all__ = ["SegmentDocuments", "check_documents", "segment_documents", "document_index", "unplaced"]
 
 
 @dataclass(frozen=True)
@@ -57,25 +58,34 @@ class SegmentDocuments:
         return self.doc == self.enter.unsqueeze(-1)
 
 
-def check_documents(cu_seqlens: "CuSeqlens | Documents", seq_len: int, batch: int) -> Documents:
+def check_documents(cu_seqlens: "CuSeqlens | Documents", seq_len: int, batch: int, layout: Optional[str] = None,
+                    world_size: int = 1) -> Documents:
     """Validated documents of a linear-attention call (local checks only: safe before any collective).
 
     ``cu_seqlens``: as cp_attention takes it -- one int tensor (or list of ints) [0, ..., S] shared
     by the batch, a list of ``batch`` of them (one per sample), or a
     :class:`~megatron_burst.masks.documents.Documents` validated once per batch. ``seq_len`` is the
-    global length S = local length x CP size.
+    global length S = local length x CP size. ``layout`` "thd" or "balanced" (the data-derived
+    layouts, :mod:`megatron_burst.linear.runs`): raw boundaries are placed here as cp_attention places
+    them (THD: every sequence's length divisible by 2 x ``world_size``; balanced: planned), and given
+    Documents must carry that layout's placement for ``world_size`` ranks.
     """
+    derived = layout in (THD, BALANCED)
     if not isinstance(cu_seqlens, Documents):
+        if layout == THD:
+            return check_thd(cu_seqlens, None, seq_len // world_size, world_size, batch)
+        if layout == BALANCED:
+            return balanced_documents(cu_seqlens, seq_len, batch, world_size)
         return check_cu_seqlens(cu_seqlens, seq_len, batch)
     docs = cu_seqlens
-    if docs.plan is not None:
-        raise ValueError("layout 'balanced' (tokens placed by megatron_burst.dispatch.plan_dispatch) is not supported by "
-                         "the linear-attention layers: they carry a state through the sequence's segments in order; "
-                         "use --cp-layout zigzag, contiguous or striped with the documents as cu_seqlens")
-    if docs.partition is not None:
-        raise ValueError("packed THD batches (layout 'thd', TransformerEngine's per-sequence zigzag) are not supported "
-                         "by the linear-attention layers: train with [b, s] batches, whose documents "
-                         "(--reset-attention-mask, cu_seqlens) they take in every --cp-layout")
+    if docs.layout != (layout if derived else None):
+        placed = f"placed for layout {docs.layout!r}" if docs.layout else "without a placement"
+        fix = (f"build them with megatron_burst.documents.{'check_thd' if layout == THD else 'balanced_documents'}"
+               if derived else f"pass layout={docs.layout!r} (the layout the batch was sliced in)")
+        raise ValueError(f"documents {placed} do not fit layout={layout!r}: {fix}")
+    if docs.plan is not None and docs.plan.world_size != world_size:
+        raise ValueError(f"the balanced plan places tokens on {docs.plan.world_size} ranks, the CP group has "
+                         f"{world_size}: plan with the group's size")
     if docs.seq_len != seq_len:
         raise ValueError(f"documents for {docs.seq_len} tokens do not fit this call: the global sequence has "
                          f"{seq_len} tokens (local length x CP size)")
@@ -88,6 +98,11 @@ def check_documents(cu_seqlens: "CuSeqlens | Documents", seq_len: int, batch: in
         raise ValueError(f"documents describe samples {[(g[0], g[1]) for g in docs.groups]}, the batch has {batch}: "
                          "give boundaries for every sample")
     return docs
+
+
+def unplaced(documents: Documents) -> Documents:
+    """The same boundaries without a data-derived placement (one rank holds the sequence in order)."""
+    return Documents(documents.seq_len, documents.groups)
 
 
 # Small caches: a step's layers share one batch's entries (a new batch makes new ones), and the

@@ -39,8 +39,11 @@ from megatron_burst import comm
 class SegmentMap:
     """Which global segment each of this rank's local segments is, for every rank.
 
-    ``order[r][j]`` is the global index of rank r's j-th local segment; all ranks hold the same
-    number of equally long segments.
+    ``order[r][j]`` is the global index of rank r's j-th local segment. The fixed layouts give every
+    rank the same number of equally long segments; the data-derived ones (THD, balanced:
+    :mod:`megatron_burst.linear.runs`) give runs of any length, a different number per rank. The
+    exchanges only see per-segment states: a rank's part of an all-gather is padded to
+    :attr:`per_rank` segments (the most any rank holds) so every rank sends the same size.
     """
 
     group: Optional[dist.ProcessGroup]
@@ -51,11 +54,13 @@ class SegmentMap:
 
     @property
     def per_rank(self) -> int:
-        return len(self.order[0])
+        """The most segments any rank holds (the all-gathers' per-rank slot count)."""
+        return max(len(mine) for mine in self.order)
 
     @property
     def total(self) -> int:
-        return self.world_size * self.per_rank
+        """T, the number of global segments."""
+        return sum(len(mine) for mine in self.order)
 
     def owner(self, global_index: int) -> tuple[int, int]:
         """(rank, local index) of a global segment."""
@@ -147,14 +152,22 @@ def _unpack(flat: torch.Tensor, world_size: int, shapes: list) -> list:
 
 
 def _to_global(per_rank: torch.Tensor, smap: SegmentMap) -> torch.Tensor:
-    """[W, nseg, ...] rank-major -> [T, ...] in global segment order."""
-    T = smap.total
-    index = [0] * T
+    """[W, per_rank, ...] rank-major (padded slots included) -> [T, ...] in global segment order."""
+    index = [0] * smap.total
     for r, mine in enumerate(smap.order):
         for j, gi in enumerate(mine):
             index[gi] = r * smap.per_rank + j
-    flat = per_rank.reshape((T,) + tuple(per_rank.shape[2:]))
+    flat = per_rank.reshape((smap.world_size * smap.per_rank,) + tuple(per_rank.shape[2:]))
     return flat[torch.tensor(index, device=flat.device)]
+
+
+def _padded(local: torch.Tensor, smap: SegmentMap) -> torch.Tensor:
+    """This rank's [nseg, ...] padded with zeros to [per_rank, ...] (its all-gather slot; the padding is
+    never read)."""
+    missing = smap.per_rank - local.shape[0]
+    if missing == 0:
+        return local
+    return torch.cat([local, local.new_zeros((missing,) + tuple(local.shape[1:]))])
 
 
 def _mine(global_tensor: torch.Tensor, smap: SegmentMap) -> torch.Tensor:
@@ -171,7 +184,7 @@ def post_state_gather(M: torch.Tensor, a: Optional[torch.Tensor], smap: SegmentM
                       label: str = "lasp2 state all-gather"):
     """Post the forward all-gather of this rank's (M, a) (async; LASP-2 overlaps it with the
     intra-segment work). Returns (buffer, pending); the buffer is valid after ``pending.wait()``."""
-    local = _pack(M.detach(), None if a is None else a.detach())
+    local = _pack(_padded(M.detach(), smap), None if a is None else _padded(a.detach(), smap))
     out = local.new_empty(smap.world_size * local.numel())
     return out, comm.all_gather(out, local, smap.group, "forward", label=label)
 
@@ -188,7 +201,8 @@ class Lasp2Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, M: torch.Tensor, a: Optional[torch.Tensor], gathered: torch.Tensor, smap: SegmentMap,
                 matrix: bool = False, keep: Optional[torch.Tensor] = None):
-        shapes = [M.shape] + ([a.shape] if a is not None else [])
+        slot = lambda t: (smap.per_rank,) + tuple(t.shape[1:])  # noqa: E731  (a rank's padded part)
+        shapes = [slot(M)] + ([slot(a)] if a is not None else [])
         parts = _unpack(gathered, smap.world_size, shapes)
         M_all = _to_global(parts[0], smap)
         a_all = _to_global(parts[1], smap) if a is not None else None
@@ -203,8 +217,8 @@ class Lasp2Exchange(torch.autograd.Function):
     def backward(ctx, dS: torch.Tensor):
         smap: SegmentMap = ctx.smap
         label = "gdn dS all-gather" if ctx.matrix else "lasp2 dS all-gather"
-        gathered = _all_gather(dS.contiguous(), smap, "backward", label)
-        delta_all = _to_global(gathered.view((smap.world_size,) + tuple(dS.shape)), smap)
+        gathered = _all_gather(_padded(dS, smap).contiguous(), smap, "backward", label)
+        delta_all = _to_global(gathered.view((smap.world_size, smap.per_rank) + tuple(dS.shape[1:])), smap)
         if not smap.causal:
             return delta_all.sum(0).unsqueeze(0).expand_as(dS).contiguous(), None, None, None, None, None
         saved = ctx.saved_tensors
@@ -316,37 +330,77 @@ def _ring_sum(ring: comm.RingComm, local: torch.Tensor, phase: str, label: str) 
 
 
 class PreviousTokens(torch.autograd.Function):
-    """The last ``width`` tokens of the global segment before each local segment (zeros before
-    the first), from whichever rank holds it: what a short causal convolution needs at a segment
-    start. x [nseg, L, ...] (local segments) -> [nseg, width, ...]. One all-gather of every
-    rank's segment tails forward, one of the halo gradients backward: (W - 1) x nseg x width
-    tokens each way, whatever the sequence length."""
+    """The ``width`` tokens before each local segment's first one in the global sequence (zeros before
+    the sequence), from whichever rank holds them: what a short causal convolution needs at a segment
+    start. Every segment contributes its *tail*, its last ``width`` tokens (front zero-padded when it
+    is shorter); a halo token is read from the tail of the global segment holding it (``index``, host
+    arithmetic the same on every rank). One all-gather of every rank's tails forward, one of the halo
+    gradients backward: (W - 1) x (segments per rank) x width tokens each way, whatever the length.
+
+    tails [nseg, width, ...] (local segments) -> [nseg, width, ...]; ``index`` [T, width] (long, global
+    segment order): the slot of every halo token in the global tails flattened [T * width], -1 for a
+    position before the sequence."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, width: int, smap: SegmentMap):
-        ctx.smap, ctx.width, ctx.shape = smap, width, x.shape
-        tails = x[:, x.shape[1] - width:].contiguous()
-        gathered = _all_gather(tails, smap, "forward", "previous tokens all-gather")
-        every = _to_global(gathered.view((smap.world_size,) + tuple(tails.shape)), smap)
-        return _mine(torch.cat([torch.zeros_like(every[:1]), every[:-1]]), smap)
+    def forward(ctx, tails: torch.Tensor, index: torch.Tensor, smap: SegmentMap):
+        ctx.smap, ctx.index, ctx.shape = smap, index, tails.shape
+        gathered = _all_gather(_padded(tails, smap).contiguous(), smap, "forward", "previous tokens all-gather")
+        every = _to_global(gathered.view((smap.world_size, smap.per_rank) + tuple(tails.shape[1:])), smap)
+        flat = torch.cat([every.reshape((-1,) + tuple(tails.shape[2:])), every.new_zeros((1,) + tuple(tails.shape[2:]))])
+        return flat[index[list(smap.order[smap.rank])]]  # -1 reads the zero row
 
     @staticmethod
     def backward(ctx, d_halo: torch.Tensor):
         smap: SegmentMap = ctx.smap
-        gathered = _all_gather(d_halo.contiguous(), smap, "backward", "previous tokens gradient all-gather")
-        every = _to_global(gathered.view((smap.world_size,) + tuple(d_halo.shape)), smap)
-        d_tails = _mine(torch.cat([every[1:], torch.zeros_like(every[:1])]), smap)  # tail i fed segment i + 1
-        dx = d_halo.new_zeros(ctx.shape)
-        dx[:, ctx.shape[1] - ctx.width:] = d_tails
-        return dx, None, None
+        rest = tuple(d_halo.shape[2:])
+        gathered = _all_gather(_padded(d_halo, smap).contiguous(), smap, "backward",
+                               "previous tokens gradient all-gather")
+        every = _to_global(gathered.view((smap.world_size, smap.per_rank) + tuple(d_halo.shape[1:])), smap)
+        slots = ctx.index.reshape(-1) % (ctx.index.numel() + 1)  # -1 -> the extra row, dropped below
+        d_flat = d_halo.new_zeros((ctx.index.numel() + 1,) + rest).index_add_(0, slots, every.reshape((-1,) + rest))
+        d_tails = d_flat[:-1].view((smap.total, ctx.shape[1]) + rest)
+        return _mine(d_tails, smap), None, None
 
 
-def previous_tokens(x: torch.Tensor, width: int, smap: SegmentMap) -> torch.Tensor:
-    """See :class:`PreviousTokens`; on one rank the segments are all local (autograd indexing)."""
+def halo_index(segments: tuple[tuple[int, int], ...], width: int) -> torch.Tensor:
+    """[T, width] (long): for every global segment (start, length), in global order, the slot of each of
+    the ``width`` positions before its start in the global tails flattened ([T * width], each segment's
+    last ``width`` tokens, front zero-padded), -1 before the sequence start."""
+    starts = torch.tensor([a for a, _ in segments])
+    ends = starts + torch.tensor([n for _, n in segments])
+    pos = starts[:, None] + torch.arange(-width, 0)  # [T, width] global positions
+    owner = torch.searchsorted(ends, pos, right=True).clamp(max=len(segments) - 1)  # the segment holding pos
+    slot = owner * width + pos - (ends[owner] - width)
+    return torch.where(pos >= 0, slot, torch.full_like(slot, -1))
+
+
+def tails_of(x: torch.Tensor, lengths: list[int], width: int) -> torch.Tensor:
+    """Each local segment's last ``width`` tokens, front zero-padded: x [s, ...] held as segments of
+    ``lengths`` (local order) -> [nseg, width, ...] (differentiable)."""
+    out = []
+    for seg in x.split(lengths):
+        tail = seg[max(0, seg.shape[0] - width):]
+        if tail.shape[0] < width:
+            tail = torch.cat([tail.new_zeros((width - tail.shape[0],) + tuple(tail.shape[1:])), tail])
+        out.append(tail)
+    return torch.stack(out)
+
+
+def previous_tokens(x: torch.Tensor, width: int, smap: SegmentMap,
+                    segments: Optional[tuple[tuple[int, int], ...]] = None) -> torch.Tensor:
+    """The ``width`` tokens before each local segment (see :class:`PreviousTokens`). x [nseg, L, ...] (the
+    fixed layouts' equal segments) -> [nseg, width, ...]; or, with ``segments`` (every global segment's
+    (start, length) in global order: runs, :mod:`megatron_burst.linear.runs`), x [s, ...] this rank's
+    tokens in local order. On one rank the segments are all local (autograd indexing)."""
+    if segments is None:
+        L = x.shape[1]
+        segments = tuple((gi * L, L) for gi in range(smap.total))
+        x = x.reshape((-1,) + tuple(x.shape[2:]))
+    lengths = [segments[gi][1] for gi in smap.order[smap.rank]]
+    tails = tails_of(x, lengths, width)
+    index = halo_index(segments, width).to(x.device)
     if smap.world_size == 1:
-        tails = x[:, x.shape[1] - width:]
-        order = torch.tensor(smap.order[0], device=x.device)
-        every = tails[torch.argsort(order)]  # global order
-        halo = torch.cat([torch.zeros_like(every[:1]), every[:-1]])
-        return halo[order]
-    return PreviousTokens.apply(x, width, smap)
+        every = tails[torch.argsort(torch.tensor(smap.order[0], device=x.device))]  # global order
+        flat = torch.cat([every.reshape((-1,) + tuple(x.shape[1:])), every.new_zeros((1,) + tuple(x.shape[1:]))])
+        return flat[index[list(smap.order[0])]]
+    return PreviousTokens.apply(tails, index, smap)

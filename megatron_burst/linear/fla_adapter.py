@@ -97,18 +97,17 @@ def _sample_bounds(documents: Documents, batch: int) -> list[tuple[int, ...]]:
 
 
 @functools.lru_cache(maxsize=16)  # a step's layers share one batch's pieces; a new batch makes new ones
-def _pieces(documents: Documents, batch: int, order: tuple, total: int, device: str) -> RowPieces:
-    L = documents.seq_len // total
+def _pieces(documents: Documents, batch: int, segments: tuple, device: str) -> RowPieces:
     per_sample = _sample_bounds(documents, batch)
     cuts: list[int] = []
     last: list[int] = []
     row: list[int] = []
     carried: list[float] = []
-    for i, gi in enumerate(order):  # segment-major rows: row i * b + j
-        lo, hi = gi * L, (gi + 1) * L
+    offset = 0  # the row's first token in the flattened sequence
+    for i, (lo, length) in enumerate(segments):  # segment-major rows: row i * b + j
+        hi = lo + length
         for j in range(batch):
             bounds = per_sample[j]
-            offset = (i * batch + j) * L  # the row's first token in the flattened sequence
             # document starts strictly inside the segment cut it; one at its first token starts
             # the row's first piece afresh (no entering state), as does the sequence start
             inside = bounds[bisect.bisect_right(bounds, lo):bisect.bisect_left(bounds, hi)]
@@ -117,7 +116,8 @@ def _pieces(documents: Documents, batch: int, order: tuple, total: int, device: 
             row += [i * batch + j] * len(starts)
             carried += [0.0 if lo in bounds else 1.0] + [0.0] * len(inside)
             last.append(len(cuts) - 1)
-    cuts.append(len(order) * batch * L)
+            offset += length
+    cuts.append(offset)
     cpu = torch.tensor(cuts, dtype=torch.int64)
     return RowPieces(cu_seqlens=cpu.to(device), cu_seqlens_cpu=cpu,
                      last=torch.tensor(last, dtype=torch.int64, device=device),
@@ -133,7 +133,42 @@ def row_pieces(documents: Optional[Documents], batch: int, order: tuple[int, ...
     ``cu_seqlens`` tensor)."""
     if documents is None:
         return None
-    return _pieces(documents, batch, tuple(order), total, str(device))
+    L = documents.seq_len // total
+    return _pieces(documents, batch, tuple((gi * L, L) for gi in order), str(device))
+
+
+def run_pieces(documents: Documents, batch: int, runs: tuple[tuple[int, int], ...], device: torch.device) -> RowPieces:
+    """The :class:`RowPieces` of a rank's runs (THD, balanced: :mod:`megatron_burst.linear.runs`):
+    ``runs`` = ((global start, length), ...) in local order, rows segment-major as :func:`runs_to_flat`
+    lays them out (cached)."""
+    return _pieces(documents, batch, tuple(runs), str(device))
+
+
+def runs_to_flat(t: torch.Tensor, lengths: list[int], sbhd: bool) -> torch.Tensor:
+    """A rank-local tensor [s, b, h, ...] (``sbhd``) or [b, s, h, ...] held as runs of ``lengths`` ->
+    fla's varlen input [1, b * s, h, ...]: the rows (run i of sample j, segment-major) one after another."""
+    t = t.transpose(0, 1) if sbhd else t  # [b, s, ...]
+    rest = tuple(t.shape[2:])
+    return torch.cat([x.reshape((-1,) + rest) for x in t.split(lengths, dim=1)]).unsqueeze(0)
+
+
+def flat_to_local(o: torch.Tensor, lengths: list[int], batch: int, sbhd: bool) -> torch.Tensor:
+    """Inverse of :func:`runs_to_flat`: [1, b * s, h, d] -> [s, b, h, d] (``sbhd``) or [b, s, h, d]."""
+    rest = tuple(o.shape[2:])
+    rows = o[0].split([batch * n for n in lengths])
+    out = torch.cat([x.reshape((batch, n) + rest) for x, n in zip(rows, lengths)], dim=1)
+    return out.transpose(0, 1) if sbhd else out
+
+
+def decay_flat(g: Optional[torch.Tensor], form: str, lengths: list[int], batch: int, sbhd: bool
+               ) -> Optional[torch.Tensor]:
+    """:func:`decay_rows` for runs: fla's ``g`` for the flat rows of :func:`runs_to_flat` (None for "none"
+    and for a per-head decay passed as ``g_gamma``)."""
+    if form == "none" or (form == "head" and not g.requires_grad):
+        return None
+    if form == "head":  # the same decay for every token: autograd sums fla's per-token dg back to [h]
+        return g.float().view(1, 1, -1).expand(1, batch * sum(lengths), g.shape[0])
+    return runs_to_flat(g.float(), lengths, sbhd)
 
 
 def flatten_rows(t: torch.Tensor) -> torch.Tensor:

@@ -147,7 +147,7 @@ def linear_options_from_args(args: argparse.Namespace, cp_opts: CPOptions,
         raise ValueError(f"--linear-attention-type {kind} builds megatron-burst's hybrid model, but --cp-algo none "
                          "keeps Megatron's model untouched: drop one of them")
     pattern = tuple(linear_attention_pattern(args.num_layers, freq))
-    check_balanced_linear_layers(kind, pattern, cp_opts)
+    check_balanced_linear_layers(kind, pattern, cp_opts, getattr(args, "linear_cp_algo", None))
     if kind == GATED_DELTA_NET:
         return _gated_delta_net_options(args, cp_opts, pattern)
     variant = get_variant(kind)
@@ -211,20 +211,16 @@ def _gated_delta_net_options(args: argparse.Namespace, cp_opts: CPOptions, patte
     return LinearAttentionOptions(type=GATED_DELTA_NET, pattern=pattern, cp_algo=DEFAULT_LINEAR_CP_ALGO)
 
 
-def check_balanced_linear_layers(kind: str, pattern: tuple, cp_opts: CPOptions) -> None:
-    """Refuse linear-attention (and Gated DeltaNet) layers under ``--cp-layout balanced``.
-
-    The linear engines pass a recurrent state from each rank's segment to the next, so they need
-    every sequence cut into segments in global order (contiguous, zigzag, striped); the balanced
-    placement puts short documents anywhere, which they refuse. Refused here, at the flags,
-    rather than at the first forward.
-    """
-    if cp_opts.layout != BALANCED or 1 not in pattern:
+def check_balanced_linear_layers(kind: str, pattern: tuple, cp_opts: CPOptions, linear_cp_algo: Optional[str] = None
+                                 ) -> None:
+    """Refuse ``--linear-cp-algo lasp1`` under ``--cp-layout balanced``, at the flags rather than at the
+    first forward: LASP-1 passes the state rank to rank through equal segments, while the balanced
+    placement gives each rank runs of any length (:mod:`megatron_burst.linear.runs`). LASP-2 and
+    Gated DeltaNet's exchange take them."""
+    if cp_opts.layout != BALANCED or 1 not in pattern or linear_cp_algo != "lasp1":
         return
     layers = [number for number, linear in enumerate(pattern, start=1) if linear]
     shown = ", ".join(map(str, layers[:8])) + (", ..." if len(layers) > 8 else "")
-    noun = "Gated DeltaNet" if kind == GATED_DELTA_NET else f"linear-attention ({kind})"
-    raise ValueError(f"--cp-layout balanced with --linear-attention-type {kind}: {noun} layers (layers {shown}) "
-                     "carry a state from one rank's segment to the next and run only in the fixed layouts, not "
-                     "in the documents' balanced placement: pass --cp-layout zigzag (or contiguous / striped), "
-                     "or drop --linear-attention-type for a softmax-only model")
+    raise ValueError(f"--cp-layout balanced with --linear-cp-algo lasp1: the linear-attention ({kind}) layers "
+                     f"(layers {shown}) run LASP-1 in the fixed layouts only; pass --linear-cp-algo lasp2 (one "
+                     "all-gather of the runs' states), or --cp-layout zigzag (or contiguous / striped)")

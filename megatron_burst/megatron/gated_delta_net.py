@@ -21,7 +21,9 @@ Documents (``--reset-attention-mask``: ``packed_seq_params`` with qkv_format "sb
 softmax layers get them) make every document its own sequence, as flash-linear-attention's
 varlen kernels (``cu_seqlens``) treat packed sequences: the conv1d reads no token of an earlier
 document (its window is zero-padded at each document start) and the gated delta rule's state
-starts again from zero at each document's first token. Packed THD batches are refused.
+starts again from zero at each document's first token. Packed THD batches and batches sliced by a
+balanced plan run in their placement, as the softmax layers do: each run of consecutive positions
+is a segment, its conv halo read from the runs before it (:mod:`megatron_burst.linear.runs`).
 
 ``cp_comm_type``: Megatron's ``TransformerLayer`` passes every attention module its layer's
 ``--cp-comm-type`` under CP (the trainer's per-layer list arrives as ``cp_layer_comm_types``). The
@@ -50,6 +52,7 @@ from megatron_burst.megatron.comm_types import check_gated_delta_net_comm_type
 from megatron_burst.linear.checks import segment_order, segments_per_rank
 from megatron_burst.linear.docs import document_index
 from megatron_burst.linear.exchange import SegmentMap, previous_tokens
+from megatron_burst.linear.runs import RUN_LAYOUTS, Runs, rank_runs, run_map
 from megatron_burst.megatron.linear_attention import LinearCPLayer, _device
 from megatron_burst.megatron.linear_variants import GATED_DELTA_NET
 
@@ -180,21 +183,29 @@ class CPGatedDeltaNet(LinearCPLayer, GatedDeltaNet):
 
     # ------------------------------------------------------------------ forward
 
-    def _segment_map(self, s: int) -> Tuple[SegmentMap, str, int, int]:
-        one_rank = self.cp_size == 1  # every layout is the identity on one rank
-        layout = "contiguous" if one_rank else self.options.layout
-        stripe = 1 if one_rank else self.options.stripe
-        per_rank = segments_per_rank(layout, s, stripe)
+    def _segment_map(self, s: int, layout: str, stripe: int, documents=None) -> Tuple[SegmentMap, Optional[Runs], int]:
+        """(segment map, runs or None, segments per rank) of this call's layout: the fixed layouts' equal
+        segments, or a data-derived layout's runs (:mod:`megatron_burst.linear.runs`)."""
         W = self.cp_size
         rank = dist.get_rank(self.cp_group) if W > 1 else 0
+        if layout in RUN_LAYOUTS and W > 1:
+            runs = rank_runs(documents, W)
+            return run_map(self.cp_group, rank, W, runs), runs, len(runs.order[rank])
+        layout = "contiguous" if layout in RUN_LAYOUTS else layout  # one rank: the sequence in order
+        per_rank = segments_per_rank(layout, s, stripe)
         order = tuple(segment_order(layout, W, r, per_rank) for r in range(W))
-        return SegmentMap(self.cp_group, rank, W, order, True), layout, stripe, per_rank
+        return SegmentMap(self.cp_group, rank, W, order, True), None, per_rank
 
-    def _causal_conv(self, qkv: torch.Tensor, smap: SegmentMap, per_rank: int, documents=None) -> torch.Tensor:
+    def _causal_conv(self, qkv: torch.Tensor, smap: SegmentMap, per_rank: int, documents=None,
+                     runs: Optional[Runs] = None) -> torch.Tensor:
         """Megatron's short causal conv1d + activation over the global sequence. qkv [s, b, d] in
-        layout order -> [s, b, d]. ``documents``: no tap reads a token of an earlier document."""
+        layout order -> [s, b, d]. ``documents``: no tap reads a token of an earlier document.
+        ``runs`` (THD, balanced): each run's halo is read from the runs before it, however short."""
         s, b, d = qkv.shape
-        L, width = s // per_rank, self.conv_kernel_dim - 1
+        width = self.conv_kernel_dim - 1
+        if runs is not None:
+            return self.act_fn(self._run_conv(qkv, smap, runs, documents, width))
+        L = s // per_rank
         if L < width and smap.total > 1:
             raise ValueError(f"gated delta net: segments of {L} tokens are shorter than the conv1d's kernel - 1 = "
                              f"{width}: use a longer sequence or fewer CP ranks")
@@ -212,19 +223,43 @@ class CPGatedDeltaNet(LinearCPLayer, GatedDeltaNet):
         return self.act_fn(y).reshape(s, b, d)
 
     def _document_conv(self, segs: torch.Tensor, smap: SegmentMap, documents, L: int, width: int) -> torch.Tensor:
-        """The depthwise causal conv of segs [nseg, width + L, b, d] (halo first) with every tap
-        that would read a token of an earlier document dropped (fla's varlen causal_conv1d
-        zero-pads each sequence's start) -> [nseg, L, b, d]. One multiply-add per tap."""
+        """The depthwise causal conv of equal segments segs [nseg, width + L, b, d] (halo first) under
+        documents -> [nseg, L, b, d] (:meth:`_document_taps`)."""
         nseg, _, b, d = segs.shape
-        every = document_index(documents, b, segs.device)  # [b, S]
-        starts = torch.tensor([gi * L for gi in smap.order[smap.rank]], device=segs.device)
-        pos = starts[:, None] + torch.arange(-width, L, device=segs.device)  # [nseg, width + L] global positions
-        doc = every[:, pos.clamp(min=0)].permute(1, 2, 0)  # [nseg, width + L, b] (the halo before 0 is zeros)
+        dev = segs.device
+        starts = torch.tensor([gi * L for gi in smap.order[smap.rank]], device=dev)
+        pos = (starts[:, None] + torch.arange(-width, L, device=dev)).reshape(-1)  # global position of each row
+        rows = (torch.arange(nseg, device=dev)[:, None] * (width + L) + width + torch.arange(L, device=dev)).reshape(-1)
+        y = self._document_taps(segs.reshape(-1, b, d), pos, rows, documents, width)
+        return y.view(nseg, L, b, d)
+
+    def _run_conv(self, qkv: torch.Tensor, smap: SegmentMap, runs: Runs, documents, width: int) -> torch.Tensor:
+        """The depthwise causal conv over a data-derived layout's runs: qkv [s, b, d] (local order) ->
+        [s, b, d]. Each run is preceded by its halo (:func:`previous_tokens` over the runs)."""
+        s, b, d = qkv.shape
+        mine = runs.per_rank[smap.rank]
+        halo = previous_tokens(qkv, width, smap, runs.starts)  # [nseg, width, b, d]
+        blocks = [x for h, r in zip(halo.unbind(0), qkv.split([n for _, n in mine])) for x in (h, r)]
+        dev = qkv.device
+        pos = torch.cat([torch.arange(a - width, a + n, device=dev) for a, n in mine])
+        first = torch.tensor([0] + [width + n for _, n in mine[:-1]], device=dev).cumsum(0) + width
+        rows = torch.cat([f + torch.arange(n, device=dev) for f, (_, n) in zip(first.tolist(), mine)])
+        return self._document_taps(torch.cat(blocks), pos, rows, documents, width)
+
+    def _document_taps(self, x: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, documents,
+                       width: int) -> torch.Tensor:
+        """The depthwise causal conv at ``rows`` of x [n, b, d] (every output row preceded in x by the
+        ``width`` rows its taps read), every tap that would read a token of an earlier document dropped
+        (fla's varlen causal_conv1d zero-pads each sequence's start). ``pos`` [n]: each row's global
+        position (< 0: before the sequence). -> [len(rows), b, d]; one multiply-add per tap."""
+        every = document_index(documents, x.shape[1], x.device)  # [b, S]
+        doc = torch.where(pos[:, None] >= 0, every[:, pos.clamp(min=0)].T, -1)  # [n, b]
         weight = self.conv1d.weight[:, 0, :]  # [d, kernel]: tap i reads the token kernel - 1 - i before
         y = None
         for i in range(width + 1):
-            same = (doc[:, i:i + L] == doc[:, width:]).unsqueeze(-1).to(segs.dtype)  # [nseg, L, b, 1]
-            term = segs[:, i:i + L] * same * weight[:, i]
+            src = rows - width + i
+            same = (doc[src] == doc[rows]).unsqueeze(-1).to(x.dtype)  # [n_out, b, 1]
+            term = x[src] * same * weight[:, i]
             y = term if y is None else y + term
         return y if self.conv1d.bias is None else y + self.conv1d.bias
 
@@ -239,13 +274,13 @@ class CPGatedDeltaNet(LinearCPLayer, GatedDeltaNet):
             raise ValueError("gated delta net: inference contexts (state caches) are not supported")
         qkvzba, _ = self.in_proj(hidden_states)
         s, b = qkvzba.shape[:2]
-        documents = self._documents(packed_seq_params, s, b)
+        documents, layout, stripe = self._placement(packed_seq_params, s, b)
         tp = self.tp_size
         qkv, gate, beta, alpha = torch.split(
             qkvzba, [self.conv_dim // tp, self.v_dim // tp, self.num_value_heads // tp, self.num_value_heads // tp],
             dim=-1)
-        smap, layout, stripe, per_rank = self._segment_map(s)
-        qkv = self._causal_conv(qkv, smap, per_rank, documents)
+        smap, runs, per_rank = self._segment_map(s, layout, stripe, documents)
+        qkv = self._causal_conv(qkv, smap, per_rank, documents, runs)
         query, key, value = torch.split(qkv, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1)
         query = query.reshape(s, b, -1, self.key_head_dim)
         key = key.reshape(s, b, -1, self.key_head_dim)

@@ -15,7 +15,9 @@ layout (``cp_layout``/``cp_stripe``, bound by BurstGPTModel like the softmax lay
 Documents (``--reset-attention-mask``) arrive as the softmax layers get them: Megatron's
 ``packed_seq_params`` (qkv_format "sbhd", :mod:`megatron_burst.megatron.packed`), validated once
 per batch by :func:`~megatron_burst.megatron.packed.documents_of`; the state starts again from zero
-at each document's first token. Packed THD batches are refused.
+at each document's first token. Packed THD batches (qkv_format "thd") run in TransformerEngine's
+partitioning and batches sliced by a balanced plan (--cp-layout balanced) in that plan, as the softmax
+layers do: a rank's runs of consecutive positions are its segments (:mod:`megatron_burst.linear.runs`).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from megatron_burst.megatron.attention import FollowsModelLayout
 from megatron_burst.megatron.options import LinearCPOptions, make_linear_cp_options
 from megatron_burst.megatron.linear_variants import (GLA_GATE_TEMPERATURE, LinearAttentionVariant, get_variant,
                                                      lightning_log_decay, retention_log_decay)
+from megatron_burst.masks.layout import BALANCED
 from megatron_burst.megatron.packed import documents_of
 
 __all__ = ["LinearSelfAttention", "LinearCPLayer", "LinearSelfAttentionSubmodules", "HeadNorm"]
@@ -179,16 +182,26 @@ class LinearCPLayer(FollowsModelLayout):
                              "with that cp")
         self.cp_size = cp_size
 
-    def _documents(self, packed_seq_params, local_len: int, batch: int):
-        """The batch's validated documents (None without), from Megatron's ``packed_seq_params``
-        as the softmax layers read them; packed THD batches are refused, naming the layer."""
-        if packed_seq_params is None:
-            return None
-        if packed_seq_params.qkv_format != "sbhd":
-            raise ValueError(f"{self._layout_noun} (layer {self.layer_number}): packed sequences (packed_seq_params "
-                             f"qkv_format={packed_seq_params.qkv_format!r}, THD) are not supported: train with "
-                             "[b, s] batches, whose documents (--reset-attention-mask) it takes")
-        return documents_of(packed_seq_params, local_len, batch, self.cp_size)[0]
+    def _placement(self, packed_seq_params, local_len: int, batch: int) -> tuple:
+        """(documents or None, layout, stripe) of this call, as the softmax layers read them from
+        Megatron's ``packed_seq_params``: a packed THD batch runs in TransformerEngine's partitioning,
+        a batch sliced by a balanced plan in that plan (and only under --cp-layout balanced), anything
+        else in the layer's layout. One rank: the identity order."""
+        opts, documents = self.options, None
+        if packed_seq_params is not None:
+            documents = documents_of(packed_seq_params, local_len, batch, self.cp_size)[0]
+        balanced_batch = documents is not None and documents.layout == BALANCED
+        if (opts.layout == BALANCED) != balanced_batch:
+            sliced = "a balanced plan" if balanced_batch else "no balanced plan"
+            raise ValueError(f"{self._layout_noun} (layer {self.layer_number}) runs --cp-layout {opts.layout} but "
+                             f"the batch's packed_seq_params carry {sliced}: slice batches with "
+                             f"get_batch_on_this_cp_rank(..., layout={opts.layout!r}) and pass its packed_seq_params "
+                             "to the model")
+        if documents is not None and documents.layout is not None:
+            return documents, documents.layout, 1
+        if self.cp_size == 1:
+            return documents, "contiguous", 1
+        return documents, opts.layout, opts.stripe
 
 
 class LinearSelfAttention(LinearCPLayer, MegatronModule):
@@ -330,7 +343,7 @@ class LinearSelfAttention(LinearCPLayer, MegatronModule):
         variant, d = self.variant, self.head_dim
         mixed, _ = self.linear_qkv(hidden_states)
         s, b = mixed.shape[:2]
-        documents = self._documents(packed_seq_params, s, b)
+        documents, layout, stripe = self._placement(packed_seq_params, s, b)
         q, gate, k, v = torch.split(mixed.view(s, b, self.groups_per_rank, -1), self._split, dim=3)
         q = _FEATURE_MAPS[variant.qk_feature_map](q.reshape(s, b, self.heads_per_rank, d))
         k = _FEATURE_MAPS[variant.qk_feature_map](k)
@@ -346,12 +359,9 @@ class LinearSelfAttention(LinearCPLayer, MegatronModule):
             k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
             if g is not None and g.dim() == 4:
                 g = g.repeat_interleave(repeat, dim=2)
-        opts = self.options
-        one_rank = self.cp_size == 1  # every layout is the identity on one rank
-        out = _linear_attention_op(q, k, v, group=self.cp_group, g=g, causal=self.causal,
-                                   layout="contiguous" if one_rank else opts.layout,
-                                   stripe=1 if one_rank else opts.stripe, algo=opts.algo, scale=variant.scale,
-                                   qkv_format="sbhd", cu_seqlens=documents)
+        out = _linear_attention_op(q, k, v, group=self.cp_group, g=g, causal=self.causal, layout=layout,
+                                   stripe=stripe, algo=self.options.algo, scale=variant.scale, qkv_format="sbhd",
+                                   cu_seqlens=documents)
         out = self.out_norm(out)
         if variant.output_gate == "swish":
             out = out * F.silu(gate.reshape(s, b, self.heads_per_rank, d))

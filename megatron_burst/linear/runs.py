@@ -1,0 +1,130 @@
+"""The data-derived layouts (packed THD batches, the balanced layout) for the linear-attention family.
+
+The fixed layouts give each rank equal segments at known places (:mod:`megatron_burst.linear.checks`).
+Packed THD batches (TransformerEngine's partitioning: every padded sequence cut into 2W chunks, rank
+r holding chunks r and 2W - 1 - r) and the balanced layout (:func:`megatron_burst.dispatch.plan_dispatch`:
+most documents whole on one rank, a few split) place a rank's tokens by the batch's documents. Both
+are described here the same way, as *runs*: the maximal stretches of consecutive global positions a
+rank holds (:func:`megatron_burst.masks.documents.rank_positions`), of any length and a different number
+per rank. A run is a segment like any other -- its zero-start output, the state (or affine map) it
+leaves, the state entering it -- so the ops compute each run with the same chunked kernels and the
+exchange scans every run's state in global order (:class:`~megatron_burst.linear.exchange.SegmentMap`
+with per-rank counts: a rank's part of the all-gather is padded to the most runs a rank holds).
+
+These layouts always come with documents (they are derived from them): a run in which a document
+starts is a reset (its transition is zero, ``keep`` False), exactly as a fixed layout's segment is;
+every rank derives the flags from the global boundaries, so nothing extra is sent. A run that
+continues a document split over ranks (THD: every chunk after a sequence's first; balanced: the
+pieces of the few split documents) is entered by the state its predecessor left.
+
+Bytes: one state [dk, dv] (with its decay; the delta rule: a map [dk, dk] and [dk, dv]) per run and
+all-gather slot. THD: 2 x (sequences) per rank, every sequence's chunks being spread over all
+ranks. Balanced: one per run, few (whole documents next to each other on a rank form one run).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_burst.masks.documents import THD, Documents, rank_positions
+from megatron_burst.masks.layout import BALANCED
+from megatron_burst.linear.docs import document_index
+from megatron_burst.linear.exchange import SegmentMap
+
+__all__ = ["RUN_LAYOUTS", "Runs", "rank_runs", "run_map", "RunDocuments", "run_documents", "split_runs"]
+
+RUN_LAYOUTS = (THD, BALANCED)
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Every rank's runs: ``per_rank[r]`` = ((global start, length), ...) in rank r's local (increasing)
+    order; ``order[r]`` their global indices (runs numbered by start over all ranks)."""
+
+    per_rank: tuple[tuple[tuple[int, int], ...], ...]
+    order: tuple[tuple[int, ...], ...]
+
+    def lengths(self, rank: int) -> list[int]:
+        return [n for _, n in self.per_rank[rank]]
+
+    @property
+    def starts(self) -> tuple[tuple[int, int], ...]:
+        """Every run (start, length) in global order."""
+        return tuple(sorted(run for mine in self.per_rank for run in mine))
+
+
+def _runs_of(positions: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    pos = positions.tolist()
+    out, start = [], 0
+    for i in range(1, len(pos) + 1):
+        if i == len(pos) or pos[i] != pos[i - 1] + 1:
+            out.append((pos[start], i - start))
+            start = i
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=16)  # a step's layers share one batch's documents
+def rank_runs(documents: Documents, world_size: int) -> Runs:
+    """The :class:`Runs` of a THD or balanced batch on ``world_size`` ranks (``documents`` carries the
+    placement: THD's padded boundaries or the balanced plan). Host arithmetic, cached per batch."""
+    layout = documents.layout
+    if layout not in RUN_LAYOUTS:
+        raise ValueError(f"documents without a data-derived placement (layout {layout!r}) have no runs: pass "
+                         f"documents of layout {' or '.join(RUN_LAYOUTS)}")
+    local_len = documents.seq_len // world_size
+    per_rank = tuple(_runs_of(rank_positions(layout, r, world_size, local_len, partition=documents.partition))
+                     for r in range(world_size))
+    index = {run: i for i, run in enumerate(sorted(run for mine in per_rank for run in mine))}
+    return Runs(per_rank, tuple(tuple(index[run] for run in mine) for mine in per_rank))
+
+
+def run_map(group: Optional[dist.ProcessGroup], rank: int, world_size: int, runs: Runs) -> SegmentMap:
+    """The exchange's view of ``runs``: rank r's local segments are its runs (causal)."""
+    return SegmentMap(group, rank, world_size, runs.order, True)
+
+
+@dataclass(frozen=True)
+class RunDocuments:
+    """One rank's runs under documents, as :class:`megatron_burst.linear.docs.SegmentDocuments` holds
+    them for equal segments, one entry per local run i of length L_i:
+
+    ``doc[i]`` [1, b, 1, L_i] (long): the document index of each token; ``enter[i]`` [1, b, 1] (long):
+    the document of the token just before the run (0 before the sequence's first); ``keep`` [T, b]
+    (bool, global run order): True when no document starts in the run.
+    """
+
+    doc: tuple[torch.Tensor, ...]
+    enter: tuple[torch.Tensor, ...]
+    keep: torch.Tensor
+
+    def from_entering(self, i: int) -> torch.Tensor:
+        """[1, b, 1, L_i] bool: token still in the document of the state entering run i."""
+        return self.doc[i] == self.enter[i].unsqueeze(-1)
+
+
+@functools.lru_cache(maxsize=16)
+def _run_documents(documents: Documents, batch: int, runs: Runs, rank: int, device: str) -> RunDocuments:
+    every = document_index(documents, batch, torch.device(device))  # [b, S]
+
+    def enter_of(start: int) -> torch.Tensor:
+        return every[:, start - 1] if start > 0 else torch.zeros_like(every[:, 0])
+
+    doc = tuple(every[:, a:a + n].reshape(1, batch, 1, n) for a, n in runs.per_rank[rank])
+    enter = tuple(enter_of(a).reshape(1, batch, 1) for a, _ in runs.per_rank[rank])
+    keep = torch.stack([every[:, a + n - 1] == enter_of(a) for a, n in runs.starts])  # [T, b]
+    return RunDocuments(doc, enter, keep)
+
+
+def run_documents(documents: Documents, batch: int, runs: Runs, rank: int, device: torch.device) -> RunDocuments:
+    """The :class:`RunDocuments` of ``rank``'s runs (cached: every layer of a step gets the same tensors)."""
+    return _run_documents(documents, batch, runs, rank, str(device))
+
+
+def split_runs(t: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+    """[b, h, s, ...] (this rank's tokens in local order) -> per run [1, b, h, L_i, ...] (views): the
+    segment layout the chunked kernels take, one run at a time."""
+    return [x.unsqueeze(0) for x in t.split(lengths, dim=2)]

@@ -1,0 +1,64 @@
+"""The data-derived layouts in the linear-attention family: packed THD batches (TransformerEngine's
+per-sequence zigzag) and the balanced layout (megatron_burst.dispatch.plan_dispatch). linear_attention
+(LASP-2, every decay form) and gated_delta_rule at W = 2, 3, 4 equal the plain recurrence run on each
+document alone -- output and every gradient -- with one-token chunks, padding tails, documents split
+over ranks and placed whole, per-sample balanced boundaries; each all-gather carries one state per
+run slot (exact bytes); through fla's varlen kernels (the stand-in) they equal the torch path; what
+they refuse is refused before any collective."""
+from __future__ import annotations
+
+import pytest
+
+from harness import run_ranks
+from linear_cases import B, DK, DV, FP32_TOL, H
+from linear_run_cases import fla_run_layout_cases, run_halo_case, run_layout_cases, run_layout_refusals
+
+pytestmark = pytest.mark.usefixtures("fresh_kernel_choices")  # tests/conftest.py
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_thd_and_balanced_match_the_per_document_recurrence(world_size):
+    results = run_ranks(world_size, run_layout_cases, timeout=300)
+    failures = []
+    for rank, res in enumerate(results):
+        runs = res.pop("runs")
+        assert len(res) == 2 * 5 + 1, sorted(res)
+        for case, errs in res.items():
+            sent = errs.pop("sent", None)
+            failures += [f"rank {rank} {case}: {name} relative error {err:.2e} > {FP32_TOL:.0e}"
+                         for name, err in errs.items() if not err <= FP32_TOL]
+            if sent is not None and case.endswith("g=None") and world_size > 1:
+                # one fp32 state [b, h, dk, dv] per slot, the slots padded to the most runs a rank holds
+                b = 1 if "thd" in case else B
+                slots = max(runs["thd" if "thd" in case else "balanced"])
+                assert sent == ((world_size - 1) * slots * b * H * DK * DV * 4,) * 2, (case, sent, runs)
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:30])
+
+
+def test_thd_and_balanced_through_fla_equal_the_torch_path():
+    failures = []
+    for rank, res in enumerate(run_ranks(3, fla_run_layout_cases, timeout=300)):
+        assert res.pop("fla_calls") > 0, f"rank {rank}: the stand-in fla was never called"
+        assert len(res) == 2 * 6, sorted(res)
+        failures += [f"rank {rank} {case}: {name} relative error {err:.2e}" for case, errs in res.items()
+                     for name, err in errs.items() if not err <= 1e-5]
+    assert not failures, "\n".join(failures[:30])
+
+
+def test_run_layouts_refused_before_any_collective():
+    for res in run_ranks(2, run_layout_refusals):
+        m = res["messages"]
+        assert res["group_ok"] and res["moved"] == 0, res
+        assert "pass them as cu_seqlens" in m["no_documents"]
+        assert "run LASP-2" in m["lasp1"]
+        assert "placed for layout 'thd'" in m["wrong_layout"] and "layout='thd'" in m["wrong_layout"]
+        assert "placed for layout 'thd'" in m["thd_as_balanced"] and "balanced_documents" in m["thd_as_balanced"]
+        assert "not divisible by 2 x CP size" in m["not_divisible"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_conv_halo_over_runs_reaches_back_past_short_runs(world_size):
+    """Gated DeltaNet's conv halo over THD runs: runs shorter than the window make a halo span several runs."""
+    for res in run_ranks(world_size, run_halo_case):
+        assert res["shortest"] < 3 and res["halo"] == 0.0 and res["grad"] < 1e-6, res
+        assert res["sent"] == (world_size - 1) * res["slots"] * 3 * 2 * 3 * 4  # width x b x d fp32 per slot
