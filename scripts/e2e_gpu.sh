@@ -31,7 +31,7 @@ OUT_DIR=${1:-${OUT:-/tmp/e2e_gpu}}
 shift || true
 [ "${1:-}" = "--" ] && shift
 mkdir -p "$OUT_DIR"
-PY=${PY:-python3}
+PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}  # make env's venv here
 export PYTHONUNBUFFERED=1
 # fragmentation matters for the 16K-token runs (Megatron-LM recommends it too)
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}

@@ -10,6 +10,8 @@ flash-linear-attention's kernels behind them (megatron_burst.linear.kernel_choic
   entering the second segment's first piece): fla's varlen kernels behind our ops, out and every
   gradient vs our fp32 torch path with the same documents within ``BOUND`` x fla's own varlen
   kernel's error (called directly with the documents as cu_seqlens) and under ``SANITY``;
+* a packed THD batch at W = 2 ranks on one GPU (layout "thd": a rank's runs as fla's varlen rows):
+  out and every gradient within ``BOUND`` x fla's own varlen kernel's error on the same documents;
 * no plain-torch path on CUDA (a SlowKernelWarning is an error here, as in the rest of tests/gpu);
   forms fla itself refuses on this machine (gated backward on Hopper with 3.4 <= Triton < 3.7.1,
   ``kernel_choice.fla_refusal``) are skipped with that reason.
@@ -32,7 +34,7 @@ from megatron_burst.kernels.choice import SlowKernelWarning
 from megatron_burst.linear import kernel_choice
 
 from gpu import linear_ranks
-from gpu.common import CPU_FP32_BOUND, DEV, DTYPE, L, ON_CPU, run_on_ranks
+from gpu.common import CPU_FP32_BOUND, DEV, DTYPE, L, ON_CPU, rank_failures, run_on_ranks
 
 SEQ, HEADS, D = L(2048), 4, (128 if not ON_CPU else 32)
 CASES = [("lasp2", "none"), ("lasp2", "head"), ("lasp2", "token"), ("lasp2", "channel"), ("gdn", "token")]
@@ -122,13 +124,13 @@ def test_two_ranks_on_one_gpu_match_the_fp32_reference(world_size):
 DOC_BOUNDS = [0, SEQ // 8 + 3, SEQ // 8 + 4, 3 * SEQ // 4 + 1, SEQ]
 
 
-def _fla_varlen_errors(op: str, form: str, x: dict, ref: list) -> dict:
+def _fla_varlen_errors(op: str, form: str, x: dict, ref: list, bounds: list = DOC_BOUNDS) -> dict:
     """fla's own kernel on the documents (the sequence as [1, SEQ, h, d], cu_seqlens the
     documents): its errors against the same fp32 reference, the bar ours is held to."""
     fn = kernel_choice.load_fla(op, form)
     leaves = leaves_of(op, form, x)
     rows = [t.transpose(0, 1) for t in leaves]  # [SEQ, 1, h, ...] -> [1, SEQ, h, ...]
-    cu = torch.tensor(DOC_BOUNDS, dtype=torch.int64, device=DEV)
+    cu = torch.tensor(bounds, dtype=torch.int64, device=DEV)
     varlen = dict(scale=D ** -0.5, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
     if op == "gdn":
         o, _ = fn(*rows, **varlen)
@@ -164,3 +166,49 @@ def test_documents_through_fla_on_one_gpu(op, form):
         fla = _fla_varlen_errors(op, form, x, ref)
     fails = _bar_failures(f"{op} {form} documents W=1 zigzag", ours, fla)
     assert not fails, "\n".join(fails) + f"\nours {ours}\nfla {fla}"
+
+
+# a packed THD batch at W = 2 (TransformerEngine's partitioning, chunks of SEQ / 16 and SEQ / 8 tokens):
+# three sequences, two with padding tails (documents of their own), one of a single real token
+THD_PADDED = [0, SEQ // 4, 3 * SEQ // 4, SEQ]
+THD_REAL = [0, SEQ // 4 - 3, 3 * SEQ // 4 - 3, 3 * SEQ // 4 - 2]
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_packed_thd_batch_on_two_ranks_through_fla(world_size):
+    """linear_attention / gated_delta_rule in layout "thd" (a rank's runs as fla's varlen rows, the
+    runs' states exchanged) on two ranks sharing the GPU: the reassembled out and gradients within the
+    bar of fla's own varlen kernel on the same documents, against our fp32 torch path."""
+    from megatron_burst.masks.documents import check_thd
+
+    cases = [c for c in CASES if ON_CPU or kernel_choice.fla_refusal(*c) is None]  # see the W = 1 test's skip
+    per_rank = run_on_ranks(world_size, linear_ranks.linear_cases, cases, SEQ, HEADS, D, thd=(THD_REAL, THD_PADDED))
+    fails = rank_failures(per_rank, "thd")
+    if not ON_CPU:
+        fails += [f"rank {rank}: {line}" for rank, res in enumerate(per_rank) for line in res["kernels"]
+                  if "fla " not in line]
+    one = check_thd(THD_REAL, THD_PADDED, SEQ, 1, 1)  # the same documents on one rank (padding tails included)
+    for op, form in cases:
+        if any((op, form) not in res["results"] for res in per_rank):
+            continue  # reported above
+        x = make_inputs(op, form, SEQ, HEADS, D, DTYPE, DEV)
+        ref_leaves = leaves_of(op, form, x, HEADS)
+        o = run_ours(op, form, "torch", x, ref_leaves, HEADS, layout="thd", cu_seqlens=one)
+        o.backward(x["dout"].float())
+        ref = [o.detach()] + [t.grad for t in ref_leaves]
+        n = len(per_rank[0]["results"][(op, form)])
+        got = []
+        for i in range(n):
+            parts = [res["results"][(op, form)][i] for res in per_rank]
+            if parts[0].dim() == 1:  # a per-head decay shared by every rank: its gradient sums
+                got.append(sum(parts).to(DEV))
+                continue
+            full = torch.empty((SEQ,) + tuple(parts[0].shape[1:]), dtype=parts[0].dtype)
+            for res, part in zip(per_rank, parts):
+                full[res["positions"]] = part
+            got.append(full.to(DEV))
+        ours = errors(op, got, ref, HEADS)
+        bounds = list(one.groups[0][2])
+        fails += _bar_failures(f"{op} {form} THD W={world_size}", ours,
+                               None if ON_CPU else _fla_varlen_errors(op, form, x, ref, bounds))
+    assert not fails, "\n".join(fails[:30])
