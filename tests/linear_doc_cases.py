@@ -46,13 +46,13 @@ def _per_document(fn, bounds: list, tensors: list, shared: list):
     return torch.cat(samples, dim=1)
 
 
-def _inputs(seq: int, gform, seed: int):
+def _inputs(seq: int, gform, seed: int, b: int = B):
     gen = torch.Generator().manual_seed(seed)
     mk = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
-    q, k, v, dout = mk(seq, B, H, DK), mk(seq, B, H, DK), mk(seq, B, H, DV), mk(seq, B, H, DV)
+    q, k, v, dout = mk(seq, b, H, DK), mk(seq, b, H, DK), mk(seq, b, H, DV), mk(seq, b, H, DV)
     g = {None: None, "head": lambda: -torch.rand(H, generator=gen) * 0.3,
-         "token": lambda: -torch.rand(seq, B, H, generator=gen) * 0.3,
-         "channel": lambda: -torch.rand(seq, B, H, DK, generator=gen) * 0.3}[gform]
+         "token": lambda: -torch.rand(seq, b, H, generator=gen) * 0.3,
+         "channel": lambda: -torch.rand(seq, b, H, DK, generator=gen) * 0.3}[gform]
     return q, k, v, (g() if g is not None else None), dout
 
 
@@ -224,6 +224,13 @@ def refusals() -> dict:
         "thd": lambda: linear_attention(q, k, v, cu_seqlens=check_thd([0, S], None, 8, W, 1)),
         "gdn_bounds": lambda: gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 9, 5, S])),
     }
+    return refusal_messages(cases)
+
+
+def refusal_messages(cases: dict) -> dict:
+    """Run every call of ``cases`` (name -> callable) expecting a ValueError: {"messages": name -> its text
+    (None: accepted), "moved": bytes sent or received meanwhile, "group_ok": the group still completes
+    an all-reduce afterwards (nothing half-posted)}."""
     messages = {}
     with mb.comm_counter() as counter:
         for name, call in cases.items():
@@ -235,4 +242,4 @@ def refusals() -> dict:
     t = torch.ones(1)
     dist.all_reduce(t)
     return {"messages": messages, "moved": counter.bytes("sent") + counter.bytes("received"),
-            "group_ok": t.item() == W}
+            "group_ok": t.item() == dist.get_world_size()}

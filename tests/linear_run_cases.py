@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import megatron_burst as mb
 from linear_cases import DK, DV, H
-from linear_doc_cases import GFORMS, _errors, _per_document
+from linear_doc_cases import GFORMS, _errors, _inputs, _per_document, refusal_messages
 from megatron_burst.masks.documents import balanced_documents, check_thd, rank_positions
 from megatron_burst.linear import gated_delta_rule, linear_attention, naive_gated_delta_rule, naive_linear_attention
 from megatron_burst.linear.runs import rank_runs
@@ -38,16 +38,6 @@ def balanced_batch(W: int, batch: int = 2):
     return balanced_documents(cuts, S, batch, W), cuts
 
 
-def _inputs(seq: int, b: int, gform, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    mk = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
-    q, k, v, dout = mk(seq, b, H, DK), mk(seq, b, H, DK), mk(seq, b, H, DV), mk(seq, b, H, DV)
-    g = {None: None, "head": lambda: -torch.rand(H, generator=gen) * 0.3,
-         "token": lambda: -torch.rand(seq, b, H, generator=gen) * 0.3,
-         "channel": lambda: -torch.rand(seq, b, H, DK, generator=gen) * 0.3}[gform]
-    return q, k, v, (g() if g is not None else None), dout
-
-
 def _bounds(documents, b: int) -> list:
     """Per-sample boundaries of the reference (THD: the padding tails are documents of their own)."""
     out = [None] * b
@@ -66,7 +56,7 @@ def _shard(documents, layout: str):
 def _linear_case(layout: str, documents, cu, gform, seed: int) -> dict:
     b = documents.groups[-1][1]
     seq = documents.seq_len
-    q, k, v, g, dout = _inputs(seq, b, gform, seed)
+    q, k, v, g, dout = _inputs(seq, gform, seed, b)
     ref = [t.double().requires_grad_() for t in (q, k, v)]
     ref_g = None if g is None else g.double().requires_grad_()
     token_major = [] if g is None or g.dim() == 1 else [ref_g]
@@ -145,18 +135,7 @@ def run_layout_refusals() -> dict:
         "thd_as_balanced": lambda: gated_delta_rule(q, k, v, g, beta, layout="balanced", cu_seqlens=thd),
         "not_divisible": lambda: linear_attention(q, k, v, layout="thd", cu_seqlens=[0, 1, s * W]),
     }
-    messages = {}
-    with mb.comm_counter() as counter:
-        for name, call in cases.items():
-            try:
-                call()
-                messages[name] = None
-            except ValueError as exc:
-                messages[name] = str(exc)
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    return {"messages": messages, "moved": counter.bytes("sent") + counter.bytes("received"),
-            "group_ok": t.item() == W}
+    return refusal_messages(cases)
 
 
 def fla_run_layout_cases() -> dict:
