@@ -53,7 +53,7 @@ def _shard(documents, layout: str):
     return lambda t: t[pos]
 
 
-def _linear_case(layout: str, documents, cu, gform, seed: int) -> dict:
+def _linear_case(layout: str, documents, cu, gform, seed: int, qkv_format: str = "sbhd") -> dict:
     b = documents.groups[-1][1]
     seq = documents.seq_len
     q, k, v, g, dout = _inputs(seq, gform, seed, b)
@@ -65,10 +65,12 @@ def _linear_case(layout: str, documents, cu, gform, seed: int) -> dict:
                          ref + token_major, shared)
     want.backward(dout.double())
     sh = _shard(documents, layout)
+    fmt = (lambda t: t.transpose(0, 1).contiguous()) if qkv_format == "bshd" else (lambda t: t)  # noqa: E731
     leaves = [sh(t).clone().requires_grad_() for t in (q, k, v)]
     g_local = None if g is None else (g.clone() if g.dim() == 1 else sh(g).clone()).requires_grad_()
     with mb.comm_counter() as counter:
-        out = linear_attention(*leaves, g=g_local, layout=layout, cu_seqlens=cu, kernel="torch")
+        out = fmt(linear_attention(*(fmt(t) for t in leaves), g=g_local if g is None or g.dim() == 1 else fmt(g_local),
+                                   layout=layout, cu_seqlens=cu, kernel="torch", qkv_format=qkv_format))
         out.backward(sh(dout))
     pairs = [("out", out, sh(want.detach()))] + [(f"d{n}", t.grad, sh(w.grad)) for n, t, w in zip("qkv", leaves, ref)]
     if g is not None:
@@ -116,6 +118,7 @@ def run_layout_cases() -> dict:
             results[f"lasp2 {layout} g={gform}"] = _linear_case(layout, documents, cu, gform, seed=i)
         results[f"gdn {layout} sbhd"] = _gdn_case(layout, documents, documents, seed=7)
     results["gdn balanced bshd"] = _gdn_case("balanced", bal, bal, seed=8, qkv_format="bshd")
+    results["lasp2 balanced g=channel bshd"] = _linear_case("balanced", bal, bal, "channel", seed=9, qkv_format="bshd")
     results["runs"] = {"thd": [len(r) for r in rank_runs(thd, W).per_rank] if W > 1 else None,
                        "balanced": [len(r) for r in rank_runs(bal, W).per_rank] if W > 1 else None}
     return results
