@@ -26,6 +26,7 @@ scan with keep_i * a_i in place of a_i, and da_i gains the factor keep_i. Nothin
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -362,10 +363,11 @@ class PreviousTokens(torch.autograd.Function):
         return _mine(d_tails, smap), None, None
 
 
+@functools.lru_cache(maxsize=32)  # every layer of a step asks for the same batch's index
 def halo_index(segments: tuple[tuple[int, int], ...], width: int) -> torch.Tensor:
-    """[T, width] (long): for every global segment (start, length), in global order, the slot of each of
-    the ``width`` positions before its start in the global tails flattened ([T * width], each segment's
-    last ``width`` tokens, front zero-padded), -1 before the sequence start."""
+    """[T, width] (long, CPU; shared: read-only): for every global segment (start, length), in global
+    order, the slot of each of the ``width`` positions before its start in the global tails flattened
+    ([T * width], each segment's last ``width`` tokens, front zero-padded), -1 before the sequence start."""
     starts = torch.tensor([a for a, _ in segments])
     ends = starts + torch.tensor([n for _, n in segments])
     pos = starts[:, None] + torch.arange(-width, 0)  # [T, width] global positions

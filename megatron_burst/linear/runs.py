@@ -109,14 +109,15 @@ class RunDocuments:
 @functools.lru_cache(maxsize=16)
 def _run_documents(documents: Documents, batch: int, runs: Runs, rank: int, device: str) -> RunDocuments:
     every = document_index(documents, batch, torch.device(device))  # [b, S]
-
-    def enter_of(start: int) -> torch.Tensor:
-        return every[:, start - 1] if start > 0 else torch.zeros_like(every[:, 0])
-
+    host = document_index(documents, batch, torch.device("cpu"))  # the per-run flags: host work, one copy each
+    starts = torch.tensor([a for a, _ in runs.starts])
+    ends = starts + torch.tensor([n for _, n in runs.starts])
+    enter_all = torch.where(starts > 0, host[:, (starts - 1).clamp(min=0)], 0)  # [b, T]
+    keep = (host[:, ends - 1] == enter_all).T.contiguous().to(device)  # [T, b]
+    mine = torch.tensor(runs.order[rank], dtype=torch.long)
+    enter = enter_all[:, mine].T.reshape(-1, 1, batch, 1).to(device).unbind(0)  # per run [1, b, 1]
     doc = tuple(every[:, a:a + n].reshape(1, batch, 1, n) for a, n in runs.per_rank[rank])
-    enter = tuple(enter_of(a).reshape(1, batch, 1) for a, _ in runs.per_rank[rank])
-    keep = torch.stack([every[:, a + n - 1] == enter_of(a) for a, n in runs.starts])  # [T, b]
-    return RunDocuments(doc, enter, keep)
+    return RunDocuments(doc, tuple(enter), keep)
 
 
 def run_documents(documents: Documents, batch: int, runs: Runs, rank: int, device: torch.device) -> RunDocuments:

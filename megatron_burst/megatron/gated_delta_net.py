@@ -240,11 +240,10 @@ class CPGatedDeltaNet(LinearCPLayer, GatedDeltaNet):
         mine = runs.per_rank[smap.rank]
         halo = previous_tokens(qkv, width, smap, runs.starts)  # [nseg, width, b, d]
         blocks = [x for h, r in zip(halo.unbind(0), qkv.split([n for _, n in mine])) for x in (h, r)]
-        dev = qkv.device
-        pos = torch.cat([torch.arange(a - width, a + n, device=dev) for a, n in mine])
-        first = torch.tensor([0] + [width + n for _, n in mine[:-1]], device=dev).cumsum(0) + width
-        rows = torch.cat([f + torch.arange(n, device=dev) for f, (_, n) in zip(first.tolist(), mine)])
-        return self._document_taps(torch.cat(blocks), pos, rows, documents, width)
+        pos = torch.cat([torch.arange(a - width, a + n) for a, n in mine])  # host arithmetic, one copy each
+        first = torch.tensor([0] + [width + n for _, n in mine[:-1]]).cumsum(0) + width
+        rows = torch.cat([f + torch.arange(n) for f, (_, n) in zip(first.tolist(), mine)])
+        return self._document_taps(torch.cat(blocks), pos.to(qkv.device), rows.to(qkv.device), documents, width)
 
     def _document_taps(self, x: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, documents,
                        width: int) -> torch.Tensor:
