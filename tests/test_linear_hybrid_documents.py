@@ -188,9 +188,10 @@ def test_reset_attention_mask_hybrids_at_cp2_equal_cp1():
 
 # ----------------------------------------------------------------------------- Megatron-LM glue
 
-def megatron_lm_doc_step(cp: int, variant: str, layout: str) -> dict:
+def megatron_lm_doc_step(cp: int, variant: str, layout: str, thd: bool = False) -> dict:
     """One step through the patched pretrain_gpt.py's pieces with --reset-attention-mask:
-    wrap_gpt_builder around the stand-in builder, megatron_lm.slice_batch with the EOD token (its
+    wrap_gpt_builder around the stand-in builder, megatron_lm.slice_batch with the EOD token (``thd``:
+    megatron_lm.slice_thd_batch of a packed batch, as the patch slices SFT data; its
     packed_seq_params handed to the model as the patch does), the per-token loss, CP all-reduce."""
     import megatron_lm_standin
     from megatron.core import parallel_state
@@ -201,15 +202,21 @@ def megatron_lm_doc_step(cp: int, variant: str, layout: str) -> dict:
     from test_megatron_model import full_grads
 
     parallel_state.destroy_model_parallel()
-    flags = MEGATRON_LM_DEFAULTS + HYBRID + ["--linear-attention-type", variant, "--seq-length", "40",
-                                             "--cp-layout", layout]
+    flags = MEGATRON_LM_DEFAULTS + HYBRID + ["--linear-attention-type", variant, "--seq-length",
+                                             str(THD_SEQ if thd else 40), "--cp-layout", layout]
     args, _, groups = _megatron_lm_args(cp, "dense", flags)
     megatron_lm.check_args(args)  # the startup checks accept the combination
     cpu = torch.device("cpu")
     train.seed_everything(args.seed, cpu)
     model = megatron_lm.wrap_gpt_builder(megatron_lm_standin.gpt_builder)(args, True, True)
-    local = megatron_lm.slice_batch(eod_batch(40), args, eod_token=EOD)
-    params = local.pop("packed_seq_params")
+    if thd:
+        batch = thd_hybrid_batch()
+        local, params = megatron_lm.slice_thd_batch(
+            {k: batch[k] for k in ("tokens", "labels", "loss_mask", "position_ids")}, batch["cu_seqlens"],
+            batch["cu_seqlens_padded"], batch["max_seqlen"], args)
+    else:
+        local = megatron_lm.slice_batch(eod_batch(40), args, eod_token=EOD)
+        params = local.pop("packed_seq_params")
     losses = model(local["tokens"], local["position_ids"], None, labels=local["labels"], packed_seq_params=params)
     mask = local["loss_mask"]
     sums = torch.stack([(losses.double() * mask.double()).sum(), mask.double().sum()]).detach()
@@ -220,14 +227,17 @@ def megatron_lm_doc_step(cp: int, variant: str, layout: str) -> dict:
             "layers": [type(layer.self_attention).__name__ for layer in model.decoder.layers]}
 
 
-@pytest.mark.parametrize("variant,layout", [("gla", "zigzag"), ("gated_delta_net", "zigzag")])
-def test_reset_attention_mask_through_the_megatron_lm_patch(variant, layout):
+@pytest.mark.parametrize("variant,layout,thd", [("gla", "zigzag", False), ("gated_delta_net", "zigzag", False),
+                                                ("gated_delta_net", "zigzag", True), ("gla", "balanced", True)])
+def test_reset_attention_mask_through_the_megatron_lm_patch(variant, layout, thd):
+    """EOD documents, and packed THD batches (slice_thd_batch: TransformerEngine's partitioning, or the
+    balanced plan under --cp-layout balanced), through the patch's pieces at CP = 2 equal CP = 1."""
     from test_megatron_model import _assert_matches
 
-    ref = run_ranks(1, megatron_lm_doc_step, 1, variant, layout)[0]
+    ref = run_ranks(1, megatron_lm_doc_step, 1, variant, layout, thd)[0]
     assert ref["layers"][1] == "SelfAttention" and ref["layers"][0] != "SelfAttention"
-    for rank, res in enumerate(run_ranks(2, megatron_lm_doc_step, 2, variant, layout)):
-        _assert_matches(res, ref, f"Megatron-LM {variant} CP=2 {layout} rank {rank}")
+    for rank, res in enumerate(run_ranks(2, megatron_lm_doc_step, 2, variant, layout, thd)):
+        _assert_matches(res, ref, f"Megatron-LM {variant} CP=2 {layout}{' THD' if thd else ''} rank {rank}")
 
 
 @pytest.mark.parametrize("variant", ["gla", "gated_delta_net"])
