@@ -123,14 +123,18 @@ def test_errors_name_the_value_and_the_fix():
         mb.cp_attention(torch.randn(8, 1, 2, 4), torch.randn(8, 1, 2, 4), torch.randn(8, 1, 2, 4), layout="balanced")
 
 
-def test_linear_attention_refuses_balanced():
+def test_linear_attention_takes_balanced_with_its_documents():
+    """Linear attention runs in the balanced layout (tests/test_linear_runs.py) given the documents that
+    place it; without them, or with documents placed for it in a call of another layout, it refuses."""
     q = torch.randn(128, 1, 2, 16)
-    with pytest.raises(ValueError, match="'balanced' is not supported by linear attention"):
+    with pytest.raises(ValueError, match="layout='balanced' places tokens by the batch's documents"):
         mb.linear_attention(q, q, q, layout="balanced")
-    from megatron_burst.linear.docs import check_documents
-
-    with pytest.raises(ValueError, match="layout 'balanced'.*not supported by the linear-attention layers"):
-        check_documents(mb.balanced_documents(torch.tensor([0, 40, 128]), 128, 1, 2), 128, 1)
+    docs = mb.balanced_documents(torch.tensor([0, 40, 128]), 128, 1, 1)
+    with pytest.raises(ValueError, match="placed for layout 'balanced' do not fit layout='contiguous'"):
+        mb.linear_attention(q, q, q, layout="contiguous", cu_seqlens=docs)
+    out = mb.linear_attention(q, q, q, layout="balanced", cu_seqlens=docs)  # one rank: the sequence in order
+    want = mb.linear_attention(q, q, q, cu_seqlens=torch.tensor([0, 40, 128]))
+    assert torch.equal(out, want)
 
 
 def test_node_aware_placement_is_exact_and_keeps_documents_inside_nodes():
