@@ -6,7 +6,8 @@ Modules: :mod:`~megatron_burst.linear.reference` (the token-by-token recurrence 
 against), :mod:`~megatron_burst.linear.chunked` (one rank's segments, chunked),
 :mod:`~megatron_burst.linear.exchange` (the states that enter the segments: LASP-2's all-gather or
 LASP-1's chain), :mod:`~megatron_burst.linear.delta` (the gated delta rule: one all-gather of
-per-segment affine maps), :mod:`~megatron_burst.linear.docs` (documents: where the state resets).
+per-segment affine maps), :mod:`~megatron_burst.linear.docs` (documents: where the state resets),
+:mod:`~megatron_burst.linear.runs` (packed THD batches and the balanced layout: a rank's runs as segments).
 """
 from __future__ import annotations
 
