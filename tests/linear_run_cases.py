@@ -18,13 +18,14 @@ from megatron_burst.linear.runs import rank_runs
 
 
 def thd_batch(W: int):
-    """Documents of a packed batch on W ranks (TransformerEngine's partitioning): four sequences whose
-    chunks are 5, 1, 9 and 3 tokens (one-token chunks included), three with padding tails."""
-    chunks = (5, 1, 9, 3)
+    """Documents of a packed batch on W ranks (TransformerEngine's partitioning): five sequences whose
+    chunks are 5, 1, 9, 3 and 70 tokens (one-token chunks; runs in different 64-token chunk groups of
+    the batched kernels), four with padding tails."""
+    chunks = (5, 1, 9, 3, 70)
     padded, real = [0], [0]
     for i, c in enumerate(chunks):
         length = 2 * W * c
-        real.append(real[-1] + length - (0, 1, 3, 2 * W - 1)[i])
+        real.append(real[-1] + length - (0, 1, 3, 2 * W - 1, 2)[i])
         padded.append(padded[-1] + length)
     local = padded[-1] // W
     return check_thd(real, padded, local, W, 1), real

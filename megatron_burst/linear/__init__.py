@@ -18,13 +18,14 @@ import torch.distributed as dist
 
 from megatron_burst.masks.documents import CuSeqlens, Documents
 from megatron_burst.linear.checks import MIN_STRIPE, check_qkv, segment_order, segments_per_rank
-from megatron_burst.linear.chunked import segment_output, segment_state
+from megatron_burst.linear.chunked import CHUNK, segment_output, segment_state
 from megatron_burst.linear.docs import check_documents, segment_documents, unplaced
 from megatron_burst.linear import fla_adapter, kernel_choice
 from megatron_burst.linear.exchange import (Lasp1Chain, Lasp2Exchange, SegmentMap, local_entering_states,
                                             post_state_gather)
 from megatron_burst.linear.delta import gated_delta_rule
-from megatron_burst.linear.runs import RUN_LAYOUTS, rank_runs, run_documents, run_map, split_runs
+from megatron_burst.linear.runs import (RUN_LAYOUTS, chunk_groups, in_run_order, rank_runs, run_documents, run_map,
+                                       split_runs)
 from megatron_burst.linear.reference import expand_log_decay, naive_gated_delta_rule, naive_linear_attention
 
 __all__ = ["linear_attention", "naive_linear_attention", "gated_delta_rule", "naive_gated_delta_rule", "LINEAR_CP_ALGOS", "MIN_STRIPE"]
@@ -215,13 +216,18 @@ def _lasp2_runs(q, k, v, g, documents: Documents, pg, rank: int, world_size: int
     lengths = runs.lengths(rank)
     rd = run_documents(documents, b, runs, rank, q.device)
     qs, ks, vs = (split_runs(to_bhsd(t).to(acc), lengths) for t in (q, k, v))  # per run [1, b, h, L_i, d]
-    gs = [None] * len(lengths)
+    gs = None
     if g is not None:
         g_sbhd = g if (sbhd or g.dim() == 1) else g.transpose(0, 1)
         gs = split_runs(expand_log_decay(g_sbhd, b, h, s, dk).to(acc), lengths)
+    # runs of one chunk count stack into one batched call (linear.runs.RunGroup: padding tokens are
+    # identity steps); per group: its stacked tensors, and (M, a, G) of its runs
+    groups = [(grp, [grp.stack(t, -2) for t in (qs, ks, vs)], None if gs is None else grp.stack(gs, -2),
+               grp.stack(rd.doc, -1, replicate=True), torch.cat([rd.enter[i] for i in grp.index]))
+              for grp in chunk_groups(lengths, CHUNK)]
     if fla_fn is None:
-        maps = [segment_state(kr, vr, gr, dr) for kr, vr, gr, dr in zip(ks, vs, gs, rd.doc)]
-        M = torch.cat([m[0] for m in maps])
+        maps = [segment_state(qkv[1], qkv[2], gg, dg) for _, qkv, gg, dg, _ in groups]
+        M = in_run_order([(grp, m[0]) for (grp, *_), m in zip(groups, maps)])
     else:  # fla: every run's zero-start output and the state it leaves, in one varlen call
         pieces = fla_adapter.run_pieces(documents, b, runs.per_rank[rank], q.device)
         flat = [fla_adapter.runs_to_flat(t, lengths, sbhd) for t in (q, k, v)]
@@ -229,19 +235,20 @@ def _lasp2_runs(q, k, v, g, documents: Documents, pg, rank: int, world_size: int
                                                fla_adapter.decay_flat(g, form, lengths, b, sbhd), scale, pieces)
         M = M.view(len(lengths), b, h, dk, dv).to(acc)
         o_local = fla_adapter.flat_to_local(o_flat, lengths, b, False).permute(0, 2, 1, 3)  # [b, h, s, dv]
-        outs = split_runs(o_local.to(acc), lengths)
-        maps = [(None,) + _decays(gr) for gr in gs]
-    a = None if g is None else torch.cat([m[1] for m in maps])
+        fla_outs = split_runs(o_local.to(acc), lengths)
+        maps = [(None,) + _decays(gg) for _, _, gg, _, _ in groups]
+    a = None if g is None else in_run_order([(grp, m[1]) for (grp, *_), m in zip(groups, maps)])
     gathered, pending = post_state_gather(M, a, smap)  # overlaps with the runs' own outputs
-    if fla_fn is None:
-        outs = [segment_output(qr, kr, vr, gr, scale, dr) for qr, kr, vr, gr, dr in zip(qs, ks, vs, gs, rd.doc)]
+    own = [segment_output(qg, kg, vg, gg, scale, dg) if fla_fn is None else grp.stack(fla_outs, -2)
+           for grp, (qg, kg, vg), gg, dg, _ in groups]
     pending.wait()
     S_in = Lasp2Exchange.apply(M, a, gathered, smap, False, rd.keep)
-    for i, (qr, m) in enumerate(zip(qs, maps)):
-        q_in = qr if m[2] is None else qr * torch.exp(m[2])
-        q_in = q_in * rd.from_entering(i).unsqueeze(-1).to(q_in.dtype)
-        outs[i] = outs[i] + scale * (q_in @ S_in[i:i + 1])
-    o = torch.cat(outs, dim=-2)[0]  # [b, h, s, dv]
+    outs: dict[int, torch.Tensor] = {}
+    for (grp, (qg, _, _), _, dg, eg), m, o_g in zip(groups, maps, own):
+        q_in = qg if m[2] is None else qg * torch.exp(m[2])
+        q_in = q_in * (dg == eg.unsqueeze(-1)).unsqueeze(-1).to(q_in.dtype)  # the entering document's tokens
+        outs.update(grp.unstack(o_g + scale * (q_in @ S_in[list(grp.index)]), lengths, -2))
+    o = torch.cat([outs[i] for i in range(len(lengths))], dim=-2)[0]  # [b, h, s, dv]
     out = o.permute(2, 0, 1, 3) if sbhd else o.permute(0, 2, 1, 3)
     return out.to(q.dtype).contiguous()
 

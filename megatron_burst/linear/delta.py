@@ -54,7 +54,8 @@ from megatron_burst.linear.chunked import CHUNK
 from megatron_burst.linear import fla_adapter, kernel_choice
 from megatron_burst.linear.docs import check_documents, segment_documents, unplaced
 from megatron_burst.linear.exchange import Lasp2Exchange, SegmentMap, local_entering_states, post_state_gather
-from megatron_burst.linear.runs import RUN_LAYOUTS, rank_runs, run_documents, run_map, split_runs
+from megatron_burst.linear.runs import (RUN_LAYOUTS, chunk_groups, in_run_order, rank_runs, run_documents, run_map,
+                                       split_runs)
 
 __all__ = ["gated_delta_rule", "delta_segment_maps", "delta_segment_outputs", "GDN_KERNELS"]
 
@@ -317,12 +318,14 @@ def _gdn_runs(fla, q, k, v, g, beta, documents: Documents, pg, rank: int, world_
     rd = run_documents(documents, b, runs, rank, q.device)
     bhsd = (lambda t: t.permute(1, 2, 0, 3)) if sbhd else (lambda t: t.permute(0, 2, 1, 3))  # noqa: E731
     per_run = lambda t: split_runs(bhsd(t.unsqueeze(-1) if t.dim() == 3 else t).to(acc), lengths)  # noqa: E731
-    qs = per_run(q) if fla is None else [None] * len(lengths)
     ks, vs = per_run(k), per_run(v)
     gs, bs = ([x[..., 0] for x in per_run(t)] for t in (g, beta))
-    maps = [delta_segment_maps(qr, kr, vr, gr, br, dr, er)
-            for qr, kr, vr, gr, br, dr, er in zip(qs, ks, vs, gs, bs, rd.doc, rd.enter)]
-    A, B = torch.cat([m[0] for m in maps]), torch.cat([m[1] for m in maps])
+    qs = per_run(q) if fla is None else None
+    groups = chunk_groups(lengths, CHUNK)  # runs of one chunk count: one batched call
+    maps = [delta_segment_maps(None if qs is None else grp.stack(qs, -2), grp.stack(ks, -2), grp.stack(vs, -2),
+                               grp.stack(gs, -1), grp.stack(bs, -1), grp.stack(rd.doc, -1, replicate=True),
+                               torch.cat([rd.enter[i] for i in grp.index])) for grp in groups]
+    A, B = (in_run_order([(grp, m[j]) for grp, m in zip(groups, maps)]) for j in (0, 1))
     gathered, pending = post_state_gather(B, A, smap, label="gdn (A, B) all-gather")
     pending.wait()
     S_in = Lasp2Exchange.apply(B, A, gathered, smap, True)  # [nseg, b, h, dk, dv]; A = 0 where a run resets
@@ -332,10 +335,10 @@ def _gdn_runs(fla, q, k, v, g, beta, documents: Documents, pg, rank: int, world_
         h, dk, dv = S_in.shape[2:]
         o = fla_adapter.gdn_rows(fla, *flat, scale, S_in.reshape(len(lengths) * b, h, dk, dv), pieces)
         return fla_adapter.flat_to_local(o, lengths, b, sbhd).to(q.dtype).contiguous()
-    outs = []
-    for i, (_, _, chunks) in enumerate(maps):
-        o0, q_in = delta_segment_outputs(chunks, scale)
-        outs.append(o0 + scale * (q_in @ S_in[i:i + 1]))
-    o = torch.cat(outs, dim=-2)[0]  # [b, h, s, dv]
+    outs: dict[int, torch.Tensor] = {}
+    for grp, (_, _, ch) in zip(groups, maps):
+        o0, q_in = delta_segment_outputs(ch, scale)
+        outs.update(grp.unstack(o0 + scale * (q_in @ S_in[list(grp.index)]), lengths, -2))
+    o = torch.cat([outs[i] for i in range(len(lengths))], dim=-2)[0]  # [b, h, s, dv]
     out = o.permute(2, 0, 1, 3) if sbhd else o.permute(0, 2, 1, 3)
     return out.to(q.dtype).contiguous()

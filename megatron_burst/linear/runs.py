@@ -35,7 +35,8 @@ from megatron_burst.masks.layout import BALANCED
 from megatron_burst.linear.docs import document_index
 from megatron_burst.linear.exchange import SegmentMap
 
-__all__ = ["RUN_LAYOUTS", "Runs", "rank_runs", "run_map", "RunDocuments", "run_documents", "split_runs"]
+__all__ = ["RUN_LAYOUTS", "Runs", "rank_runs", "run_map", "RunDocuments", "run_documents", "split_runs", "RunGroup",
+           "chunk_groups", "in_run_order"]
 
 RUN_LAYOUTS = (THD, BALANCED)
 
@@ -100,10 +101,6 @@ class RunDocuments:
     enter: tuple[torch.Tensor, ...]
     keep: torch.Tensor
 
-    def from_entering(self, i: int) -> torch.Tensor:
-        """[1, b, 1, L_i] bool: token still in the document of the state entering run i."""
-        return self.doc[i] == self.enter[i].unsqueeze(-1)
-
 
 @functools.lru_cache(maxsize=16)
 def _run_documents(documents: Documents, batch: int, runs: Runs, rank: int, device: str) -> RunDocuments:
@@ -128,3 +125,51 @@ def split_runs(t: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
     """[b, h, s, ...] (this rank's tokens in local order) -> per run [1, b, h, L_i, ...] (views): the
     segment layout the chunked kernels take, one run at a time."""
     return [x.unsqueeze(0) for x in t.split(lengths, dim=2)]
+
+
+@dataclass(frozen=True)
+class RunGroup:
+    """Local runs ``index`` (in local order) whose lengths round up to the same ``length`` (whole chunks):
+    stacked, they make one batched call of the chunked kernels. A run's padding tokens are identity
+    steps (zero k, v, log-decay and beta; its last document), so its state or map is unchanged, and
+    their outputs are dropped."""
+
+    index: tuple[int, ...]
+    length: int
+
+    def stack(self, parts: list, dim: int, replicate: bool = False) -> torch.Tensor:
+        """Per-run tensors [1, ..., L_i, ...] (tokens on ``dim``) -> [n, ..., length, ...], padded with
+        zeros (``replicate``: with the run's last entry, for document indices)."""
+        out = []
+        for i in self.index:
+            t = parts[i]
+            missing = self.length - t.shape[dim]
+            if missing:
+                if replicate:
+                    pad = t.narrow(dim, t.shape[dim] - 1, 1).repeat_interleave(missing, dim)
+                else:
+                    shape = list(t.shape)
+                    shape[dim] = missing
+                    pad = t.new_zeros(shape)
+                t = torch.cat([t, pad], dim=dim)
+            out.append(t)
+        return torch.cat(out)
+
+    def unstack(self, t: torch.Tensor, lengths: list[int], dim: int) -> dict[int, torch.Tensor]:
+        """[n, ..., length, ...] -> {run index: [1, ..., L_i, ...]} (the padding dropped)."""
+        return {i: t[j:j + 1].narrow(dim, 0, lengths[i]) for j, i in enumerate(self.index)}
+
+
+def chunk_groups(lengths: list[int], chunk: int) -> list[RunGroup]:
+    """The local runs grouped by their length rounded up to whole chunks of ``chunk`` tokens (no padding
+    beyond what the chunked kernels add anyway): THD's two chunks of a sequence always share a group."""
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        groups.setdefault(-(-n // chunk) * chunk, []).append(i)
+    return [RunGroup(tuple(index), length) for length, index in sorted(groups.items())]
+
+
+def in_run_order(parts: list) -> torch.Tensor:
+    """[(RunGroup, its runs' tensor [n, ...]), ...] -> [nseg, ...] in the runs' local order."""
+    rows = {i: t[j:j + 1] for grp, t in parts for j, i in enumerate(grp.index)}
+    return torch.cat([rows[i] for i in range(len(rows))])
