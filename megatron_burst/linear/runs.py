@@ -7,8 +7,9 @@ most documents whole on one rank, a few split) place a rank's tokens by the batc
 are described here the same way, as *runs*: the maximal stretches of consecutive global positions a
 rank holds (:func:`megatron_burst.masks.documents.rank_positions`), of any length and a different number
 per rank. A run is a segment like any other -- its zero-start output, the state (or affine map) it
-leaves, the state entering it -- so the ops compute each run with the same chunked kernels and the
-exchange scans every run's state in global order (:class:`~megatron_burst.linear.exchange.SegmentMap`
+leaves, the state entering it -- so the ops compute runs with the same chunked kernels (the runs of
+one chunk count stacked into one call, :class:`RunGroup`) and the exchange scans every run's state
+in global order (:class:`~megatron_burst.linear.exchange.SegmentMap`
 with per-rank counts: a rank's part of the all-gather is padded to the most runs a rank holds).
 
 These layouts always come with documents (they are derived from them): a run in which a document
