@@ -124,6 +124,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                 "entry per layer, 1 = linear, 0 = softmax (default: every layer linear)")
     group.add_argument("--linear-cp-algo", type=str, default=DEFAULT_LINEAR_CP_ALGO, choices=list(LINEAR_CP_ALGOS),
                        help="context-parallel algorithm of the linear layers: lasp2 (one all-gather of the "
-                            f"per-rank states) or lasp1 (a ring of states) (default {DEFAULT_LINEAR_CP_ALGO})")
+                            f"per-rank states) or lasp1 (a ring of states; the fixed layouts only, not "
+                            f"packed THD batches or --cp-layout balanced) (default {DEFAULT_LINEAR_CP_ALGO})")
     return parser
 
