@@ -16,8 +16,8 @@
 # liger_kernel, cut_cross_entropy (the loss bench's peers), megatron_core and pydantic (+ its needs:
 # scripts/mlm_bundle.sh, which also writes .mlm, Megatron-LM's patched training side). .triton:
 # scripts/triton_bundle.sh, a Triton >= 3.7.1 that only the linear parts run with (fla 0.6 refuses its
-# gated backward kernels on Hopper with the image's Triton 3.6); test_gpu_linear.py then runs there, not in
-# the suite. E.g.
+# gated backward kernels on Hopper with the image's Triton 3.6); test_gpu_linear.py then runs in its own
+# process beside the suite (gpu_test_linear.log). E.g.
 #   pip download --no-deps -d .whl flash-linear-attention fla-core einops liger-kernel cut-cross-entropy
 #   pip download --no-deps -d .whl --python-version 3.12 --only-binary=:all: megatron-core==0.16.1
 # Outputs: OUT_DIR/session.log (versions; each part's start, exit status and seconds), gpu_test.log,
@@ -68,32 +68,32 @@ part loss-bench $(share ${LOSS_BENCH_SHARE:-15}) bash -o pipefail -c "$PY -m meg
   --out '$OUT_DIR/bench_loss.jsonl' ${LOSS_BENCH_ARGS:-} 2>&1 | tee '$OUT_DIR/bench_loss.log'"
 part masked-tune $(share ${TUNE_SHARE:-0}) bash -o pipefail -c "$PY scripts/gpu_tune_masked.py --out '$OUT_DIR/tune_masked.jsonl' 2>&1 | tail -3"
 # the linear parts with a carried newer Triton first on PYTHONPATH when there is one (.triton: fla's gated
-# backward kernels need Triton >= 3.7.1 on Hopper; scripts/triton_bundle.sh): its GPU tests, then the bench
+# backward kernels need Triton >= 3.7.1 on Hopper; scripts/triton_bundle.sh): the bench here, its GPU tests
+# (tests/gpu/test_gpu_linear.py) beside the suite below, in their own process with that Triton
 . scripts/carried_triton.sh
 FLA_TRITON=$(carried_triton_path "$PY")
 LINEAR_PP="${FLA_TRITON:+$FLA_TRITON:}$PYTHONPATH"
 PYTHONPATH="$LINEAR_PP" $PY -c "import triton; print('linear parts: triton', triton.__version__, triton.__file__)" 2>&1 | tee -a "$OUT_DIR/session.log"
 LINEAR_S=$(share ${LINEAR_BENCH_SHARE:-14})
-if [ -n "$FLA_TRITON" ]; then  # a third of the linear share, from the bench's
-  part linear-tests $(( LINEAR_S / 3 )) bash -o pipefail -c "PYTHONPATH='$LINEAR_PP' $PY -m pytest -q -p no:cacheprovider \
-    tests/gpu/test_gpu_linear.py 2>&1 | tee '$OUT_DIR/gpu_test_linear.log'"
-  LINEAR_S=$(( LINEAR_S - LINEAR_S / 3 ))
-fi
 part linear-bench $LINEAR_S bash -o pipefail -c "PYTHONPATH='$LINEAR_PP' $PY -m megatron_burst.bench linear --gpu --out '$OUT_DIR/bench_linear.jsonl' \
   ${LINEAR_BENCH_ARGS:---seq 32768 --heads 16 --head-dim 128 --worlds 2 --repeats 5 --warmup 2 --max-seconds 2} 2>&1 | tee -a '$OUT_DIR/session.log'"
 part e2e $(share ${E2E_SHARE:-15}) bash -o pipefail -c "$PY examples/e2e_gpt_1b.py --out '$OUT_DIR/e2e' --per-run-timeout $(( $(share ${E2E_SHARE:-15}) - 20 )) \
   ${E2E_ARGS:---variants mlm_burst} 2>&1 | tail -5 | tee -a '$OUT_DIR/session.log'"
 # the multi-rank tests (W processes per test sharing the GPU) run serially beside the xdist run of
-# the rest: rank pools and xdist workers are kept apart
-# (exit status: the single-process suite's, or the multi-rank one's when that failed). GPU_TEST_ARGS
-# goes to the single-process run only; GPU_MULTI_ARGS replaces the multi-rank run's (empty: no such run)
+# the rest: rank pools and xdist workers are kept apart; with a carried Triton the linear tests run beside
+# them too, in a process of their own on that Triton (exit status: the single-process suite's, else the
+# multi-rank one's, else the linear one's). GPU_TEST_ARGS goes to the single-process run only;
+# GPU_MULTI_ARGS replaces the multi-rank run's (empty: no such run)
 part gpu-suite $(share ${SUITE_SHARE:-33}) bash -o pipefail -c "export GPU_TEST_FAILLOG='$OUT_DIR/gpu_failures.log'
-  multi=0
+  multi=0 linear=0
   [ -n '${GPU_MULTI_ARGS-tests/gpu/test_gpu_cp_multi.py}' ] && { $PY -m pytest -q -p no:cacheprovider $TIMEOUT \
     ${GPU_MULTI_ARGS-tests/gpu/test_gpu_cp_multi.py} > '$OUT_DIR/gpu_test_multi.log' 2>&1 & multi=\$!; }
+  [ -n '$FLA_TRITON' ] && { PYTHONPATH='$LINEAR_PP' $PY -m pytest -q -p no:cacheprovider $TIMEOUT \
+    tests/gpu/test_gpu_linear.py > '$OUT_DIR/gpu_test_linear.log' 2>&1 & linear=\$!; }
   $PY -m pytest -q -p no:cacheprovider $XDIST $TIMEOUT --durations=15 ${GPU_TEST_ARGS:-} tests/gpu --ignore=tests/gpu/test_gpu_cp_multi.py \
     ${FLA_TRITON:+--ignore=tests/gpu/test_gpu_linear.py} 2>&1 | tee '$OUT_DIR/gpu_test.log'
-  single=\$?; if (( multi )); then wait \$multi; multi=\$?; fi; exit \$(( single ? single : multi ))"
+  single=\$?; if (( multi )); then wait \$multi; multi=\$?; fi; if (( linear )); then wait \$linear; linear=\$?; fi
+  exit \$(( single ? single : (multi ? multi : linear) ))"
 echo "session: $(( $(date +%s) - START ))s of ${BUDGET}s" | tee -a "$OUT_DIR/session.log"
 # the figures against the issues' bars (reads the files above; no GPU work, about a second)
 $PY -m megatron_burst.bench verdict "$OUT_DIR" --out "$OUT_DIR/verdict.md" 2>&1 | tail -n +3 | head -60

@@ -88,7 +88,11 @@ def test_sparse_bar_is_3x_the_fastest_dense_at_64k(tmp_path):
                    "sparse static_s16384 sparse_static": vd.MISSING}
 
 
+SESSION_GPU = "torch 2.11.0+cu130 cuda 13.0 cudnn 91900 triton 3.6.0 NVIDIA H100 80GB HBM3\n"
+
+
 def test_gpu_suite_from_the_pytest_closing_lines(tmp_path):
+    (tmp_path / "session.log").write_text("cudnn-probe: start (limit 40s)\n" + SESSION_GPU)
     (tmp_path / "gpu_test.log").write_text("....\n===== 80 passed, 6 skipped in 200.1s =====\n")
     (tmp_path / "gpu_test_multi.log").write_text("F.\n1 failed, 16 passed in 100.0s\n")
     (tmp_path / "gpu_test_linear.log").write_text("sss\n11 skipped in 3.0s\n")
@@ -97,6 +101,11 @@ def test_gpu_suite_from_the_pytest_closing_lines(tmp_path):
     assert got[0][2] == "80 passed, 6 skipped" and got[1][2] == "16 passed, 1 failed"
     (tmp_path / "gpu_test.log").write_text("killed\n")  # cut by the time limit: no closing line
     assert rows_of(tmp_path, bar="single-process")[0].status == vd.MISSING
+    # the CPU dry run of gpu_session.sh passes the same files, but its probe found no GPU
+    (tmp_path / "gpu_test.log").write_text("80 passed in 200.1s\n")
+    (tmp_path / "session.log").write_text("nvidia-smi: command not found\nTraceback (most recent call last):\n")
+    row = rows_of(tmp_path, bar="single-process")[0]
+    assert row.status == vd.MISSING and "no GPU" in row.figure
 
 
 def loss_line(variant, ms, peak_mib, dh, dw, device="cuda", **over):

@@ -159,8 +159,19 @@ def pytest_summary(path: str) -> Optional[dict]:
     return counts
 
 
+def session_gpu(out_dir: str) -> Optional[str]:
+    """The GPU line gpu_session.sh's probe wrote to session.log ("torch <version> cuda <version> ... <device>"),
+    or None: without it the pytest logs are no evidence of a GPU run (the CPU dry run passes them too)."""
+    path = os.path.join(out_dir, "session.log")
+    if not os.path.exists(path):
+        return None
+    with open(path, errors="replace") as f:
+        return next((line.strip() for line in f if re.match(r"torch \S+ cuda \d", line)), None)
+
+
 def _suite_rows(out_dir: str) -> list[Row]:
     rows = []
+    gpu = session_gpu(out_dir)
     for log, what in (("gpu_test.log", "tests/gpu (single-process tests)"),
                       ("gpu_test_multi.log", "tests/gpu/test_gpu_cp_multi.py (W ranks on one GPU)"),
                       ("gpu_test_linear.log", "tests/gpu/test_gpu_linear.py (carried Triton)")):
@@ -174,6 +185,8 @@ def _suite_rows(out_dir: str) -> list[Row]:
         figure = ", ".join(f"{n} {k}" for k, n in c.items() if n) or "no test ran"
         if c["failed"] or c["errors"]:
             status = NOT_MET
+        elif gpu is None:  # passes of the CPU dry run (or of an unknown machine) are no GPU evidence
+            status, figure = MISSING, figure + " (session.log shows no GPU)"
         else:  # all skipped (no CUDA) is no evidence either way
             status = MET if c["passed"] else MISSING
         rows.append(Row("I1", f"make gpu-test: {what}", figure, status))
@@ -280,6 +293,8 @@ def verdict(out_dir: str) -> tuple[list[Row], list[str]]:
     rows = (BARS["attention"](attention) + BARS["suite"](out_dir) + BARS["loss"](loss, e2e)
             + BARS["linear"](linear))
     machines = _machines(attention, loss, linear, [e2e["env"]] if e2e and e2e.get("env") else [])
+    if session_gpu(out_dir):
+        machines.append(f"session.log: {session_gpu(out_dir)}")
     return rows, machines
 
 
