@@ -54,7 +54,7 @@ def _shard(documents, layout: str):
     return lambda t: t[pos]
 
 
-def _linear_case(layout: str, documents, cu, gform, seed: int, qkv_format: str = "sbhd") -> dict:
+def _linear_case(layout: str, documents, cu, gform, seed: int, qkv_format: str = "sbhd", algo: str = "lasp2") -> dict:
     b = documents.groups[-1][1]
     seq = documents.seq_len
     q, k, v, g, dout = _inputs(seq, gform, seed, b)
@@ -71,7 +71,7 @@ def _linear_case(layout: str, documents, cu, gform, seed: int, qkv_format: str =
     g_local = None if g is None else (g.clone() if g.dim() == 1 else sh(g).clone()).requires_grad_()
     with mb.comm_counter() as counter:
         out = fmt(linear_attention(*(fmt(t) for t in leaves), g=g_local if g is None or g.dim() == 1 else fmt(g_local),
-                                   layout=layout, cu_seqlens=cu, kernel="torch", qkv_format=qkv_format))
+                                   layout=layout, cu_seqlens=cu, kernel="torch", qkv_format=qkv_format, algo=algo))
         out.backward(sh(dout))
     pairs = [("out", out, sh(want.detach()))] + [(f"d{n}", t.grad, sh(w.grad)) for n, t, w in zip("qkv", leaves, ref)]
     if g is not None:
@@ -114,12 +114,15 @@ def run_layout_cases() -> dict:
     results = {}
     for layout, documents, raw in (("thd", thd, None), ("balanced", bal, bal_cuts)):
         for i, gform in enumerate(GFORMS):
-            # the Documents the batch was sliced with, and once the raw boundaries (placed again, alike)
-            cu = raw if (gform == "token" and layout == "balanced") else documents
+            # the Documents the batch was sliced with; on one rank once the raw boundaries (W > 1 refuses
+            # them for balanced: the plan depends on the topology's nodes, see run_layout_refusals)
+            cu = raw if (gform == "token" and layout == "balanced" and W == 1) else documents
             results[f"lasp2 {layout} g={gform}"] = _linear_case(layout, documents, cu, gform, seed=i)
         results[f"gdn {layout} sbhd"] = _gdn_case(layout, documents, documents, seed=7)
     results["gdn balanced bshd"] = _gdn_case("balanced", bal, bal, seed=8, qkv_format="bshd")
     results["lasp2 balanced g=channel bshd"] = _linear_case("balanced", bal, bal, "channel", seed=9, qkv_format="bshd")
+    if W == 1:  # one rank holds the sequence in order: LASP-1 takes these layouts there
+        results["lasp1 thd g=token"] = _linear_case("thd", thd, thd, "token", seed=2, algo="lasp1")
     results["runs"] = {"thd": [len(r) for r in rank_runs(thd, W).per_rank] if W > 1 else None,
                        "balanced": [len(r) for r in rank_runs(bal, W).per_rank] if W > 1 else None}
     return results
@@ -138,6 +141,9 @@ def run_layout_refusals() -> dict:
         "wrong_layout": lambda: linear_attention(q, k, v, layout="contiguous", cu_seqlens=thd),
         "thd_as_balanced": lambda: gated_delta_rule(q, k, v, g, beta, layout="balanced", cu_seqlens=thd),
         "not_divisible": lambda: linear_attention(q, k, v, layout="thd", cu_seqlens=[0, 1, s * W]),
+        "balanced_raw": lambda: linear_attention(q, k, v, layout="balanced", cu_seqlens=[0, 5, s * W]),
+        "thd_other_cp": lambda: linear_attention(q, k, v, layout="thd",
+                                                 cu_seqlens=check_thd([0, 6, s * W], None, s * W, 1, 1)),
     }
     return refusal_messages(cases)
 

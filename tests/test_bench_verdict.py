@@ -129,16 +129,39 @@ def test_loss_bar_needs_every_part_at_once(tmp_path):
 
 
 def test_e2e_mfu_bar(tmp_path):
-    def e2e(mfu, device="NVIDIA H100 80GB HBM3"):
+    def e2e(mfu, device="NVIDIA H100 80GB HBM3", smoke=False, returncode=0):
         write(tmp_path, "e2e/e2e_results.json", [])
         (tmp_path / "e2e" / "e2e_results.json").write_text(json.dumps(
-            {"env": {"device": device}, "results": [{"variant": "mlm_burst", "mfu": mfu, "tokens_per_s": 30000},
-                                                    {"variant": "sdpa", "mfu": 0.9}]}))
+            {"env": {"device": device}, "smoke": smoke,
+             "results": [{"variant": "mlm_burst", "mfu": mfu, "tokens_per_s": 30000, "returncode": returncode},
+                         {"variant": "sdpa", "mfu": 0.9}]}))
         return [r.status for r in rows_of(tmp_path, bar="MFU")]
 
     assert e2e(0.45) == [vd.MET]
     assert e2e(0.4499) == [vd.NOT_MET]
     assert e2e(0.5, device="cpu") == [vd.MISSING]
+    assert e2e(0.5, smoke=True) == [vd.MISSING]  # a tiny model's MFU is not the bar's
+    assert e2e(0.5, returncode=1) == [vd.MISSING]
+
+
+def test_failed_and_skipped_bars_are_listed_as_missing(tmp_path):
+    """Every bar the bench names is a row: one whose runs all failed or were skipped says why, and a linear
+    line whose fp32 reference failed (errors null) has no error half to compare."""
+    shape = {"s": 32768, "b": 1, "h": 16, "d": 128, "W": 1}
+    write(tmp_path, "bench_linear.jsonl", [
+        line("local", "lasp2_token", "fla_direct", 10.0, shape=shape, errors=None),
+        line("local", "lasp2_token", "fla", 10.0, shape=shape, errors=None),
+        {"section": "local", "name": "gdn", "variant": "fla", "error": "OutOfMemoryError: CUDA out of memory", **GPU},
+        {"section": "local", "name": "lasp2_channel", "variant": "fla", "skipped": "fla refuses", **GPU}])
+    write(tmp_path, "bench_gpu.jsonl", [
+        {"section": "sparse", "name": "static_s65536", "variant": "sparse_static", "error": "RuntimeError: boom", **GPU},
+        {"section": "rank_block", "name": "W8_s65536_zigzag", "variant": "engine_blocks", "error": "oom", **GPU}])
+    got = {r.bar.split(",")[0].split(":")[0]: (r.status, r.figure) for r in vd.verdict(str(tmp_path))[0]}
+    assert got["lasp2_token"][0] == vd.MISSING and "no errors recorded" in got["lasp2_token"][1]
+    assert got["gdn"][0] == vd.MISSING and "OutOfMemoryError" in got["gdn"][1]
+    assert got["lasp2_channel"][0] == vd.MISSING and "fla refuses" in got["lasp2_channel"][1]
+    assert got["sparse static_s65536 sparse_static"] == (vd.MISSING, "error: RuntimeError: boom")
+    assert got["rank block W8_s65536_zigzag"][0] == vd.MISSING and "oom" in got["rank block W8_s65536_zigzag"][1]
 
 
 def test_linear_bar_time_and_errors(tmp_path):

@@ -476,6 +476,8 @@ def main(argv=None) -> None:
         configs, tps = DEFAULT_CONFIGS, [args.tp]
     variants = _variant_list(args, args.device)
     avail = _available_bytes() if args.device == "cpu" else None
+    if args.out:  # this run's lines only (each is appended as it is taken)
+        open(args.out, "w").close()
     print(f"# LM head + cross-entropy, {dtype}, {args.device}"
           f"{' (' + torch.cuda.get_device_name() + ')' if args.device.startswith('cuda') else ''}, "
           f"{'SP, ' if args.sequence_parallel else ''}median of {args.repeats} fwd+bwd; objective sum(loss * mask) / "

@@ -73,17 +73,31 @@ def _timed(records: list[dict], section: str) -> dict[str, dict[str, dict]]:
     return by
 
 
+def _untimed(records: list[dict], section: str) -> dict[str, dict[str, str]]:
+    """name -> variant -> why it has no time (its last "skipped" or "error" line), for every name the
+    section mentions: a bar whose runs all failed is listed, as missing, not dropped."""
+    by: dict[str, dict[str, str]] = {}
+    for r in records:
+        if r.get("section") == section and "name" in r:
+            why = r.get("skipped") and f"skipped: {r['skipped']}" or r.get("error") and f"error: {r['error']}"
+            by.setdefault(r["name"], {})
+            if why and not isinstance(r.get("ms"), (int, float)):
+                by[r["name"]][r.get("variant", "?")] = str(why).splitlines()[0][:160]
+    return by
+
+
 def _on_gpu(record: dict) -> bool:
     """A bench line measured on a GPU (its capability is recorded; a CUDA build of torch on a CPU has none)."""
     return record.get("capability") is not None
 
 
 def _ratio_row(issue: str, bar: str, limit: float, engine: Optional[dict], baselines: list[Optional[dict]],
-               looked_for: str) -> Row:
-    """Row for "engine ms <= limit x the fastest baseline's ms"."""
+               looked_for: str, why: Optional[dict] = None) -> Row:
+    """Row for "engine ms <= limit x the fastest baseline's ms" (``why``: variant -> why it has no time)."""
     base = [b for b in baselines if b is not None]
     if engine is None or not base:
-        return Row(issue, bar, f"no timing of {looked_for}", MISSING)
+        reasons = "; ".join(f"{v} {w}" for v, w in (why or {}).items())
+        return Row(issue, bar, f"no timing of {looked_for}" + (f" ({reasons})" if reasons else ""), MISSING)
     ref = min(base, key=lambda b: b["ms"])
     ratio = engine["ms"] / ref["ms"]
     figure = f"{engine['ms']:.2f} ms vs {ref['variant']} {ref['ms']:.2f} ms: {ratio:.2f}x"
@@ -94,37 +108,42 @@ def _ratio_row(issue: str, bar: str, limit: float, engine: Optional[dict], basel
 
 def _attention_rows(records: list[dict]) -> list[Row]:
     rows = []
-    dense = _timed(records, "dense")
+    dense, why = _timed(records, "dense"), _untimed(records, "dense")
     name = "causal_s32768"
     d = dense.get(name, {})
     rows.append(_ratio_row("I1", "dense causal 32K, W = 1: engine <= 1.05 x best SDPA backend", 1.05,
                            d.get("engine_w1_burst"), [d.get("sdpa_flash"), d.get("sdpa_cudnn")],
-                           f"bench_gpu.jsonl dense/{name} engine_w1_burst and sdpa_flash / sdpa_cudnn"))
-    blocks = _timed(records, "rank_block")
-    w8 = sorted(n for n in blocks if n.startswith("W8_"))
+                           f"bench_gpu.jsonl dense/{name} engine_w1_burst and sdpa_flash / sdpa_cudnn",
+                           why.get(name)))
+    blocks, why = _timed(records, "rank_block"), _untimed(records, "rank_block")
+    w8 = sorted(n for n in set(blocks) | set(why) if n.startswith("W8_"))
     for n in w8 or ["W8_*"]:
         b = blocks.get(n, {})
         rows.append(_ratio_row("I1", f"rank block {n}: engine >= 0.85 x one flash call (<= 1.18 x its time)",
                                1 / 0.85, b.get("engine_blocks"),
                                [b.get("one_call_sdpa_flash"), b.get("one_call_sdpa_cudnn")],
-                               f"bench_gpu.jsonl rank_block/{n} engine_blocks and one_call_sdpa_*"))
-    docs = _timed(records, "documents")
-    doc_names = sorted((n for n in docs if re.fullmatch(r"(docs\d+_\w+|window\d+)_s\d+", n)),
+                               f"bench_gpu.jsonl rank_block/{n} engine_blocks and one_call_sdpa_*", why.get(n)))
+    docs, why = _timed(records, "documents"), _untimed(records, "documents")
+    doc_names = sorted((n for n in set(docs) | set(why) if re.fullmatch(r"(docs\d+_\w+|window\d+)_s\d+", n)),
                        key=lambda n: (n.startswith("window"), n))
     for n in doc_names or ["docs*/window*"]:
         b = docs.get(n, {})
         rows.append(_ratio_row("I1", f"{n}: engine >= 0.8 x varlen / windowed flash (<= 1.25 x its time)", 1 / 0.8,
                                b.get("engine_w1_burst"), [b.get("varlen_flash"), b.get("flash_attn")],
-                               f"bench_gpu.jsonl documents/{n} engine_w1_burst and varlen_flash / flash_attn"))
-    sparse = _timed(records, "sparse")
+                               f"bench_gpu.jsonl documents/{n} engine_w1_burst and varlen_flash / flash_attn",
+                               why.get(n)))
+    sparse, why = _timed(records, "sparse"), _untimed(records, "sparse")
     dense_runs = {n: v for n, v in sparse.items() if re.fullmatch(r"s\d+", n)}
-    for n, variants in sorted(sparse.items()):
+    for n in sorted(set(sparse) | set(why)):
         m = re.fullmatch(r"(static|dynamic)_s(\d+)", n)
         if not m:
             continue
         base = dense_runs.get(f"s{m.group(2)}", {})
         ref = min(base.values(), key=lambda r: r["ms"]) if base else None
-        for variant, r in sorted(variants.items()):
+        for variant, reason in sorted(why.get(n, {}).items()):  # a sparse run that failed or was skipped
+            if variant.startswith("sparse_") and variant not in sparse.get(n, {}):
+                rows.append(Row("I1", f"sparse {n} {variant}: >= 3 x faster than dense", reason, MISSING))
+        for variant, r in sorted(sparse.get(n, {}).items()):
             bar = f"sparse {n} {variant} (sparsity {r.get('sparsity', float('nan')):.3f}): >= 3 x faster than dense"
             if ref is None:
                 rows.append(Row("I1", bar, f"no dense timing s{m.group(2)} in bench_gpu.jsonl", MISSING))
@@ -235,24 +254,32 @@ def _loss_rows(records: list[dict], e2e: Optional[dict]) -> list[Row]:
         figure = (f"{r['variant']}: MFU {r['mfu'] * 100:.1f} %, {r.get('tokens_per_s', float('nan')):.0f} tokens/s, "
                   f"peak {r.get('peak_memory_gib', float('nan'))} GiB")
         gpu = (e2e or {}).get("env", {}).get("device", "cpu") != "cpu"
-        rows.append(Row("I2", bar, figure if gpu else figure + " (not on a GPU)",
-                        (MET if r["mfu"] >= 0.45 else NOT_MET) if gpu else MISSING))
+        unfit = ("not on a GPU" if not gpu else "a --smoke run" if (e2e or {}).get("smoke")
+                 else f"return code {r.get('returncode')}" if r.get("returncode") not in (0, None) else None)
+        rows.append(Row("I2", bar, figure + (f" ({unfit})" if unfit else ""),
+                        MISSING if unfit else (MET if r["mfu"] >= 0.45 else NOT_MET)))
     return rows
 
 
 def _linear_rows(records: list[dict]) -> list[Row]:
     rows = []
-    local = _timed(records, "local")
-    names = sorted(n for n in local if n.startswith("lasp2_") or n == "gdn")
+    local, why = _timed(records, "local"), _untimed(records, "local")
+    names = sorted(n for n in set(local) | set(why) if n.startswith("lasp2_") or n == "gdn")
     for n in names or ["lasp2_* / gdn"]:
         v = local.get(n, {})
         ours, fla = v.get("fla"), v.get("fla_direct")
         bar = f"{n}, W = 1: ours (fla behind it) <= 1.1 x fla's own kernel, errors <= fla's"
         if ours is None or fla is None:
-            rows.append(Row("I3", bar, f"no timing of bench_linear.jsonl local/{n} fla and fla_direct", MISSING))
+            reasons = "; ".join(f"{k} {w}" for k, w in why.get(n, {}).items() if k in ("fla", "fla_direct"))
+            rows.append(Row("I3", bar, f"no timing of bench_linear.jsonl local/{n} fla and fla_direct"
+                            + (f" ({reasons})" if reasons else ""), MISSING))
             continue
         ratio = ours["ms"] / fla["ms"]
-        e_ours, e_fla = ours.get("errors", {}), fla.get("errors", {})
+        e_ours, e_fla = ours.get("errors") or {}, fla.get("errors") or {}
+        if not e_ours or not e_fla:  # the fp32 reference failed (e.g. out of memory): the error half is unknown
+            rows.append(Row("I3", bar, f"{ours['ms']:.2f} ms vs {fla['ms']:.2f} ms: {ratio:.2f}x; no errors recorded",
+                            MISSING))
+            continue
         worse = [k for k in e_ours if k in e_fla and e_ours[k] > e_fla[k]]
         figure = f"{ours['ms']:.2f} ms vs {fla['ms']:.2f} ms: {ratio:.2f}x" + \
             (f"; errors above fla's: {', '.join(f'{k} {e_ours[k]:.1e} > {e_fla[k]:.1e}' for k in worse)}" if worse else "")

@@ -60,7 +60,7 @@ def _validate(q, k, v, g, *, world_size, causal, layout, stripe, algo, qkv_forma
         if cu_seqlens is None:
             raise ValueError(f"layout={layout!r} places tokens by the batch's documents: pass them as cu_seqlens "
                              "(boundaries, or the Documents the batch was sliced with)")
-        if algo != "lasp2":
+        if algo != "lasp2" and world_size > 1:  # one rank holds the sequence in order: any algo
             raise ValueError(f"algo={algo!r} with layout={layout!r}: the data-derived layouts run LASP-2 (algo='lasp2')")
     if cu_seqlens is None:
         return None

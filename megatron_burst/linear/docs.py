@@ -66,15 +66,22 @@ def check_documents(cu_seqlens: "CuSeqlens | Documents", seq_len: int, batch: in
     by the batch, a list of ``batch`` of them (one per sample), or a
     :class:`~megatron_burst.masks.documents.Documents` validated once per batch. ``seq_len`` is the
     global length S = local length x CP size. ``layout`` "thd" or "balanced" (the data-derived
-    layouts, :mod:`megatron_burst.linear.runs`): raw boundaries are placed here as cp_attention places
-    them (THD: every sequence's length divisible by 2 x ``world_size``; balanced: planned), and given
-    Documents must carry that layout's placement for ``world_size`` ranks.
+    layouts, :mod:`megatron_burst.linear.runs`): Documents must carry that layout's placement for
+    ``world_size`` ranks. Raw THD boundaries are placed here (every sequence's length divisible by
+    2 x ``world_size``). Raw balanced boundaries are taken on one rank only: the plan depends on the
+    CP topology's ranks per node, which a process group does not tell, so at W > 1 the Documents the
+    batch was sliced with (``balanced_documents(..., ranks_per_node=...)``) are required.
     """
     derived = layout in (THD, BALANCED)
     if not isinstance(cu_seqlens, Documents):
         if layout == THD:
             return check_thd(cu_seqlens, None, seq_len // world_size, world_size, batch)
         if layout == BALANCED:
+            if world_size > 1:
+                raise ValueError("layout='balanced' with raw boundaries: the placement depends on the CP "
+                                 "topology's ranks per node, so pass the Documents the batch was sliced with "
+                                 "(megatron_burst.balanced_documents(cu_seqlens, S, b, W, ranks_per_node=...)), "
+                                 "as the softmax layers get them")
             return balanced_documents(cu_seqlens, seq_len, batch, world_size)
         return check_cu_seqlens(cu_seqlens, seq_len, batch)
     docs = cu_seqlens
@@ -86,6 +93,12 @@ def check_documents(cu_seqlens: "CuSeqlens | Documents", seq_len: int, batch: in
     if docs.plan is not None and docs.plan.world_size != world_size:
         raise ValueError(f"the balanced plan places tokens on {docs.plan.world_size} ranks, the CP group has "
                          f"{world_size}: plan with the group's size")
+    if docs.layout == THD and world_size > 1:
+        odd = [(a, c) for a, c in zip(docs.partition, docs.partition[1:]) if (c - a) % (2 * world_size)]
+        if odd:
+            raise ValueError(f"packed sequence {odd[0]} of these THD documents is not divisible by 2 x CP size = "
+                             f"{2 * world_size}: they were built for another CP size; build them with "
+                             "check_thd for this group")
     if docs.seq_len != seq_len:
         raise ValueError(f"documents for {docs.seq_len} tokens do not fit this call: the global sequence has "
                          f"{seq_len} tokens (local length x CP size)")
