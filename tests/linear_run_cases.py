@@ -205,3 +205,25 @@ def run_halo_case(width: int = 3) -> dict:
     return {"halo": (halo - want).abs().max().item(), "grad": (local.grad - sh(grad_full)).abs().max().item(),
             "shortest": min(n for _, n in runs.starts), "sent": counter.bytes("sent", phase="forward"),
             "slots": max(len(o) for o in runs.order)}
+
+
+def exchange_saved_states() -> dict:
+    """What a LASP-2 call over a THD batch's runs keeps for the backward: the largest number of
+    [b, h, dk, dv] states in one saved tensor, against this rank's runs and all ranks' (T)."""
+    W, r = dist.get_world_size(), dist.get_rank()
+    thd, _ = thd_batch(W)
+    runs = rank_runs(thd, W)
+    q, k, v, g, _ = _inputs(thd.seq_len, "token", 0, 1)
+    sh = _shard(thd, "thd")
+    most = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal most
+        if t.dim() == 5 and tuple(t.shape[-2:]) == (DK, DV):
+            most = max(most, t.shape[0])
+        return t
+
+    leaves = [sh(t).requires_grad_() for t in (q, k, v)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        linear_attention(*leaves, g=sh(g), layout="thd", cu_seqlens=thd, kernel="torch")
+    return {"saved_states": most, "mine": len(runs.order[r]), "total": sum(map(len, runs.order))}

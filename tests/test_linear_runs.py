@@ -11,7 +11,8 @@ import pytest
 
 from harness import run_ranks
 from linear_cases import B, DK, DV, FP32_TOL, H
-from linear_run_cases import fla_run_layout_cases, run_halo_case, run_layout_cases, run_layout_refusals
+from linear_run_cases import (exchange_saved_states, fla_run_layout_cases, run_halo_case, run_layout_cases,
+                              run_layout_refusals)
 
 pytestmark = pytest.mark.usefixtures("fresh_kernel_choices")  # tests/conftest.py
 
@@ -64,3 +65,10 @@ def test_conv_halo_over_runs_reaches_back_past_short_runs(world_size):
     for res in run_ranks(world_size, run_halo_case):
         assert res["shortest"] < 3 and res["halo"] == 0.0 and res["grad"] < 1e-6, res
         assert res["sent"] == (world_size - 1) * res["slots"] * 3 * 2 * 3 * 4  # width x b x d fp32 per slot
+
+
+def test_exchange_keeps_this_ranks_entering_states_only():
+    """The backward needs every run's transition but only this rank's entering states: a layer keeps
+    nseg states, not T (a THD batch has about 2 runs per sequence on every rank)."""
+    for res in run_ranks(3, exchange_saved_states):
+        assert res["saved_states"] == res["mine"] < res["total"], res

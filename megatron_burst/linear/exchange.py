@@ -112,10 +112,11 @@ def local_entering_states(M: torch.Tensor, a: Optional[torch.Tensor], matrix: bo
 
 
 def _reverse_scan(delta: torch.Tensor, S_in: torch.Tensor, a: Optional[torch.Tensor], matrix: bool = False,
-                  keep: Optional[torch.Tensor] = None):
-    """(dM, da) in global order from delta = dL/dS_in (direct) -- see module docstring. With
-    ``matrix``: G_i = delta_i + a_i^T G_{i+1} and da_i = G_{i+1} S_in(i)^T. ``keep`` [T, b]: the
-    transitions (and so da) of segments where a document starts are zero."""
+                  keep: Optional[torch.Tensor] = None, mine: Optional[list] = None):
+    """(dM in global order, da of the segments ``mine``) from delta = dL/dS_in (direct) -- see module
+    docstring. ``S_in`` [len(mine), ...]: the entering states of those segments only (a rank keeps its
+    own, not all T). With ``matrix``: G_i = delta_i + a_i^T G_{i+1} and da_i = G_{i+1} S_in(i)^T.
+    ``keep`` [T, b]: the transitions (and so da) of segments where a document starts are zero."""
     k = keep_factors(keep, delta)
     T = delta.shape[0]
     G = [None] * T
@@ -127,7 +128,7 @@ def _reverse_scan(delta: torch.Tensor, S_in: torch.Tensor, a: Optional[torch.Ten
     dM = torch.stack([G[i + 1] if i + 1 < T else zero for i in range(T)])
     if a is None:
         return dM, None
-    through = dM if k is None else k * dM  # the part of G_{i+1} that reaches a_i
+    through = dM[mine] if k is None else k[mine] * dM[mine]  # the part of G_{i+1} that reaches a_i
     if matrix:
         return dM, through @ S_in.transpose(-1, -2)
     prod = through * S_in  # keep_i * G_{i+1} * S_in(i)
@@ -211,8 +212,11 @@ class Lasp2Exchange(torch.autograd.Function):
         if not smap.causal:
             return M_all.sum(0).unsqueeze(0).expand_as(M).contiguous()
         S_all = _prefix_states(M_all, a_all, matrix, keep)
-        ctx.save_for_backward(S_all, *([a_all] if a_all is not None else []))
-        return _mine(S_all, smap)
+        S_mine = _mine(S_all, smap)
+        # the backward's reverse scan needs every transition but only this rank's entering states (for
+        # its own da): keeping those, not all T, is what bounds a layer's memory when T is large (THD)
+        ctx.save_for_backward(S_mine, *([a_all] if a_all is not None else []))
+        return S_mine
 
     @staticmethod
     def backward(ctx, dS: torch.Tensor):
@@ -223,9 +227,9 @@ class Lasp2Exchange(torch.autograd.Function):
         if not smap.causal:
             return delta_all.sum(0).unsqueeze(0).expand_as(dS).contiguous(), None, None, None, None, None
         saved = ctx.saved_tensors
-        dM_all, da_all = _reverse_scan(delta_all, saved[0], saved[1] if ctx.has_decay else None, ctx.matrix,
-                                       ctx.keep)
-        return _mine(dM_all, smap), (_mine(da_all, smap) if da_all is not None else None), None, None, None, None
+        dM_all, da = _reverse_scan(delta_all, saved[0], saved[1] if ctx.has_decay else None, ctx.matrix,
+                                   ctx.keep, list(smap.order[smap.rank]))
+        return _mine(dM_all, smap), da, None, None, None, None
 
 
 class Lasp1Chain(torch.autograd.Function):
