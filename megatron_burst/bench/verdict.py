@@ -320,8 +320,9 @@ def verdict(out_dir: str) -> tuple[list[Row], list[str]]:
     rows = (BARS["attention"](attention) + BARS["suite"](out_dir) + BARS["loss"](loss, e2e)
             + BARS["linear"](linear))
     machines = _machines(attention, loss, linear, [e2e["env"]] if e2e and e2e.get("env") else [])
-    if session_gpu(out_dir):
-        machines.append(f"session.log: {session_gpu(out_dir)}")
+    gpu = session_gpu(out_dir)
+    if gpu:
+        machines.append(f"session.log: {gpu}")
     return rows, machines
 
 

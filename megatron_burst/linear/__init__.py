@@ -239,16 +239,18 @@ def _lasp2_runs(q, k, v, g, documents: Documents, pg, rank: int, world_size: int
         maps = [(None,) + _decays(gg) for _, _, gg, _, _ in groups]
     a = None if g is None else in_run_order([(grp, m[1]) for (grp, *_), m in zip(groups, maps)])
     gathered, pending = post_state_gather(M, a, smap)  # overlaps with the runs' own outputs
-    own = [segment_output(qg, kg, vg, gg, scale, dg) if fla_fn is None else grp.stack(fla_outs, -2)
-           for grp, (qg, kg, vg), gg, dg, _ in groups]
+    own = [segment_output(qg, kg, vg, gg, scale, dg) for grp, (qg, kg, vg), gg, dg, _ in groups] \
+        if fla_fn is None else None  # fla formed them above, per run
     pending.wait()
     S_in = Lasp2Exchange.apply(M, a, gathered, smap, False, rd.keep)
-    outs: dict[int, torch.Tensor] = {}
-    for (grp, (qg, _, _), _, dg, eg), m, o_g in zip(groups, maps, own):
+    inter: dict[int, torch.Tensor] = {}
+    for j, ((grp, (qg, _, _), _, dg, eg), m) in enumerate(zip(groups, maps)):
         q_in = qg if m[2] is None else qg * torch.exp(m[2])
         q_in = q_in * (dg == eg.unsqueeze(-1)).unsqueeze(-1).to(q_in.dtype)  # the entering document's tokens
-        outs.update(grp.unstack(o_g + scale * (q_in @ S_in[list(grp.index)]), lengths, -2))
-    o = torch.cat([outs[i] for i in range(len(lengths))], dim=-2)[0]  # [b, h, s, dv]
+        term = scale * (q_in @ S_in[list(grp.index)])
+        inter.update(grp.unstack(term if own is None else own[j] + term, lengths, -2))
+    outs = [inter[i] if fla_fn is None else fla_outs[i] + inter[i] for i in range(len(lengths))]
+    o = torch.cat(outs, dim=-2)[0]  # [b, h, s, dv]
     out = o.permute(2, 0, 1, 3) if sbhd else o.permute(0, 2, 1, 3)
     return out.to(q.dtype).contiguous()
 

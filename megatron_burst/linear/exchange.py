@@ -401,9 +401,11 @@ def previous_tokens(x: torch.Tensor, width: int, smap: SegmentMap,
     if segments is None:
         L = x.shape[1]
         segments = tuple((gi * L, L) for gi in range(smap.total))
+        # equal segments of at least ``width`` tokens: their tails are one slice (striped: no loop over stripes)
+        tails = x[:, L - width:] if L >= width else tails_of(x.reshape((-1,) + tuple(x.shape[2:])), [L] * len(x), width)
         x = x.reshape((-1,) + tuple(x.shape[2:]))
-    lengths = [segments[gi][1] for gi in smap.order[smap.rank]]
-    tails = tails_of(x, lengths, width)
+    else:
+        tails = tails_of(x, [segments[gi][1] for gi in smap.order[smap.rank]], width)
     index = halo_index(segments, width).to(x.device)
     if smap.world_size == 1:
         every = tails[torch.argsort(torch.tensor(smap.order[0], device=x.device))]  # global order
