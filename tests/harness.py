@@ -55,6 +55,11 @@ CUDA_SAFE_PRELOAD = ["torch", "torch.distributed", "pytest"]
 ERROR_GRACE_S: float | None = None
 
 _START_TIMEOUT_S = 120.0  # pool start (fork + gloo rendezvous); not charged to the test's timeout
+# A port free when picked can be taken before rank 0 listens on it (another xdist worker's ranks,
+# a test's own subprocesses): a pool whose rendezvous fails that way starts again on a new port.
+_START_ATTEMPTS = 3
+# once a rank fails to start, the others cannot finish the rendezvous: stop waiting for them soon
+_START_ERROR_GRACE_S = 5.0
 _STACK_DUMP_WAIT_S = 2.0  # how long to wait for hung ranks to write their faulthandler dumps
 _JOIN_TIMEOUT_S = 5.0
 
@@ -275,7 +280,7 @@ class _Pool:
             proc.start()
             child_conn.close()
             self.workers.append(_Worker(rank, proc, parent_conn, stack_path))
-        replies, errors, hung = self._collect(time.monotonic() + _START_TIMEOUT_S, None)
+        replies, errors, hung = self._collect(time.monotonic() + _START_TIMEOUT_S, _START_ERROR_GRACE_S)
         errors.update({rank: tb for rank, (_, status, tb) in replies.items() if status == "error"})
         if errors or hung:
             self.kill()
@@ -423,12 +428,15 @@ _pools: dict[int, _Pool] = {}
 def _get_pool(world_size: int) -> _Pool:
     pool = _pools.get(world_size)
     if pool is None or not pool.workers:
-        pool = _Pool(world_size)
-        try:
-            pool.start()
-        except BaseException:
-            pool.kill()
-            raise
+        for attempt in range(_START_ATTEMPTS):
+            pool = _Pool(world_size)
+            try:
+                pool.start()
+                break
+            except BaseException as exc:
+                pool.kill()
+                if "EADDRINUSE" not in str(exc) or attempt == _START_ATTEMPTS - 1:
+                    raise
         _pools[world_size] = pool
     return pool
 

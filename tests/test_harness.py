@@ -201,3 +201,26 @@ def test_forkserver_preloads_nothing_that_initializes_cuda_on_a_cuda_machine(mon
     assert "megatron.core" not in harness._preload_modules() and "torch" in harness._preload_modules()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert "megatron.core" in harness._preload_modules()
+
+
+def test_a_pool_whose_port_was_taken_starts_again_on_another(monkeypatch) -> None:
+    """A port can be taken between picking it and rank 0 listening on it (2 xdist workers start ranks
+    side by side): the pool starts again on a new port instead of failing the test."""
+    import socket
+
+    harness.shutdown_pools()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    real, picks = harness._free_port, []
+
+    def first_taken() -> int:
+        picks.append(taken.getsockname()[1] if not picks else real())
+        return picks[-1]
+
+    monkeypatch.setattr(harness, "_free_port", first_taken)
+    try:
+        assert run_ranks(2, _rank_and_sum) == [(0, 2, 1.0), (1, 2, 1.0)]
+    finally:
+        taken.close()
+    assert len(picks) == 2 and picks[0] != picks[1]
