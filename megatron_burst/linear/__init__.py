@@ -148,7 +148,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         return fla_adapter.rows_to_local(o_rows, 1, sbhd).to(q.dtype).contiguous()
     # the entering state's masks and the exchange's reset flags: the same for both local kernels
     sd = segment_documents(documents, b, smap.order[rank], smap.total, q.device)
-    doc, keep = (None, None) if sd is None else (sd.doc, sd.keep)
+    doc, keep = (None, None) if sd is None else (sd.doc, sd.resets)
     if fla_fn is not None:
         o, M, a, G, qs = _fla_local(fla_fn, form, q, k, v, g, per_rank, b, h, s, dk, dv, L, sbhd, scale, acc,
                                     segments, to_bhsd, pieces)
@@ -242,7 +242,7 @@ def _lasp2_runs(q, k, v, g, documents: Documents, pg, rank: int, world_size: int
     own = [segment_output(qg, kg, vg, gg, scale, dg) for grp, (qg, kg, vg), gg, dg, _ in groups] \
         if fla_fn is None else None  # fla formed them above, per run
     pending.wait()
-    S_in = Lasp2Exchange.apply(M, a, gathered, smap, False, rd.keep)
+    S_in = Lasp2Exchange.apply(M, a, gathered, smap, False, rd.resets)
     inter: dict[int, torch.Tensor] = {}
     for j, ((grp, (qg, _, _), _, dg, eg), m) in enumerate(zip(groups, maps)):
         q_in = qg if m[2] is None else qg * torch.exp(m[2])

@@ -53,7 +53,7 @@ from megatron_burst.linear.checks import check_qkv, segment_order, segments_per_
 from megatron_burst.linear.chunked import CHUNK
 from megatron_burst.linear import fla_adapter, kernel_choice
 from megatron_burst.linear.docs import check_documents, segment_documents, unplaced
-from megatron_burst.linear.exchange import Lasp2Exchange, SegmentMap, local_entering_states, post_state_gather
+from megatron_burst.linear.exchange import Lasp2Exchange, Resets, SegmentMap, local_entering_states, post_state_gather
 from megatron_burst.linear.runs import (RUN_LAYOUTS, chunk_groups, in_run_order, rank_runs, run_documents, run_map,
                                        split_runs)
 
@@ -263,10 +263,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     ks, vs = (segments(t) for t in (k, v))
     gs, bs = (segments(t)[..., 0] for t in (g, beta))
     sd = segment_documents(documents, b, smap.order[rank], smap.total, q.device)
-    doc, enter = (None, None) if sd is None else (sd.doc, sd.enter)
+    doc, enter, resets = (None, None, None) if sd is None else (sd.doc, sd.enter, sd.resets)
     if fla is not None:  # the maps (documents masked in: A = 0 where one starts) in torch, outputs by fla
         return _fla_outputs(fla, q, k, v, g, beta, delta_segment_maps(None, ks, vs, gs, bs, doc, enter)[:2], smap,
-                            sbhd, scale, pieces)
+                            sbhd, scale, pieces, resets)
     A, B, chunks = delta_segment_maps(segments(q), ks, vs, gs, bs, doc, enter)
     pending = None
     if world_size > 1:  # overlaps with the local outputs below
@@ -274,16 +274,16 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     o, q_in = delta_segment_outputs(chunks, scale)
     if world_size > 1:
         pending.wait()
-        o = o + scale * (q_in @ Lasp2Exchange.apply(B, A, gathered, smap, True))
+        o = o + scale * (q_in @ Lasp2Exchange.apply(B, A, gathered, smap, True, resets))
     elif per_rank > 1:  # the local segments are the global ones: no exchange
-        o = o + scale * (q_in @ local_entering_states(B, A, matrix=True))
+        o = o + scale * (q_in @ local_entering_states(B, A, matrix=True, keep=resets))
     o = o.permute(1, 2, 0, 3, 4).reshape(b, h, s, dv)  # segments back in local order
     out = o.permute(2, 0, 1, 3) if sbhd else o.permute(0, 2, 1, 3)
     return out.to(q.dtype).contiguous()
 
 
 def _fla_outputs(fla, q, k, v, g, beta, maps, smap: SegmentMap, sbhd: bool, scale: float,
-                 pieces: Optional[fla_adapter.RowPieces] = None) -> torch.Tensor:
+                 pieces: Optional[fla_adapter.RowPieces] = None, resets: Optional[Resets] = None) -> torch.Tensor:
     """Outputs by fla's kernel, each segment a batch row entering with its exchanged state (with
     ``pieces``, documents: each piece of a row a varlen sequence, the row's state entering its
     first piece when that continues the entering document; :func:`fla_adapter.gdn_rows`)."""
@@ -293,9 +293,9 @@ def _fla_outputs(fla, q, k, v, g, beta, maps, smap: SegmentMap, sbhd: bool, scal
     if smap.world_size > 1:
         gathered, pending = post_state_gather(B, A, smap, label="gdn (A, B) all-gather")
         pending.wait()
-        S_in = Lasp2Exchange.apply(B, A, gathered, smap, True)
+        S_in = Lasp2Exchange.apply(B, A, gathered, smap, True, resets)
     elif nseg > 1:
-        S_in = local_entering_states(B, A, matrix=True)
+        S_in = local_entering_states(B, A, matrix=True, keep=resets)
 
     def rows(t: torch.Tensor) -> torch.Tensor:  # sbhd/bshd -> [nseg * b, L, h, ...] (segment-major rows)
         return fla_adapter.to_rows(t, nseg, sbhd)
@@ -328,7 +328,8 @@ def _gdn_runs(fla, q, k, v, g, beta, documents: Documents, pg, rank: int, world_
     A, B = (in_run_order([(grp, m[j]) for grp, m in zip(groups, maps)]) for j in (0, 1))
     gathered, pending = post_state_gather(B, A, smap, label="gdn (A, B) all-gather")
     pending.wait()
-    S_in = Lasp2Exchange.apply(B, A, gathered, smap, True)  # [nseg, b, h, dk, dv]; A = 0 where a run resets
+    # [nseg, b, h, dk, dv]; A = 0 where a run resets already: the flags cut the scan into short chains
+    S_in = Lasp2Exchange.apply(B, A, gathered, smap, True, rd.resets)
     if fla is not None:  # each run a row entering with its state (pieces: cut at document starts)
         pieces = fla_adapter.run_pieces(documents, b, runs.per_rank[rank], q.device)
         flat = [fla_adapter.runs_to_flat(t, lengths, sbhd) for t in (q, k, v, g, beta)]

@@ -33,6 +33,7 @@ import torch
 
 from megatron_burst.masks.documents import THD, CuSeqlens, Documents, balanced_documents, check_cu_seqlens, check_thd
 from megatron_burst.masks.layout import BALANCED
+from megatron_burst.linear.exchange import Resets, resets
 
 __all__ = ["SegmentDocuments", "check_documents", "segment_documents", "document_index", "unplaced"]
 
@@ -44,13 +45,13 @@ class SegmentDocuments:
     ``doc`` [nseg, b, 1, L] (long): the document index of every local token, by segment.
     ``enter`` [nseg, b, 1] (long): the document of the token just before each local segment: the
     document the entering state belongs to (0 before the first segment, whose state is zero).
-    ``keep`` [T, b] (bool): per global segment (global order), True when no document starts inside
-    it, so the state entering it carries on through it; False makes it a reset map.
+    ``resets``: per global segment (global order) ``keep`` [T, b] (bool), True when no document starts
+    inside it, so the state entering it carries on through it; False makes it a reset map.
     """
 
     doc: torch.Tensor
     enter: torch.Tensor
-    keep: torch.Tensor
+    resets: Resets
 
     @property
     def from_entering(self) -> torch.Tensor:
@@ -138,13 +139,17 @@ def document_index(documents: Documents, batch: int, device: torch.device) -> to
 
 @functools.lru_cache(maxsize=16)
 def _segments(documents: Documents, batch: int, order: tuple, total: int, device: str) -> SegmentDocuments:
-    every = _index(documents, batch, device)
     L = documents.seq_len // total
-    by_segment = every.view(batch, total, L).transpose(0, 1)  # [T, b, L]
-    enter = torch.cat([torch.zeros_like(every[:, :1]), every[:, L - 1:-1:L]], dim=1).transpose(0, 1)  # [T, b]
-    keep = by_segment[..., -1] == enter
-    mine = torch.tensor(order, device=every.device)
-    return SegmentDocuments(doc=by_segment[mine].unsqueeze(2), enter=enter[mine].unsqueeze(2), keep=keep)
+
+    def split(every: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # -> by segment [T, b, L], enter [T, b]
+        enter = torch.cat([torch.zeros_like(every[:, :1]), every[:, L - 1:-1:L]], dim=1).transpose(0, 1)
+        return every.view(batch, total, L).transpose(0, 1), enter
+
+    by_segment, enter = split(_index(documents, batch, device))
+    host, host_enter = split(_index(documents, batch, "cpu"))  # the flags on the host: the scan plans from them
+    mine = torch.tensor(order, device=by_segment.device)
+    return SegmentDocuments(doc=by_segment[mine].unsqueeze(2), enter=enter[mine].unsqueeze(2),
+                            resets=resets(host[..., -1] == host_enter, torch.device(device)))
 
 
 def segment_documents(documents: Optional[Documents], batch: int, order: tuple, total: int,

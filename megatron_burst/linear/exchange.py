@@ -15,9 +15,10 @@ dM_i = sum of every segment's delta.
   scan and keeps its own segments' dM, da. Bytes per rank and direction: (W - 1) x its own
   (M, a) [forward] or delta [backward], whatever the sequence length.
 Documents: ``keep`` [T, b] (bool, global order, the same on every rank: derived from the global
-boundaries, :mod:`megatron_burst.linear.docs`) is False for a segment in which a document starts;
-its transition is then zero, S_in(i+1) = M_i: the prefix stops there. The backward is the same
-scan with keep_i * a_i in place of a_i, and da_i gains the factor keep_i. Nothing more is sent.
+boundaries, :mod:`megatron_burst.linear.docs`; :class:`Resets`) is False for a segment in which a
+document starts; its transition is then zero, S_in(i+1) = M_i: the prefix stops there. The backward
+is the same scan with keep_i * a_i in place of a_i, and da_i gains the factor keep_i. Nothing more is
+sent. The scans run as wavefronts (:class:`_Waves`): steps = the longest chain between resets, not T.
 
 * :class:`Lasp1Chain` (LASP-1): the state walks the segments in global order, passed from the owner
   of segment i to the owner of segment i + 1 (W - 1 sequential hops for the contiguous layout),
@@ -85,50 +86,144 @@ def _transition(a: Optional[torch.Tensor], S: torch.Tensor, matrix: bool,
     return out if keep is None else keep * out
 
 
-def keep_factors(keep: Optional[torch.Tensor], like: torch.Tensor) -> Optional[torch.Tensor]:
+@dataclass(frozen=True, eq=False)
+class Resets:
+    """Documents as the exchange sees them (:mod:`megatron_burst.linear.docs`, :mod:`.runs`).
+
+    ``keep`` [T, b] (bool, on the states' device, global order): False for a segment in which a
+    document starts; its transition is then zero. ``links`` (host, T - 1 flags): whether segment i's
+    transition reaches segment i + 1 for any sample -- the scans' dependency chains, known on the host
+    (the boundaries are), so planning them never reads ``keep`` back from the device.
+    """
+
+    keep: torch.Tensor
+    links: tuple[bool, ...]
+
+
+def resets(keep: torch.Tensor, device: torch.device) -> Resets:
+    """:class:`Resets` from the host's keep [T, b] (bool)."""
+    return Resets(keep.to(device), tuple(keep[:-1].any(1).tolist()))
+
+
+def keep_factors(keep: Optional[Resets], like: torch.Tensor) -> Optional[torch.Tensor]:
     """keep [T, b] (bool) -> [T, b, 1, 1, 1] in ``like``'s dtype (states are [T, b, h, dk, dv])."""
     if keep is None:
         return None
-    return keep.to(like.dtype).reshape(tuple(keep.shape) + (1,) * (like.dim() - 2))
+    flags = keep.keep
+    return flags.to(like.dtype).reshape(tuple(flags.shape) + (1,) * (like.dim() - 2))
+
+
+@dataclass(frozen=True)
+class _Waves:
+    """A scan over T segments as wavefronts. A segment's value needs its neighbour's (the one before it
+    in the prefix scan, after it in the reverse scan) only when the transition between them is linked,
+    so each segment belongs to wave d = the length of its linked chain back to an unlinked start, and a
+    wave is one batched step. Chains are cut at every document start: a THD batch's T runs (2W - 1 per
+    sequence, W = 8: ~1000 at 1M tokens) take 2W - 1 steps instead of T; without documents the chain is
+    all T segments (T = W or 2W: few).
+
+    ``members[d]``: wave d's segments, increasing. ``source[d]`` (d >= 1): the position in wave d - 1 of
+    each member's neighbour (wave d never has more members than wave d - 1; consecutive positions are a
+    view, :func:`_rows`). ``where[i]``: segment i's row in the waves concatenated."""
+
+    members: tuple[tuple[int, ...], ...]
+    source: tuple[tuple[int, ...], ...]
+    where: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=64)
+def _waves(links: tuple[bool, ...], reverse: bool) -> _Waves:
+    T = len(links) + 1
+    depth = [0] * T
+    order = range(T - 2, -1, -1) if reverse else range(1, T)
+    for i in order:
+        n = i + 1 if reverse else i - 1  # the neighbour it reads
+        depth[i] = depth[n] + 1 if links[min(i, n)] else 0
+    members: list[list[int]] = [[] for _ in range(max(depth) + 1)]
+    for i in range(T):
+        members[depth[i]].append(i)
+    position = {i: p for wave in members for p, i in enumerate(wave)}
+    source = [()] + [tuple(position[i + 1 if reverse else i - 1] for i in wave) for wave in members[1:]]
+    flat = [i for wave in members for i in wave]
+    where = [0] * T
+    for row, i in enumerate(flat):
+        where[i] = row
+    return _Waves(tuple(tuple(w) for w in members), tuple(source), tuple(where))
+
+
+@functools.lru_cache(maxsize=512)
+def _index(rows: tuple[int, ...], device: str) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _rows(t: Optional[torch.Tensor], rows) -> Optional[torch.Tensor]:
+    """t[rows] along dim 0: a view when the rows are consecutive, else one gather (the index tensor
+    cached per device, so a step's layers copy it to the device once)."""
+    if t is None:
+        return None
+    rows = tuple(rows)
+    if rows and rows == tuple(range(rows[0], rows[0] + len(rows))):
+        return t[rows[0]:rows[0] + len(rows)]
+    return t[_index(rows, str(t.device))]
+
+
+def _scan_links(T: int, keep: Optional[Resets]) -> tuple[bool, ...]:
+    if keep is None:
+        return (True,) * (T - 1)
+    if len(keep.links) != T - 1:
+        raise ValueError(f"document resets for {len(keep.links) + 1} segments, the scan has {T}")
+    return keep.links
 
 
 def _prefix_states(M: torch.Tensor, a: Optional[torch.Tensor], matrix: bool = False,
-                   keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """S_in for segments in global order. M [T, ...state], a [T, ..., dkg] (or [T, ..., dk, dk] with
-    ``matrix``) or None, keep [T, b] (bool) or None -> [T, ...state]."""
+                   keep: Optional[Resets] = None, want=None) -> torch.Tensor:
+    """S_in of the segments ``want`` (global indices; default all, in global order). M [T, ...state],
+    a [T, ..., dkg] (or [T, ..., dk, dk] with ``matrix``) or None, keep as :class:`Resets` or None ->
+    [len(want), ...state]. No in-place writes: autograd can differentiate it (one process)."""
+    T = M.shape[0]
+    w = _waves(_scan_links(T, keep), False)
     k = keep_factors(keep, M)
-    S = [torch.zeros_like(M[0])]
-    for i in range(1, M.shape[0]):
-        S.append(_transition(a[i - 1] if a is not None else None, S[-1], matrix,
-                             None if k is None else k[i - 1]) + M[i - 1])
-    return torch.stack(S)
+    first = w.members[0]  # segment 0 enters with zero; an unlinked i with M_{i-1} (the prefix restarts)
+    starts = [torch.zeros_like(M[:1])] if first[0] == 0 else []
+    rest = [i - 1 for i in first if i > 0]
+    waves = [torch.cat(starts + ([_rows(M, rest)] if rest else []))]
+    for wave, src in zip(w.members[1:], w.source[1:]):
+        before = [i - 1 for i in wave]
+        prev = _rows(waves[-1], src)
+        waves.append(_transition(_rows(a, before), prev, matrix, _rows(k, before)) + _rows(M, before))
+    every = waves[0] if len(waves) == 1 else torch.cat(waves)
+    return _rows(every, [w.where[i] for i in (range(T) if want is None else want)])
 
 
 def local_entering_states(M: torch.Tensor, a: Optional[torch.Tensor], matrix: bool = False,
-                          keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          keep: Optional[Resets] = None) -> torch.Tensor:
     """S_in of segments that are all local and in global order (one process): the same scan,
     differentiable by autograd."""
     return _prefix_states(M, a, matrix, keep)
 
 
 def _reverse_scan(delta: torch.Tensor, S_in: torch.Tensor, a: Optional[torch.Tensor], matrix: bool = False,
-                  keep: Optional[torch.Tensor] = None, mine: Optional[list] = None):
-    """(dM in global order, da of the segments ``mine``) from delta = dL/dS_in (direct) -- see module
-    docstring. ``S_in`` [len(mine), ...]: the entering states of those segments only (a rank keeps its
-    own, not all T). With ``matrix``: G_i = delta_i + a_i^T G_{i+1} and da_i = G_{i+1} S_in(i)^T.
-    ``keep`` [T, b]: the transitions (and so da) of segments where a document starts are zero."""
-    k = keep_factors(keep, delta)
+                  keep: Optional[Resets] = None, mine: tuple = ()):
+    """(dM, da) of the segments ``mine`` from delta = dL/dS_in [T, ...] (direct, global order) -- see the
+    module docstring. ``S_in`` [len(mine), ...]: the entering states of those segments only (a rank
+    keeps its own, not all T). With ``matrix``: G_i = delta_i + a_i^T G_{i+1} and da_i = G_{i+1} S_in(i)^T.
+    ``keep``: the transitions (and so da) of segments where a document starts are zero. The same
+    wavefronts as the prefix scan, walked from the end."""
     T = delta.shape[0]
-    G = [None] * T
-    G[T - 1] = delta[T - 1]
-    for i in range(T - 2, -1, -1):
-        back = None if a is None else (a[i].transpose(-1, -2) if matrix else a[i])
-        G[i] = delta[i] + _transition(back, G[i + 1], matrix, None if k is None else k[i])
-    zero = torch.zeros_like(delta[0])
-    dM = torch.stack([G[i + 1] if i + 1 < T else zero for i in range(T)])
+    w = _waves(_scan_links(T, keep), True)
+    k = keep_factors(keep, delta)
+    waves = [_rows(delta, w.members[0])]  # the last segment and every unlinked one: G_i = delta_i
+    for wave, src in zip(w.members[1:], w.source[1:]):
+        nxt = _rows(waves[-1], src)
+        back = _rows(a, wave)
+        if back is not None and matrix:
+            back = back.transpose(-1, -2)
+        waves.append(_rows(delta, wave) + _transition(back, nxt, matrix, _rows(k, wave)))
+    G = torch.cat(waves + [torch.zeros_like(delta[:1])])  # the last row: G_T = 0 (nothing follows)
+    dM = _rows(G, [w.where[i + 1] if i + 1 < T else T for i in mine])  # dM_i = G_{i+1}
     if a is None:
         return dM, None
-    through = dM[mine] if k is None else k[mine] * dM[mine]  # the part of G_{i+1} that reaches a_i
+    through = dM if k is None else _rows(k, mine) * dM  # the part of G_{i+1} that reaches a_i
     if matrix:
         return dM, through @ S_in.transpose(-1, -2)
     prod = through * S_in  # keep_i * G_{i+1} * S_in(i)
@@ -153,14 +248,19 @@ def _unpack(flat: torch.Tensor, world_size: int, shapes: list) -> list:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _global_rows(order: tuple, per_rank: int) -> tuple[int, ...]:
+    index = [0] * sum(len(mine) for mine in order)
+    for r, mine in enumerate(order):
+        for j, gi in enumerate(mine):
+            index[gi] = r * per_rank + j
+    return tuple(index)
+
+
 def _to_global(per_rank: torch.Tensor, smap: SegmentMap) -> torch.Tensor:
     """[W, per_rank, ...] rank-major (padded slots included) -> [T, ...] in global segment order."""
-    index = [0] * smap.total
-    for r, mine in enumerate(smap.order):
-        for j, gi in enumerate(mine):
-            index[gi] = r * smap.per_rank + j
     flat = per_rank.reshape((smap.world_size * smap.per_rank,) + tuple(per_rank.shape[2:]))
-    return flat[torch.tensor(index, device=flat.device)]
+    return _rows(flat, _global_rows(smap.order, smap.per_rank))
 
 
 def _padded(local: torch.Tensor, smap: SegmentMap) -> torch.Tensor:
@@ -170,10 +270,6 @@ def _padded(local: torch.Tensor, smap: SegmentMap) -> torch.Tensor:
     if missing == 0:
         return local
     return torch.cat([local, local.new_zeros((missing,) + tuple(local.shape[1:]))])
-
-
-def _mine(global_tensor: torch.Tensor, smap: SegmentMap) -> torch.Tensor:
-    return global_tensor[list(smap.order[smap.rank])]
 
 
 def _all_gather(local: torch.Tensor, smap: SegmentMap, phase: str, label: str) -> torch.Tensor:
@@ -197,12 +293,12 @@ class Lasp2Exchange(torch.autograd.Function):
     ``gathered`` is the finished forward all-gather of every rank's (M, a) (see
     :func:`post_state_gather`); M and a are inputs for autograd, so dM, da flow back to them.
     ``matrix``: a is a [dk, dk] map per segment (the gated delta rule), S_out = a @ S_in + M.
-    ``keep`` [T, b] (bool, global order; documents): False makes a segment's transition zero.
+    ``keep`` (documents, :class:`Resets`): a segment where a document starts has a zero transition.
     """
 
     @staticmethod
     def forward(ctx, M: torch.Tensor, a: Optional[torch.Tensor], gathered: torch.Tensor, smap: SegmentMap,
-                matrix: bool = False, keep: Optional[torch.Tensor] = None):
+                matrix: bool = False, keep: Optional[Resets] = None):
         slot = lambda t: (smap.per_rank,) + tuple(t.shape[1:])  # noqa: E731  (a rank's padded part)
         shapes = [slot(M)] + ([slot(a)] if a is not None else [])
         parts = _unpack(gathered, smap.world_size, shapes)
@@ -211,8 +307,7 @@ class Lasp2Exchange(torch.autograd.Function):
         ctx.smap, ctx.has_decay, ctx.matrix, ctx.keep = smap, a is not None, matrix, keep
         if not smap.causal:
             return M_all.sum(0).unsqueeze(0).expand_as(M).contiguous()
-        S_all = _prefix_states(M_all, a_all, matrix, keep)
-        S_mine = _mine(S_all, smap)
+        S_mine = _prefix_states(M_all, a_all, matrix, keep, want=smap.order[smap.rank])
         # the backward's reverse scan needs every transition but only this rank's entering states (for
         # its own da): keeping those, not all T, is what bounds a layer's memory when T is large (THD)
         ctx.save_for_backward(S_mine, *([a_all] if a_all is not None else []))
@@ -227,9 +322,9 @@ class Lasp2Exchange(torch.autograd.Function):
         if not smap.causal:
             return delta_all.sum(0).unsqueeze(0).expand_as(dS).contiguous(), None, None, None, None, None
         saved = ctx.saved_tensors
-        dM_all, da = _reverse_scan(delta_all, saved[0], saved[1] if ctx.has_decay else None, ctx.matrix,
-                                   ctx.keep, list(smap.order[smap.rank]))
-        return _mine(dM_all, smap), da, None, None, None, None
+        dM, da = _reverse_scan(delta_all, saved[0], saved[1] if ctx.has_decay else None, ctx.matrix,
+                               ctx.keep, smap.order[smap.rank])
+        return dM, da, None, None, None, None
 
 
 class Lasp1Chain(torch.autograd.Function):
@@ -241,12 +336,12 @@ class Lasp1Chain(torch.autograd.Function):
 
     Takes q_in [nseg, b, h, L, dk] (q * exp(G)), M, a of the local segments; returns the
     inter-segment output [nseg, b, h, L, dv]. Bidirectional: the state sum goes once around the ring.
-    ``keep`` [T, b] (bool, global order; documents): False makes a segment's transition zero.
+    ``keep`` (documents, :class:`Resets`): a segment where a document starts has a zero transition.
     """
 
     @staticmethod
     def forward(ctx, q_in: torch.Tensor, M: torch.Tensor, a: Optional[torch.Tensor], scale: float,
-                smap: SegmentMap, keep: Optional[torch.Tensor] = None):
+                smap: SegmentMap, keep: Optional[Resets] = None):
         ring = comm.RingComm(smap.group)
         ctx.smap, ctx.has_decay, ctx.scale = smap, a is not None, scale
         ctx.keep = keep = keep_factors(keep, M)
@@ -352,7 +447,7 @@ class PreviousTokens(torch.autograd.Function):
         gathered = _all_gather(_padded(tails, smap).contiguous(), smap, "forward", "previous tokens all-gather")
         every = _to_global(gathered.view((smap.world_size, smap.per_rank) + tuple(tails.shape[1:])), smap)
         flat = torch.cat([every.reshape((-1,) + tuple(tails.shape[2:])), every.new_zeros((1,) + tuple(tails.shape[2:]))])
-        return flat[index[list(smap.order[smap.rank])]]  # -1 reads the zero row
+        return flat[_rows(index, smap.order[smap.rank])]  # -1 reads the zero row
 
     @staticmethod
     def backward(ctx, d_halo: torch.Tensor):
@@ -364,7 +459,7 @@ class PreviousTokens(torch.autograd.Function):
         slots = ctx.index.reshape(-1) % (ctx.index.numel() + 1)  # -1 -> the extra row, dropped below
         d_flat = d_halo.new_zeros((ctx.index.numel() + 1,) + rest).index_add_(0, slots, every.reshape((-1,) + rest))
         d_tails = d_flat[:-1].view((smap.total, ctx.shape[1]) + rest)
-        return _mine(d_tails, smap), None, None
+        return _rows(d_tails, smap.order[smap.rank]), None, None
 
 
 @functools.lru_cache(maxsize=32)  # every layer of a step asks for the same batch's index

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from megatron_burst.masks.documents import THD, Documents, rank_positions
 from megatron_burst.masks.layout import BALANCED
 from megatron_burst.linear.docs import document_index
-from megatron_burst.linear.exchange import SegmentMap
+from megatron_burst.linear.exchange import Resets, SegmentMap, resets
 
 __all__ = ["RUN_LAYOUTS", "Runs", "rank_runs", "run_map", "RunDocuments", "run_documents", "split_runs", "RunGroup",
            "chunk_groups", "in_run_order"]
@@ -94,13 +94,13 @@ class RunDocuments:
     them for equal segments, one entry per local run i of length L_i:
 
     ``doc[i]`` [1, b, 1, L_i] (long): the document index of each token; ``enter[i]`` [1, b, 1] (long):
-    the document of the token just before the run (0 before the sequence's first); ``keep`` [T, b]
-    (bool, global run order): True when no document starts in the run.
+    the document of the token just before the run (0 before the sequence's first); ``resets``: keep
+    [T, b] (bool, global run order), True when no document starts in the run.
     """
 
     doc: tuple[torch.Tensor, ...]
     enter: tuple[torch.Tensor, ...]
-    keep: torch.Tensor
+    resets: Resets
 
 
 @functools.lru_cache(maxsize=16)
@@ -110,7 +110,7 @@ def _run_documents(documents: Documents, batch: int, runs: Runs, rank: int, devi
     starts = torch.tensor([a for a, _ in runs.starts])
     ends = starts + torch.tensor([n for _, n in runs.starts])
     enter_all = torch.where(starts > 0, host[:, (starts - 1).clamp(min=0)], 0)  # [b, T]
-    keep = (host[:, ends - 1] == enter_all).T.contiguous().to(device)  # [T, b]
+    keep = resets((host[:, ends - 1] == enter_all).T.contiguous(), torch.device(device))  # [T, b]
     mine = torch.tensor(runs.order[rank], dtype=torch.long)
     enter = enter_all[:, mine].T.reshape(-1, 1, batch, 1).to(device).unbind(0)  # per run [1, b, 1]
     doc = tuple(every[:, a:a + n].reshape(1, batch, 1, n) for a, n in runs.per_rank[rank])
