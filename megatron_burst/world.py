@@ -49,16 +49,17 @@ def group_timeout() -> Optional[timedelta]:
     return timeout if isinstance(timeout, timedelta) and timeout.total_seconds() > 0 else None
 
 
-def exit_rank(code: int = 0) -> NoReturn:
+def exit_rank(code: int = 0, barrier: bool = True) -> NoReturn:
     """End this rank's process with exit status ``code``, skipping torch.distributed teardown.
 
     With ``code == 0`` and an initialized default group, first waits on a barrier, so no rank
     leaves while another still expects a message from it; a failing barrier (a peer already
-    gone) turns the status into 1. Then flushes stdout and stderr and calls ``os._exit``: no
+    gone) turns the status into 1. ``barrier=False`` leaves at once: for a rank whose peers may be
+    stuck in a collective, so that they get a connection error instead of waiting out its timeout. Then flushes stdout and stderr and calls ``os._exit``: no
     destroy_process_group, no atexit handlers, no C++ destructors (the gloo abort above).
     Flush or close anything else (files, multiprocessing queues) before calling this.
     """
-    if code == 0 and dist.is_available() and dist.is_initialized():
+    if code == 0 and barrier and dist.is_available() and dist.is_initialized():
         try:
             dist.barrier()
         except Exception as exc:  # a peer died after its work: report it, do not hang or abort

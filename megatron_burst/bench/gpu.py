@@ -918,6 +918,7 @@ def multi_rank_body(cfg: dict) -> dict:
     import torch.distributed as dist
 
     import megatron_burst as mb
+    from megatron_burst.bench.launch import in_step
 
     W, r = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device()) if cfg["cuda"] else torch.device("cpu")
@@ -928,30 +929,30 @@ def multi_rank_body(cfg: dict) -> dict:
     sh = lambda t: mb.shard(t, 0, r, W, "zigzag").to(dev)  # noqa: E731
     q, k, v, dout = (sh(t) for t in full)
     del full
-    out = {"rank": r, "times": {}, "errors": {}}
-    for algo in cfg["algos"]:
-        try:
-            ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
-            samples = []
-            for i in range(cfg["warmup"] + cfg["repeats"]):
-                ql.grad = kl.grad = vl.grad = None
-                if cfg["cuda"]:
-                    torch.cuda.synchronize()
-                dist.barrier()
-                t0 = time.perf_counter()
-                o = mb.cp_attention(ql, kl, vl, algo=algo, layout="zigzag")
-                o.backward(dout)
-                if cfg["cuda"]:
-                    torch.cuda.synchronize()
-                t1 = time.perf_counter()
-                dist.barrier()
-                if i >= cfg["warmup"]:
-                    samples.append((t1 - t0) * 1e3)
-            out["times"][algo] = statistics.median(samples)
-            if algo == cfg["algos"][0]:
-                out["tensors"] = tensors_to_bytes([o, ql.grad, kl.grad, vl.grad])
-        except Exception as e:  # noqa: BLE001
-            out["errors"][algo] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
+    out = {"rank": r, "times": {}}
+
+    def run(algo: str) -> None:
+        ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+        samples = []
+        for i in range(cfg["warmup"] + cfg["repeats"]):
+            ql.grad = kl.grad = vl.grad = None
+            if cfg["cuda"]:
+                torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            o = mb.cp_attention(ql, kl, vl, algo=algo, layout="zigzag")
+            o.backward(dout)
+            if cfg["cuda"]:
+                torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            dist.barrier()
+            if i >= cfg["warmup"]:
+                samples.append((t1 - t0) * 1e3)
+        out["times"][algo] = statistics.median(samples)
+        if algo == cfg["algos"][0]:
+            out["tensors"] = tensors_to_bytes([o, ql.grad, kl.grad, vl.grad])
+
+    out["errors"] = in_step(list(cfg["algos"]), run)  # a failure on one rank never strands the others
     from megatron_burst.kernels import choice
     out["kernels"] = choice.report()
     return out

@@ -16,6 +16,8 @@ from megatron_burst.world import exit_rank, free_port
 
 
 COLLECTIVE_TIMEOUT_S = 120
+AGREE_TIMEOUT_S = 30  # how long ranks wait for each other after a variant (they leave its last barrier together)
+_gave_up = False  # this rank gave up its remaining variants: it leaves without the final barrier
 
 
 def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: tuple, queue) -> None:
@@ -35,7 +37,63 @@ def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, ar
     queue.put((rank, buf.getvalue()))
     queue.close()
     queue.join_thread()  # the queue's feeder thread must hand the result over before os._exit
-    exit_rank(0)  # barrier, then end without gloo's teardown (it can abort a finished rank)
+    # barrier, then end without gloo's teardown (it can abort a finished rank); after giving up
+    # (in_step) a peer may wait in a collective: leaving at once ends its wait with an error
+    exit_rank(0, barrier=not _gave_up)
+
+
+def in_step(variants: list[str], body: Callable[[str], None], agree_timeout_s: float = AGREE_TIMEOUT_S
+            ) -> dict[str, str]:
+    """Run ``body(variant)`` for every variant on every rank of the default group, in step; returns
+    this rank's {variant: error text} (a variant absent from it ran).
+
+    A variant that raises on one rank can leave its peers inside a collective it never joined. So
+    after each variant the ranks compare notes on a separate gloo group with a short timeout
+    (``agree_timeout_s``): nobody failed -> the next variant; every rank failed with the
+    world's collectives still in step (the same sequence number everywhere: a refusal before any
+    collective) -> the next variant; otherwise (a rank missing: stuck in a collective; or the
+    collectives out of step) the remaining variants are given up on every rank that can still
+    tell, and this process leaves without its final barrier, so a peer stuck in a collective gets
+    a connection error at once. Either way a failure costs at most ``agree_timeout_s``, not the
+    collective timeout once per remaining variant.
+    """
+    global _gave_up
+    world = dist.group.WORLD
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=agree_timeout_s))
+    errors: dict[str, str] = {}
+    for i, variant in enumerate(variants):
+        try:
+            body(variant)
+        except Exception as e:  # noqa: BLE001
+            errors[variant] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
+        note = torch.tensor([float(variant in errors), float(_sequence_number(world))])
+        notes = [torch.empty_like(note) for _ in range(dist.get_world_size())]
+        try:
+            dist.all_gather(notes, note, group=control)
+        except Exception as e:  # noqa: BLE001  (a peer stuck in a collective, or gone)
+            why = f"a rank did not report after {variant!r} ({type(e).__name__})"
+        else:
+            failed = [bool(n[0]) for n in notes]
+            if not any(failed):
+                continue
+            together = all(failed) and len({float(n[1]) for n in notes}) == 1 and _sequence_number(world) >= 0
+            if together:
+                continue
+            why = f"{variant!r} failed on ranks {[r for r, f in enumerate(failed) if f]} only" if not all(failed) \
+                else f"{variant!r} failed with the ranks' collectives out of step"
+        for rest in variants[i + 1:]:
+            errors[rest] = f"not run: gave up the remaining variants ({why}; see the first failure)"
+        _gave_up = True
+        break
+    return errors
+
+
+def _sequence_number(group) -> int:
+    """How many collectives ``group`` has run on this rank (-1 where torch does not say)."""
+    try:
+        return int(group._get_sequence_number_for_group())
+    except Exception:  # noqa: BLE001  (a private API)
+        return -1
 
 
 # glibc settings that keep freed memory in the process (no mmap / munmap and page faults per
@@ -64,7 +122,11 @@ def run_local(world_size: int, fn: Callable[..., Any], *args: Any, threads: int 
     try:
         while len(results) < world_size:
             if any(p.exitcode not in (None, 0) for p in procs):
-                raise RuntimeError(f"a benchmark rank failed (exit codes {[p.exitcode for p in procs]})")
+                codes = [p.exitcode for p in procs]
+                for p in procs:  # the others may wait in a collective with it: end them now, not after a join
+                    if p.is_alive():
+                        p.kill()
+                raise RuntimeError(f"a benchmark rank failed (exit codes {codes})")
             try:
                 rank, blob = queue.get(timeout=1.0)
             except queue_module.Empty:  # poll the exit codes again

@@ -48,7 +48,6 @@ import argparse
 import statistics
 import sys
 import time
-import traceback
 from typing import Any, Callable, Optional
 
 import torch
@@ -232,41 +231,42 @@ def multi_rank_body(cfg: dict) -> dict:
     import torch.distributed as dist
 
     import megatron_burst as mb
+    from megatron_burst.bench.launch import in_step
 
     W, r = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device()) if cfg["cuda"] else torch.device("cpu")
     dt = getattr(torch, cfg["dtype"])
-    res: dict[str, Any] = {"rank": r, "times": {}, "sent": {}, "errors": {}, "tensors": {}}
-    for variant in cfg["variants"]:
+    res: dict[str, Any] = {"rank": r, "times": {}, "sent": {}, "tensors": {}}
+
+    def run(variant: str) -> None:
         op, form, how = variant.split(":")
-        try:
-            full = make_inputs(op, form, cfg["s"], cfg["h"], cfg["d"], dt, torch.device("cpu"), cfg["seed"])
-            x: dict[str, Optional[torch.Tensor]] = {}
-            for n, t in full.items():  # a per-head decay [h] is every rank's; token-major tensors are sharded
-                x[n] = None if t is None else (t if t.dim() == 1 else mb.shard(t, 0, r, W, "contiguous")).to(dev)
-            forward = _multi_forward(op, form, how, x, cfg, dev)
-            samples, sent = [], 0
-            for i in range(cfg["warmup"] + cfg["repeats"]):
-                leaves = leaves_of(op, form, x)
+        full = make_inputs(op, form, cfg["s"], cfg["h"], cfg["d"], dt, torch.device("cpu"), cfg["seed"])
+        x: dict[str, Optional[torch.Tensor]] = {}
+        for n, t in full.items():  # a per-head decay [h] is every rank's; token-major tensors are sharded
+            x[n] = None if t is None else (t if t.dim() == 1 else mb.shard(t, 0, r, W, "contiguous")).to(dev)
+        forward = _multi_forward(op, form, how, x, cfg, dev)
+        samples, sent = [], 0
+        for i in range(cfg["warmup"] + cfg["repeats"]):
+            leaves = leaves_of(op, form, x)
+            if cfg["cuda"]:
+                torch.cuda.synchronize()
+            dist.barrier()
+            with mb.comm_counter() as counter:
+                t0 = time.perf_counter()
+                o = forward(leaves)
+                o.backward(x["dout"])
                 if cfg["cuda"]:
                     torch.cuda.synchronize()
-                dist.barrier()
-                with mb.comm_counter() as counter:
-                    t0 = time.perf_counter()
-                    o = forward(leaves)
-                    o.backward(x["dout"])
-                    if cfg["cuda"]:
-                        torch.cuda.synchronize()
-                    t1 = time.perf_counter()
-                dist.barrier()
-                if i >= cfg["warmup"]:
-                    samples.append((t1 - t0) * 1e3)
-                    sent = counter.bytes("sent")
-            res["times"][variant] = statistics.median(samples)
-            res["sent"][variant] = sent
-            res["tensors"][variant] = tensors_to_bytes([o] + [t.grad for t in leaves])
-        except Exception as e:  # noqa: BLE001
-            res["errors"][variant] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
+                t1 = time.perf_counter()
+            dist.barrier()
+            if i >= cfg["warmup"]:
+                samples.append((t1 - t0) * 1e3)
+                sent = counter.bytes("sent")
+        res["times"][variant] = statistics.median(samples)
+        res["sent"][variant] = sent
+        res["tensors"][variant] = tensors_to_bytes([o] + [t.grad for t in leaves])
+
+    res["errors"] = in_step(list(cfg["variants"]), run)  # a failure on one rank never strands the others
     res["kernels"] = kernel_lines()
     return res
 
