@@ -171,3 +171,50 @@ def test_the_exchange_scans_of_a_thd_batch_launch_per_wave_not_per_run():
             S = _prefix_states(M, a, matrix, flags, want=mine)
             _reverse_scan(torch.randn_like(M), S, a, matrix, flags, mine)
         assert count.ops <= 32 * waves, (matrix, count.ops, waves)
+
+
+# ------------------------------------------------- the delta rule's per-chunk maps inside a segment
+def _chunk_loop(a, b):
+    """The maps one chunk at a time (the obviously correct form): through-prefixes and the total."""
+    A = torch.eye(a.shape[-1], dtype=a.dtype).expand(a.shape[:-3] + a.shape[-2:])
+    Bs = torch.zeros(b.shape[:-3] + b.shape[-2:], dtype=b.dtype)
+    As, Bt = [], []
+    for i in range(a.shape[-3]):
+        A, Bs = a[..., i, :, :] @ A, a[..., i, :, :] @ Bs + b[..., i, :, :]
+        As.append(A)
+        Bt.append(Bs)
+    return torch.stack(As, -3), torch.stack(Bt, -3)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 64])
+def test_chunk_maps_as_a_tree_equal_the_chunk_by_chunk_product_and_its_gradients(n):
+    from megatron_burst.linear.delta import chunk_maps_prefix, chunk_maps_total
+
+    gen = torch.Generator().manual_seed(n)
+    a = (torch.eye(DK, dtype=torch.float64) + 0.3 * torch.randn(B, H, n, DK, DK, generator=gen,
+                                                                 dtype=torch.float64)).requires_grad_()
+    b = torch.randn(B, H, n, DK, DV, generator=gen, dtype=torch.float64, requires_grad=True)
+    want_A, want_B = _chunk_loop(a, b)
+    got_A, got_B = chunk_maps_prefix(a, b)
+    torch.testing.assert_close((got_A, got_B), (want_A, want_B), rtol=1e-12, atol=1e-12)
+    tot_A, tot_B = chunk_maps_total(a, b)
+    torch.testing.assert_close((tot_A, tot_B), (want_A[..., -1, :, :], want_B[..., -1, :, :]), rtol=1e-12, atol=1e-12)
+    dA, dB = torch.randn_like(want_A), torch.randn_like(want_B)
+    want = torch.autograd.grad((want_A, want_B), (a, b), (dA, dB), retain_graph=True)
+    torch.testing.assert_close(torch.autograd.grad((got_A, got_B), (a, b), (dA, dB)), want, rtol=1e-11, atol=1e-11)
+    want = torch.autograd.grad((want_A[..., -1, :, :], want_B[..., -1, :, :]), (a, b), (dA[..., -1, :, :],
+                                                                                      dB[..., -1, :, :]))
+    got = torch.autograd.grad((tot_A, tot_B), (a, b), (dA[..., -1, :, :], dB[..., -1, :, :]))
+    torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
+
+
+def test_a_long_segments_maps_launch_per_tree_level_not_per_chunk():
+    """A 128K-token segment has 2048 chunks: one dependent step per chunk was over 8,000 ops forward."""
+    from megatron_burst.linear.delta import chunk_maps_prefix, chunk_maps_total
+
+    n = 2048
+    a, b = torch.randn(1, 1, n, 2, 2), torch.randn(1, 1, n, 2, 3)
+    for fn, bound in ((chunk_maps_total, 24 * 11), (chunk_maps_prefix, 48 * 11)):  # log2(2048) = 11 levels
+        with _CountOps() as count:
+            fn(a, b)
+        assert count.ops <= bound, (fn.__name__, count.ops)
