@@ -7,9 +7,9 @@ from the segment's q, k, v and log-decay g alone:
 * :func:`segment_state`: ``M``, the state the segment leaves from a zero start,
   sum_j diag(exp(G_last - G_j)) k_j^T v_j, and ``a``, its total decay exp(G_last) (G = cumulative g
   from the segment start) -- what LASP exchanges;
-* :func:`segment_output`: the output as if the state entering the segment were zero, walked in
-  chunks of ``CHUNK`` tokens with the state carried from chunk to chunk. The entering state S_in
-  then adds scale * (q_t * exp(G_t)) S_in.
+* :func:`segment_output`: the output as if the state entering the segment were zero, in chunks of
+  ``CHUNK`` tokens: each chunk's own scores, plus the state entering it (the chunks' states
+  composed by :func:`affine_prefix`). The entering state S_in then adds scale * (q_t * exp(G_t)) S_in.
 
 Every exponent is a difference G_t - G_j with t >= j (or G_t itself), so it is <= 0: no overflow
 for any decay strength. States and sums are fp32 (fp64 for fp64 inputs).
@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 CHUNK = 64
 
@@ -77,45 +78,90 @@ def segment_state(k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], d
 
 def segment_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
                    scale: float, doc: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Each segment's output from a zero entering state (causal), walked in chunks of CHUNK tokens.
+    """Each segment's output from a zero entering state (causal), in chunks of CHUNK tokens: every
+    chunk's own scores at once, the states entering the chunks by one scan over the chunks.
     q, k [..., L, dk], v [..., L, dv], g [..., L, dkg] or None -> [..., L, dv]. ``doc`` [..., L]:
     each token's document (broadcastable; None: one document)."""
-    state = torch.zeros(q.shape[:-2] + (q.shape[-1], v.shape[-1]), dtype=q.dtype, device=q.device)
-    # split, not a slice per chunk: a slice's backward writes a zero-filled full-length gradient per
-    # chunk (quadratic in L); split's backward concatenates the chunk gradients once
-    chunks = [t.split(CHUNK, dim=-2) for t in (q, k, v)]
-    n = len(chunks[0])
-    g_chunks = g.split(CHUNK, dim=-2) if g is not None else [None] * n
-    doc_chunks = doc.split(CHUNK, dim=-1) if doc is not None else [None] * n
-    outs = []
-    prev = None  # [..., 1]: the document of the state carried into the chunk (its previous token's)
-    for i, (qc, kc, vc, gc, dc) in enumerate(zip(*chunks, g_chunks, doc_chunks)):
-        last_chunk = i == n - 1
-        same = from_state = in_last = carry = None
-        if dc is not None:
-            same = dc.unsqueeze(-1) == dc.unsqueeze(-2)  # [..., C, C]
-            if prev is not None:  # (the first chunk's state is zero)
-                from_state = (dc == prev).unsqueeze(-1).to(q.dtype)  # [..., C, 1]
-                carry = (dc[..., -1:] == prev).unsqueeze(-1).to(q.dtype)  # [..., 1, 1]: no start in the chunk
-            in_last = (dc == dc[..., -1:]).unsqueeze(-1).to(q.dtype)  # [..., C, 1]
-            prev = dc[..., -1:]
-        G = None if gc is None else _cumulative(gc)
-        q_state = qc if G is None else qc * torch.exp(G)
-        if from_state is not None:
-            q_state = q_state * from_state
-        outs.append(scale * (q_state @ state + _intra_chunk(qc, kc, G, same) @ vc))
-        if last_chunk:
-            break
-        if G is None:
-            k_end = kc if in_last is None else kc * in_last
-            state = (state if carry is None else carry * state) + k_end.transpose(-1, -2) @ vc
-            continue
-        last = G[..., -1:, :]  # [..., 1, dkg]
-        decay = torch.exp(last).transpose(-1, -2)  # [..., dkg, 1]
-        k_end = kc * torch.exp(last - G)
-        if carry is not None:
-            decay = decay * carry
+    L = q.shape[-2]
+    pad = (-L) % CHUNK  # padding tokens: k = v = 0 and no decay (identity steps), outputs dropped
+    n = (L + pad) // CHUNK
+
+    def chunked(t: torch.Tensor) -> torch.Tensor:  # [..., L, x] -> [..., n, C, x]
+        t = F.pad(t, (0, 0, 0, pad)) if pad else t
+        return t.reshape(t.shape[:-2] + (n, CHUNK, t.shape[-1]))
+
+    qc, kc, vc = chunked(q), chunked(k), chunked(v)
+    G = None if g is None else _cumulative(chunked(g))  # [..., n, C, dkg] from each chunk's start
+    same = from_state = carry = in_last = None
+    if doc is not None:
+        d = torch.cat([doc, doc[..., -1:].expand(doc.shape[:-1] + (pad,))], dim=-1) if pad else doc
+        d = d.reshape(d.shape[:-1] + (n, CHUNK))  # padding tokens stay in the last document
+        same = d.unsqueeze(-1) == d.unsqueeze(-2)  # [..., n, C, C]
+        prev = torch.cat([d[..., :1, :1], d[..., :-1, -1:]], dim=-2)  # [..., n, 1]: the document entering
+        from_state = (d == prev).unsqueeze(-1).to(q.dtype)  # [..., n, C, 1]  (chunk 0's state is zero)
+        carry = (d[..., -1:] == prev).unsqueeze(-1).to(q.dtype)  # [..., n, 1, 1]: no document starts in it
+        in_last = (d == d[..., -1:]).unsqueeze(-1).to(q.dtype)  # [..., n, C, 1]
+    out = _intra_chunk(qc, kc, G, same) @ vc  # [..., n, C, dv]
+    if n > 1:
+        # the state each chunk leaves from a zero start (its last document's tokens) and its transition
+        k_end = kc if G is None else kc * torch.exp(G[..., -1:, :] - G)
         if in_last is not None:
             k_end = k_end * in_last
-        state = decay * state + k_end.transpose(-1, -2) @ vc
-    return torch.cat(outs, dim=-2)
+        M = k_end.transpose(-1, -2) @ vc  # [..., n, dk, dv]
+        a = None if G is None else torch.exp(G[..., -1, :]).unsqueeze(-1)  # [..., n, dkg, 1]
+        if carry is not None:
+            a = carry if a is None else a * carry
+        S = affine_prefix(a, M)[1] if a is not None else torch.cumsum(M, dim=-3)  # through each chunk
+        q_state = qc[..., 1:, :, :] if G is None else qc[..., 1:, :, :] * torch.exp(G[..., 1:, :, :])
+        if from_state is not None:
+            q_state = q_state * from_state[..., 1:, :, :]
+        out = torch.cat([out[..., :1, :, :], out[..., 1:, :, :] + q_state @ S[..., :-1, :, :]], dim=-3)
+    out = scale * out.reshape(out.shape[:-3] + (n * CHUNK, out.shape[-1]))
+    return out[..., :L, :] if pad else out
+
+
+# A chunk's (or segment's) state map is affine, S -> a S + b, with ``a`` a diagonal decay [..., dkg, 1]
+# (broadcast over dv; LASP) or a matrix [..., dk, dk] (``matrix``: the delta rule). Applying map i
+# then map j is (a_j a_i, a_j b_i + b_j): associative, so the maps' product and prefixes take log2(n)
+# batched steps instead of n dependent ones (n = a segment's chunks: ~2000 for 128K tokens, each
+# step a few kernel launches on a GPU).
+def _then(a_first, b_first, a_then, b_then, matrix: bool):
+    mul = torch.matmul if matrix else torch.mul
+    return mul(a_then, a_first), mul(a_then, b_first) + b_then
+
+
+def affine_total(a: torch.Tensor, b: torch.Tensor, matrix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The map of all n maps applied in order, as a tree. a [..., n, x, y] (see above), b [..., n, dk, dv]
+    -> (a [..., x, y], b [..., dk, dv])."""
+    while a.shape[-3] > 1:
+        n = a.shape[-3]
+        pairs = n - n % 2
+        a_pair, b_pair = _then(a[..., 0:pairs:2, :, :], b[..., 0:pairs:2, :, :], a[..., 1:pairs:2, :, :],
+                               b[..., 1:pairs:2, :, :], matrix)
+        if n % 2:  # the odd map out waits for the next round, still the last
+            a_pair, b_pair = torch.cat([a_pair, a[..., -1:, :, :]], -3), torch.cat([b_pair, b[..., -1:, :, :]], -3)
+        a, b = a_pair, b_pair
+    return a[..., 0, :, :], b[..., 0, :, :]
+
+
+def affine_prefix(a: torch.Tensor, b: torch.Tensor, matrix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The map through each of n maps: entry i applies maps 0 .. i in order (recursive doubling on
+    pairs, 2n compositions in all). a [..., n, x, y], b [..., n, dk, dv] -> the same shapes."""
+    n = a.shape[-3]
+    if n == 1:
+        return a, b
+    m = n // 2  # pairs (2j, 2j + 1): the prefix through 2j + 1 is the pairs' prefix j
+    odd_a, odd_b = affine_prefix(*_then(a[..., 0:2 * m:2, :, :], b[..., 0:2 * m:2, :, :], a[..., 1:2 * m:2, :, :],
+                                        b[..., 1:2 * m:2, :, :], matrix), matrix)
+    # through 2j (j >= 1): map 2j after the prefix through 2j - 1
+    before = (n + 1) // 2 - 1
+    step_a, step_b = _then(odd_a[..., :before, :, :], odd_b[..., :before, :, :], a[..., 2::2, :, :],
+                           b[..., 2::2, :, :], matrix)
+    even_a, even_b = torch.cat([a[..., :1, :, :], step_a], -3), torch.cat([b[..., :1, :, :], step_b], -3)
+
+    def interleave(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
+        both = torch.stack([even[..., :m, :, :], odd], dim=-3)  # [..., m, 2, x, y]
+        both = both.reshape(both.shape[:-4] + (2 * m,) + tuple(both.shape[-2:]))
+        return torch.cat([both, even[..., m:, :, :]], -3) if n % 2 else both
+
+    return interleave(even_a, odd_a), interleave(even_b, odd_b)

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from megatron_burst.masks.documents import CuSeqlens, Documents
 from megatron_burst.linear.checks import check_qkv, segment_order, segments_per_rank
-from megatron_burst.linear.chunked import CHUNK
+from megatron_burst.linear.chunked import CHUNK, affine_prefix, affine_total
 from megatron_burst.linear import fla_adapter, kernel_choice
 from megatron_burst.linear.docs import check_documents, segment_documents, unplaced
 from megatron_burst.linear.exchange import Lasp2Exchange, Resets, SegmentMap, local_entering_states, post_state_gather
@@ -125,57 +125,15 @@ def delta_segment_maps(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tens
     a_chunk = through.unsqueeze(-1) * eye_k - kt.transpose(-1, -2) @ w  # [.., n, dk, dk]
     b_chunk = kt.transpose(-1, -2) @ u0  # [.., n, dk, dv]
     if q is None:  # the maps only: the chunks' product as a tree
-        A, B = chunk_maps_total(a_chunk, b_chunk)
+        A, B = affine_total(a_chunk, b_chunk, matrix=True)
         return A, B, None
-    A_upto, B_upto = chunk_maps_prefix(a_chunk, b_chunk)  # through each chunk; entering it: shifted by one
+    A_upto, B_upto = affine_prefix(a_chunk, b_chunk, matrix=True)  # through each chunk; entering it: shifted by one
     P = torch.cat([eye_k.expand(k.shape[:-3] + (1, dk, dk)), A_upto[..., :-1, :, :]], dim=-3)
     S0 = torch.cat([k.new_zeros(k.shape[:-3] + (1, dk, dv)), B_upto[..., :-1, :, :]], dim=-3)
     q = chunked(F.pad(q, (0, 0, 0, pad)))
     qk = (q @ k.transpose(-1, -2)) * gam
     qin = start_decay.unsqueeze(-1) * q - qk @ w
     return A_upto[..., -1, :, :], B_upto[..., -1, :, :], DeltaChunks(qin, qk, u0, P, S0, L)
-
-
-# A chunk's map is affine, S -> a S + b; applying chunk i then chunk j is (a_j a_i, a_j b_i + b_j). The
-# composition is associative, so the chunks' product and prefixes take log2(n) batched steps (a tree)
-# instead of n dependent ones: n is the segment length / 64, about 2000 for a 128K-token segment,
-# each step a few kernel launches on a GPU.
-def chunk_maps_total(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The map of all n chunks applied in order. a [..., n, dk, dk], b [..., n, dk, dv] ->
-    ([..., dk, dk], [..., dk, dv])."""
-    while a.shape[-3] > 1:
-        n = a.shape[-3]
-        pairs = n - n % 2
-        first_a, then_a = a[..., 0:pairs:2, :, :], a[..., 1:pairs:2, :, :]
-        first_b, then_b = b[..., 0:pairs:2, :, :], b[..., 1:pairs:2, :, :]
-        a_pair, b_pair = then_a @ first_a, then_a @ first_b + then_b
-        if n % 2:  # the odd chunk out waits for the next round, still the last
-            a_pair, b_pair = torch.cat([a_pair, a[..., -1:, :, :]], -3), torch.cat([b_pair, b[..., -1:, :, :]], -3)
-        a, b = a_pair, b_pair
-    return a[..., 0, :, :], b[..., 0, :, :]
-
-
-def chunk_maps_prefix(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The map through each chunk: entry i applies chunks 0 .. i in order. a [..., n, dk, dk],
-    b [..., n, dk, dv] -> the same shapes. Recursive doubling on pairs (2n compositions in all)."""
-    n = a.shape[-3]
-    if n == 1:
-        return a, b
-    m = n // 2  # pairs (2j, 2j + 1); the prefix through 2j + 1 is the pairs' prefix j
-    first_a, then_a = a[..., 0:2 * m:2, :, :], a[..., 1:2 * m:2, :, :]
-    odd_a, odd_b = chunk_maps_prefix(then_a @ first_a, then_a @ b[..., 0:2 * m:2, :, :] + b[..., 1:2 * m:2, :, :])
-    # through 2j (j >= 1): chunk 2j after the prefix through 2j - 1
-    before_a, before_b = odd_a[..., :(n + 1) // 2 - 1, :, :], odd_b[..., :(n + 1) // 2 - 1, :, :]
-    step_a = a[..., 2::2, :, :]
-    even_a = torch.cat([a[..., :1, :, :], step_a @ before_a], -3)
-    even_b = torch.cat([b[..., :1, :, :], step_a @ before_b + b[..., 2::2, :, :]], -3)
-
-    def interleave(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
-        both = torch.stack([even[..., :m, :, :], odd], dim=-3)  # [..., m, 2, x, y]
-        both = both.reshape(both.shape[:-4] + (2 * m,) + tuple(both.shape[-2:]))
-        return torch.cat([both, even[..., m:, :, :]], -3) if n % 2 else both
-
-    return interleave(even_a, odd_a), interleave(even_b, odd_b)
 
 
 def delta_segment_outputs(chunks: DeltaChunks, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,86 @@
+"""The chunked local work of linear attention (megatron_burst.linear.chunked.segment_output and
+segment_state) on one segment of many chunks: every chunk's own scores at once and the states entering
+the chunks by one scan. Against the token-by-token recurrence run on each document alone -- output
+and gradients, every decay form, documents starting mid-chunk, at chunk starts and spanning chunks,
+different per sample, a tail shorter than a chunk. (The multi-rank document tests hold segments of at
+most two chunks; a chunk's reset flag only matters from the third chunk on.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_burst.linear.chunked import CHUNK, segment_output, segment_state
+from megatron_burst.linear.reference import naive_linear_attention
+
+L, B, H, DK, DV = 5 * CHUNK + 13, 2, 2, 4, 3
+BOUNDS = ([0, 7, 70, 128, 200, 250, L], [0, 64, 65, 190, L])  # per sample: mid-chunk, chunk starts, spans
+FORMS = (None, "head", "token", "channel")
+
+
+def _inputs(form, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    mk = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = mk(L, B, H, DK), mk(L, B, H, DK), mk(L, B, H, DV)
+    g = {None: None, "head": -torch.rand(H, generator=gen, dtype=torch.float64) * 0.2,
+         "token": -torch.rand(L, B, H, generator=gen, dtype=torch.float64) * 0.2,
+         "channel": -torch.rand(L, B, H, DK, generator=gen, dtype=torch.float64) * 0.2}[form]
+    return q, k, v, g
+
+
+def _reference(q, k, v, g, scale):
+    """Each sample's documents alone, token by token."""
+    out = torch.zeros(L, B, H, DV, dtype=q.dtype)
+    for j, bounds in enumerate(BOUNDS):
+        for a, c in zip(bounds, bounds[1:]):
+            gd = None if g is None else (g if g.dim() == 1 else g[a:c, j:j + 1])
+            out[a:c, j:j + 1] = naive_linear_attention(q[a:c, j:j + 1], k[a:c, j:j + 1], v[a:c, j:j + 1], gd,
+                                                        scale=scale)
+    return out
+
+
+def _doc_index() -> torch.Tensor:
+    doc = torch.zeros(B, L, dtype=torch.long)
+    for j, bounds in enumerate(BOUNDS):
+        for i, a in enumerate(bounds[1:-1], 1):
+            doc[j, a:] = i
+    return doc.view(1, B, 1, L)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_segment_output_over_many_chunks_equals_each_document_alone(form):
+    q, k, v, g = _inputs(form)
+    leaves = [t.requires_grad_() for t in (q, k, v) + (() if g is None else (g,))]
+    scale = DK ** -0.5
+    ref = _reference(q, k, v, g, scale)
+    bhsd = lambda t: t.permute(1, 2, 0, 3).unsqueeze(0)  # noqa: E731  [s, b, h, d] -> [1, b, h, s, d]
+    gs = None
+    if g is not None:
+        full = g.view(1, 1, H).expand(L, B, H) if g.dim() == 1 else g
+        gs = bhsd(full.unsqueeze(-1) if full.dim() == 3 else full)
+    out = segment_output(bhsd(q), bhsd(k), bhsd(v), gs, scale, _doc_index())[0].permute(2, 0, 1, 3)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    dout = torch.randn_like(ref)
+    want = torch.autograd.grad(ref, leaves, dout)
+    got = torch.autograd.grad(out, leaves, dout)
+    for name, a, b in zip(("dq", "dk", "dv", "dg"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=name)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_segment_state_keeps_the_last_document(form):
+    """The state a segment leaves from a zero start = the recurrence over its last document alone."""
+    q, k, v, g = _inputs(form, seed=1)
+    bhsd = lambda t: t.permute(1, 2, 0, 3).unsqueeze(0)  # noqa: E731
+    gs = None
+    if g is not None:
+        full = g.view(1, 1, H).expand(L, B, H) if g.dim() == 1 else g
+        gs = bhsd(full.unsqueeze(-1) if full.dim() == 3 else full)
+    M = segment_state(bhsd(k), bhsd(v), gs, _doc_index())[0][0]  # [b, h, dk, dv]
+    for j, bounds in enumerate(BOUNDS):
+        start = bounds[-2]
+        want = torch.zeros(H, DK, DV, dtype=torch.float64)
+        for t in range(start, L):
+            if gs is not None:
+                want = torch.exp(gs[0, j, :, t]).unsqueeze(-1) * want
+            want = want + k[t, j].unsqueeze(-1) * v[t, j].unsqueeze(-2)
+        torch.testing.assert_close(M[j], want, rtol=1e-10, atol=1e-10)
