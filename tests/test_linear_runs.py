@@ -72,3 +72,56 @@ def test_exchange_keeps_this_ranks_entering_states_only():
     nseg states, not T (a THD batch has about 2 runs per sequence on every rank)."""
     for res in run_ranks(3, exchange_saved_states):
         assert res["saved_states"] == res["mine"] < res["total"], res
+
+
+def test_run_layout_moves_runs_by_index_not_one_op_per_run():
+    """RunLayout: stacking a rank's runs by chunk count and putting the outputs back is a round trip
+    (padding zero, or the run's last entry), fla's varlen rows are run-major for b > 1 and invert, and
+    the number of tensor ops depends on the groups, not on the runs (~100 per rank in a THD batch)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_burst.linear.runs import run_layout
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    lengths = [5, 64, 70, 3, 130, 64, 1, 127]
+    s, b = sum(lengths), 3
+    lay = run_layout(lengths, 64, b, torch.device("cpu"))
+    x = torch.arange(b * 2 * s * 4, dtype=torch.float64).view(b, 2, s, 4)  # [b, h, s, d]
+    parts = lay.stack(x, 2)
+    assert [tuple(p.shape) for p in parts] == [(5, b, 2, 64, 4), (2, b, 2, 128, 4), (1, b, 2, 192, 4)]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    for p, grp in zip(parts, lay.groups):  # each run's tokens, then zeros
+        for row, i in enumerate(grp.index):
+            n = lengths[i]
+            assert torch.equal(p[row, :, :, :n], x[:, :, starts[i]:starts[i] + n])
+            assert not p[row, :, :, n:].any()
+    last = lay.stack(x, 2, replicate=True)
+    for p, grp in zip(last, lay.groups):
+        for row, i in enumerate(grp.index):
+            assert torch.equal(p[row, :, :, lengths[i]:], x[:, :, starts[i] + lengths[i] - 1:starts[i] + lengths[i]]
+                               .expand(-1, -1, grp.length - lengths[i], -1))
+    assert torch.equal(lay.unstack(parts, 2), x)
+    rows = lay.in_run_order([torch.tensor(grp.index) for grp in lay.groups])
+    assert rows.tolist() == list(range(len(lengths)))
+    t = torch.randn(s, b, 2, 4)  # sbhd
+    flat = lay.to_flat(t, True)
+    want = torch.cat([t[a:a + n].transpose(0, 1).reshape(-1, 2, 4) for a, n in zip(starts, lengths)])
+    assert torch.equal(flat[0], want) and torch.equal(lay.from_flat(flat, b, True), t)
+
+    counts = []
+    for n_runs in (8, 64):  # the same two chunk counts, 8x the runs
+        lens = [5, 70] * (n_runs // 2)
+        lay = run_layout(lens, 64, 1, torch.device("cpu"))
+        y = torch.randn(1, 2, sum(lens), 4)
+        Count.ops = 0
+        with Count():
+            lay.unstack(lay.stack(y, 2), 2)
+        counts.append(Count.ops)
+    assert counts[0] == counts[1], counts

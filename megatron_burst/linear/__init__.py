@@ -24,8 +24,7 @@ from megatron_burst.linear import fla_adapter, kernel_choice
 from megatron_burst.linear.exchange import (Lasp1Chain, Lasp2Exchange, SegmentMap, local_entering_states,
                                             post_state_gather)
 from megatron_burst.linear.delta import gated_delta_rule
-from megatron_burst.linear.runs import (RUN_LAYOUTS, chunk_groups, in_run_order, rank_runs, run_documents, run_map,
-                                       split_runs)
+from megatron_burst.linear.runs import RUN_LAYOUTS, rank_runs, run_documents, run_layout, run_map
 from megatron_burst.linear.reference import expand_log_decay, naive_gated_delta_rule, naive_linear_attention
 
 __all__ = ["linear_attention", "naive_linear_attention", "gated_delta_rule", "naive_gated_delta_rule", "LINEAR_CP_ALGOS", "MIN_STRIPE"]
@@ -215,42 +214,44 @@ def _lasp2_runs(q, k, v, g, documents: Documents, pg, rank: int, world_size: int
     smap = run_map(pg, rank, world_size, runs)
     lengths = runs.lengths(rank)
     rd = run_documents(documents, b, runs, rank, q.device)
-    qs, ks, vs = (split_runs(to_bhsd(t).to(acc), lengths) for t in (q, k, v))  # per run [1, b, h, L_i, d]
-    gs = None
+    lay = run_layout(lengths, CHUNK, b, q.device)
+    # runs of one chunk count stack into one batched call (linear.runs.RunLayout: padding tokens are
+    # identity steps); per group: its stacked q, decay, document indices and entering documents
+    qs = lay.stack(to_bhsd(q).to(acc), 2)  # per group [n, b, h, length, dk]
+    gs = [None] * len(lay.groups)
     if g is not None:
         g_sbhd = g if (sbhd or g.dim() == 1) else g.transpose(0, 1)
-        gs = split_runs(expand_log_decay(g_sbhd, b, h, s, dk).to(acc), lengths)
-    # runs of one chunk count stack into one batched call (linear.runs.RunGroup: padding tokens are
-    # identity steps); per group: its stacked tensors, and (M, a, G) of its runs
-    groups = [(grp, [grp.stack(t, -2) for t in (qs, ks, vs)], None if gs is None else grp.stack(gs, -2),
-               grp.stack(rd.doc, -1, replicate=True), torch.cat([rd.enter[i] for i in grp.index]))
-              for grp in chunk_groups(lengths, CHUNK)]
+        gs = lay.stack(expand_log_decay(g_sbhd, b, h, s, dk).to(acc), 2)
+    docs = [d.unsqueeze(2) for d in lay.stack(rd.doc, 1, replicate=True)]  # [n, b, 1, length]
+    enters = [rd.enter.index_select(0, r) for r in lay.rows]  # [n, b, 1]
     if fla_fn is None:
-        maps = [segment_state(qkv[1], qkv[2], gg, dg) for _, qkv, gg, dg, _ in groups]
-        M = in_run_order([(grp, m[0]) for (grp, *_), m in zip(groups, maps)])
+        ks, vs = lay.stack(to_bhsd(k).to(acc), 2), lay.stack(to_bhsd(v).to(acc), 2)
+        maps = [segment_state(kg, vg, gg, dg) for kg, vg, gg, dg in zip(ks, vs, gs, docs)]
+        M = lay.in_run_order([m[0] for m in maps])
     else:  # fla: every run's zero-start output and the state it leaves, in one varlen call
         pieces = fla_adapter.run_pieces(documents, b, runs.per_rank[rank], q.device)
-        flat = [fla_adapter.runs_to_flat(t, lengths, sbhd) for t in (q, k, v)]
-        o_flat, M = fla_adapter.lasp2_segments(fla_fn, form, *flat, g,
-                                               fla_adapter.decay_flat(g, form, lengths, b, sbhd), scale, pieces)
+        flat = [lay.to_flat(t, sbhd) for t in (q, k, v)]
+        o_flat, M = fla_adapter.lasp2_segments(fla_fn, form, *flat, g, fla_adapter.decay_flat(
+            g, form, lambda t: lay.to_flat(t, sbhd), b * s), scale, pieces)
         M = M.view(len(lengths), b, h, dk, dv).to(acc)
-        o_local = fla_adapter.flat_to_local(o_flat, lengths, b, False).permute(0, 2, 1, 3)  # [b, h, s, dv]
-        fla_outs = split_runs(o_local.to(acc), lengths)
-        maps = [(None,) + _decays(gg) for _, _, gg, _, _ in groups]
-    a = None if g is None else in_run_order([(grp, m[1]) for (grp, *_), m in zip(groups, maps)])
+        o_fla = lay.from_flat(o_flat, b, False).permute(0, 2, 1, 3).to(acc)  # [b, h, s, dv]
+        maps = [(None,) + _decays(gg) for gg in gs]
+    a = None if g is None else lay.in_run_order([m[1] for m in maps])
     gathered, pending = post_state_gather(M, a, smap)  # overlaps with the runs' own outputs
-    own = [segment_output(qg, kg, vg, gg, scale, dg) for grp, (qg, kg, vg), gg, dg, _ in groups] \
-        if fla_fn is None else None  # fla formed them above, per run
+    own = None
+    if fla_fn is None:
+        own = [segment_output(qg, kg, vg, gg, scale, dg) for qg, kg, vg, gg, dg in zip(qs, ks, vs, gs, docs)]
     pending.wait()
     S_in = Lasp2Exchange.apply(M, a, gathered, smap, False, rd.resets)
-    inter: dict[int, torch.Tensor] = {}
-    for j, ((grp, (qg, _, _), _, dg, eg), m) in enumerate(zip(groups, maps)):
+    terms = []
+    for j, (qg, m, dg, eg, rows) in enumerate(zip(qs, maps, docs, enters, lay.rows)):
         q_in = qg if m[2] is None else qg * torch.exp(m[2])
         q_in = q_in * (dg == eg.unsqueeze(-1)).unsqueeze(-1).to(q_in.dtype)  # the entering document's tokens
-        term = scale * (q_in @ S_in[list(grp.index)])
-        inter.update(grp.unstack(term if own is None else own[j] + term, lengths, -2))
-    outs = [inter[i] if fla_fn is None else fla_outs[i] + inter[i] for i in range(len(lengths))]
-    o = torch.cat(outs, dim=-2)[0]  # [b, h, s, dv]
+        term = scale * (q_in @ S_in.index_select(0, rows))
+        terms.append(term if own is None else own[j] + term)
+    o = lay.unstack(terms, 2)  # [b, h, s, dv]
+    if fla_fn is not None:
+        o = o_fla + o
     out = o.permute(2, 0, 1, 3) if sbhd else o.permute(0, 2, 1, 3)
     return out.to(q.dtype).contiguous()
 

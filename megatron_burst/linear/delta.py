@@ -54,8 +54,7 @@ from megatron_burst.linear.chunked import CHUNK, affine_prefix, affine_total
 from megatron_burst.linear import fla_adapter, kernel_choice
 from megatron_burst.linear.docs import check_documents, segment_documents, unplaced
 from megatron_burst.linear.exchange import Lasp2Exchange, Resets, SegmentMap, local_entering_states, post_state_gather
-from megatron_burst.linear.runs import (RUN_LAYOUTS, chunk_groups, in_run_order, rank_runs, run_documents, run_map,
-                                       split_runs)
+from megatron_burst.linear.runs import RUN_LAYOUTS, rank_runs, run_documents, run_layout, run_map
 
 __all__ = ["gated_delta_rule", "delta_segment_maps", "delta_segment_outputs", "GDN_KERNELS"]
 
@@ -312,30 +311,30 @@ def _gdn_runs(fla, q, k, v, g, beta, documents: Documents, pg, rank: int, world_
     smap = run_map(pg, rank, world_size, runs)
     lengths = runs.lengths(rank)
     rd = run_documents(documents, b, runs, rank, q.device)
+    lay = run_layout(lengths, CHUNK, b, q.device)  # runs of one chunk count: one batched call
     bhsd = (lambda t: t.permute(1, 2, 0, 3)) if sbhd else (lambda t: t.permute(0, 2, 1, 3))  # noqa: E731
-    per_run = lambda t: split_runs(bhsd(t.unsqueeze(-1) if t.dim() == 3 else t).to(acc), lengths)  # noqa: E731
-    ks, vs = per_run(k), per_run(v)
-    gs, bs = ([x[..., 0] for x in per_run(t)] for t in (g, beta))
-    qs = per_run(q) if fla is None else None
-    groups = chunk_groups(lengths, CHUNK)  # runs of one chunk count: one batched call
-    maps = [delta_segment_maps(None if qs is None else grp.stack(qs, -2), grp.stack(ks, -2), grp.stack(vs, -2),
-                               grp.stack(gs, -1), grp.stack(bs, -1), grp.stack(rd.doc, -1, replicate=True),
-                               torch.cat([rd.enter[i] for i in grp.index])) for grp in groups]
-    A, B = (in_run_order([(grp, m[j]) for grp, m in zip(groups, maps)]) for j in (0, 1))
+    stacked = lambda t: lay.stack(bhsd(t.unsqueeze(-1) if t.dim() == 3 else t).to(acc), 2)  # noqa: E731
+    ks, vs = stacked(k), stacked(v)
+    gs, bs = ([x[..., 0] for x in stacked(t)] for t in (g, beta))
+    qs = stacked(q) if fla is None else [None] * len(lay.groups)
+    docs = lay.stack(rd.doc, 1, replicate=True)  # [n, b, length]; broadcast over the heads below
+    maps = [delta_segment_maps(qg, kg, vg, gg, bg, dg.unsqueeze(2), rd.enter.index_select(0, rows))
+            for qg, kg, vg, gg, bg, dg, rows in zip(qs, ks, vs, gs, bs, docs, lay.rows)]
+    A, B = (lay.in_run_order([m[j] for m in maps]) for j in (0, 1))
     gathered, pending = post_state_gather(B, A, smap, label="gdn (A, B) all-gather")
     pending.wait()
     # [nseg, b, h, dk, dv]; A = 0 where a run resets already: the flags cut the scan into short chains
     S_in = Lasp2Exchange.apply(B, A, gathered, smap, True, rd.resets)
     if fla is not None:  # each run a row entering with its state (pieces: cut at document starts)
         pieces = fla_adapter.run_pieces(documents, b, runs.per_rank[rank], q.device)
-        flat = [fla_adapter.runs_to_flat(t, lengths, sbhd) for t in (q, k, v, g, beta)]
+        flat = [lay.to_flat(t, sbhd) for t in (q, k, v, g, beta)]
         h, dk, dv = S_in.shape[2:]
         o = fla_adapter.gdn_rows(fla, *flat, scale, S_in.reshape(len(lengths) * b, h, dk, dv), pieces)
-        return fla_adapter.flat_to_local(o, lengths, b, sbhd).to(q.dtype).contiguous()
-    outs: dict[int, torch.Tensor] = {}
-    for grp, (_, _, ch) in zip(groups, maps):
+        return lay.from_flat(o, b, sbhd).to(q.dtype).contiguous()
+    outs = []
+    for (_, _, ch), rows in zip(maps, lay.rows):
         o0, q_in = delta_segment_outputs(ch, scale)
-        outs.update(grp.unstack(o0 + scale * (q_in @ S_in[list(grp.index)]), lengths, -2))
-    o = torch.cat([outs[i] for i in range(len(lengths))], dim=-2)[0]  # [b, h, s, dv]
+        outs.append(o0 + scale * (q_in @ S_in.index_select(0, rows)))
+    o = lay.unstack(outs, 2)  # [b, h, s, dv]
     out = o.permute(2, 0, 1, 3) if sbhd else o.permute(0, 2, 1, 3)
     return out.to(q.dtype).contiguous()

@@ -139,36 +139,21 @@ def row_pieces(documents: Optional[Documents], batch: int, order: tuple[int, ...
 
 def run_pieces(documents: Documents, batch: int, runs: tuple[tuple[int, int], ...], device: torch.device) -> RowPieces:
     """The :class:`RowPieces` of a rank's runs (THD, balanced: :mod:`megatron_burst.linear.runs`):
-    ``runs`` = ((global start, length), ...) in local order, rows segment-major as :func:`runs_to_flat`
-    lays them out (cached)."""
+    ``runs`` = ((global start, length), ...) in local order, rows run-major as
+    :meth:`megatron_burst.linear.runs.RunLayout.to_flat` lays them out (cached)."""
     return _pieces(documents, batch, tuple(runs), str(device))
 
 
-def runs_to_flat(t: torch.Tensor, lengths: list[int], sbhd: bool) -> torch.Tensor:
-    """A rank-local tensor [s, b, h, ...] (``sbhd``) or [b, s, h, ...] held as runs of ``lengths`` ->
-    fla's varlen input [1, b * s, h, ...]: the rows (run i of sample j, segment-major) one after another."""
-    t = t.transpose(0, 1) if sbhd else t  # [b, s, ...]
-    rest = tuple(t.shape[2:])
-    return torch.cat([x.reshape((-1,) + rest) for x in t.split(lengths, dim=1)]).unsqueeze(0)
-
-
-def flat_to_local(o: torch.Tensor, lengths: list[int], batch: int, sbhd: bool) -> torch.Tensor:
-    """Inverse of :func:`runs_to_flat`: [1, b * s, h, d] -> [s, b, h, d] (``sbhd``) or [b, s, h, d]."""
-    rest = tuple(o.shape[2:])
-    rows = o[0].split([batch * n for n in lengths])
-    out = torch.cat([x.reshape((batch, n) + rest) for x, n in zip(rows, lengths)], dim=1)
-    return out.transpose(0, 1) if sbhd else out
-
-
-def decay_flat(g: Optional[torch.Tensor], form: str, lengths: list[int], batch: int, sbhd: bool
+def decay_flat(g: Optional[torch.Tensor], form: str, flatten: Callable[[torch.Tensor], torch.Tensor], tokens: int
                ) -> Optional[torch.Tensor]:
-    """:func:`decay_rows` for runs: fla's ``g`` for the flat rows of :func:`runs_to_flat` (None for "none"
-    and for a per-head decay passed as ``g_gamma``)."""
+    """:func:`decay_rows` for runs: fla's ``g`` for varlen rows of ``tokens`` tokens in all, laid out
+    by ``flatten`` (:meth:`megatron_burst.linear.runs.RunLayout.to_flat`); None for "none" and for a
+    per-head decay passed as ``g_gamma``."""
     if form == "none" or (form == "head" and not g.requires_grad):
         return None
     if form == "head":  # the same decay for every token: autograd sums fla's per-token dg back to [h]
-        return g.float().view(1, 1, -1).expand(1, batch * sum(lengths), g.shape[0])
-    return runs_to_flat(g.float(), lengths, sbhd)
+        return g.float().view(1, 1, -1).expand(1, tokens, g.shape[0])
+    return flatten(g.float())
 
 
 def flatten_rows(t: torch.Tensor) -> torch.Tensor:

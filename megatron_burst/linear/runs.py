@@ -8,7 +8,7 @@ are described here the same way, as *runs*: the maximal stretches of consecutive
 rank holds (:func:`megatron_burst.masks.documents.rank_positions`), of any length and a different number
 per rank. A run is a segment like any other -- its zero-start output, the state (or affine map) it
 leaves, the state entering it -- so the ops compute runs with the same chunked kernels (the runs of
-one chunk count stacked into one call, :class:`RunGroup`) and the exchange scans every run's state
+one chunk count stacked into one call by index gathers, :class:`RunLayout`) and the exchange scans every run's state
 in global order (:class:`~megatron_burst.linear.exchange.SegmentMap`
 with per-rank counts: a rank's part of the all-gather is padded to the most runs a rank holds).
 
@@ -36,8 +36,8 @@ from megatron_burst.masks.layout import BALANCED
 from megatron_burst.linear.docs import document_index
 from megatron_burst.linear.exchange import Resets, SegmentMap, resets
 
-__all__ = ["RUN_LAYOUTS", "Runs", "rank_runs", "run_map", "RunDocuments", "run_documents", "split_runs", "RunGroup",
-           "chunk_groups", "in_run_order"]
+__all__ = ["RUN_LAYOUTS", "Runs", "rank_runs", "run_map", "RunDocuments", "run_documents", "RunGroup", "chunk_groups",
+           "RunLayout", "run_layout"]
 
 RUN_LAYOUTS = (THD, BALANCED)
 
@@ -91,15 +91,14 @@ def run_map(group: Optional[dist.ProcessGroup], rank: int, world_size: int, runs
 @dataclass(frozen=True)
 class RunDocuments:
     """One rank's runs under documents, as :class:`megatron_burst.linear.docs.SegmentDocuments` holds
-    them for equal segments, one entry per local run i of length L_i:
-
-    ``doc[i]`` [1, b, 1, L_i] (long): the document index of each token; ``enter[i]`` [1, b, 1] (long):
-    the document of the token just before the run (0 before the sequence's first); ``resets``: keep
-    [T, b] (bool, global run order), True when no document starts in the run.
+    them for equal segments: ``doc`` [b, s] (long): the document index of each local token (local
+    order); ``enter`` [nseg, b, 1] (long): per local run, the document of the token just before it (0
+    before the sequence's first); ``resets``: keep [T, b] (bool, global run order), True when no
+    document starts in the run.
     """
 
-    doc: tuple[torch.Tensor, ...]
-    enter: tuple[torch.Tensor, ...]
+    doc: torch.Tensor
+    enter: torch.Tensor
     resets: Resets
 
 
@@ -112,20 +111,14 @@ def _run_documents(documents: Documents, batch: int, runs: Runs, rank: int, devi
     enter_all = torch.where(starts > 0, host[:, (starts - 1).clamp(min=0)], 0)  # [b, T]
     keep = resets((host[:, ends - 1] == enter_all).T.contiguous(), torch.device(device))  # [T, b]
     mine = torch.tensor(runs.order[rank], dtype=torch.long)
-    enter = enter_all[:, mine].T.reshape(-1, 1, batch, 1).to(device).unbind(0)  # per run [1, b, 1]
-    doc = tuple(every[:, a:a + n].reshape(1, batch, 1, n) for a, n in runs.per_rank[rank])
-    return RunDocuments(doc, tuple(enter), keep)
+    enter = enter_all[:, mine].T.reshape(-1, batch, 1).to(device)  # [nseg, b, 1]
+    doc = torch.cat([every[:, a:a + n] for a, n in runs.per_rank[rank]], dim=1)  # [b, s]
+    return RunDocuments(doc, enter, keep)
 
 
 def run_documents(documents: Documents, batch: int, runs: Runs, rank: int, device: torch.device) -> RunDocuments:
     """The :class:`RunDocuments` of ``rank``'s runs (cached: every layer of a step gets the same tensors)."""
     return _run_documents(documents, batch, runs, rank, str(device))
-
-
-def split_runs(t: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
-    """[b, h, s, ...] (this rank's tokens in local order) -> per run [1, b, h, L_i, ...] (views): the
-    segment layout the chunked kernels take, one run at a time."""
-    return [x.unsqueeze(0) for x in t.split(lengths, dim=2)]
 
 
 @dataclass(frozen=True)
@@ -138,28 +131,6 @@ class RunGroup:
     index: tuple[int, ...]
     length: int
 
-    def stack(self, parts: list, dim: int, replicate: bool = False) -> torch.Tensor:
-        """Per-run tensors [1, ..., L_i, ...] (tokens on ``dim``) -> [n, ..., length, ...], padded with
-        zeros (``replicate``: with the run's last entry, for document indices)."""
-        out = []
-        for i in self.index:
-            t = parts[i]
-            missing = self.length - t.shape[dim]
-            if missing:
-                if replicate:
-                    pad = t.narrow(dim, t.shape[dim] - 1, 1).repeat_interleave(missing, dim)
-                else:
-                    shape = list(t.shape)
-                    shape[dim] = missing
-                    pad = t.new_zeros(shape)
-                t = torch.cat([t, pad], dim=dim)
-            out.append(t)
-        return torch.cat(out)
-
-    def unstack(self, t: torch.Tensor, lengths: list[int], dim: int) -> dict[int, torch.Tensor]:
-        """[n, ..., length, ...] -> {run index: [1, ..., L_i, ...]} (the padding dropped)."""
-        return {i: t[j:j + 1].narrow(dim, 0, lengths[i]) for j, i in enumerate(self.index)}
-
 
 def chunk_groups(lengths: list[int], chunk: int) -> list[RunGroup]:
     """The local runs grouped by their length rounded up to whole chunks of ``chunk`` tokens (no padding
@@ -170,7 +141,105 @@ def chunk_groups(lengths: list[int], chunk: int) -> list[RunGroup]:
     return [RunGroup(tuple(index), length) for length, index in sorted(groups.items())]
 
 
-def in_run_order(parts: list) -> torch.Tensor:
-    """[(RunGroup, its runs' tensor [n, ...]), ...] -> [nseg, ...] in the runs' local order."""
-    rows = {i: t[j:j + 1] for grp, t in parts for j, i in enumerate(grp.index)}
-    return torch.cat([rows[i] for i in range(len(rows))])
+@dataclass(frozen=True, eq=False)
+class RunLayout:
+    """How one rank's s local tokens, held as runs of ``lengths``, move into the batched calls and
+    back, as index tensors on the device (built once per batch, :func:`run_layout`): a few gathers per
+    tensor and group, never an op per run (a THD batch has ~100 runs per rank; on a GPU every op
+    is a kernel launch).
+
+    ``groups``: :func:`chunk_groups`. Per group, ``take`` [n * length] the local token of each stacked
+    slot (run-major), ``s`` for a padding slot (a zero row appended to the tokens); ``take_last`` the
+    same with a padding slot repeating its run's last token (document indices); ``rows`` [n] its runs'
+    local indices. ``scatter`` [s]: each local token's slot among the groups' slots concatenated;
+    ``run_order`` [nseg]: each local run's row among the groups' runs concatenated. ``flat`` [b * s]
+    (None when b == 1: the identity): fla's varlen rows (run i of sample j, run-major) as indices into
+    the local tokens flattened sample-major, ``unflat`` its inverse.
+    """
+
+    lengths: tuple[int, ...]
+    groups: tuple[RunGroup, ...]
+    take: tuple[torch.Tensor, ...]
+    take_last: tuple[torch.Tensor, ...]
+    rows: tuple[torch.Tensor, ...]
+    scatter: torch.Tensor
+    run_order: torch.Tensor
+    flat: Optional[torch.Tensor]
+    unflat: Optional[torch.Tensor]
+
+    def stack(self, x: torch.Tensor, dim: int, replicate: bool = False) -> list[torch.Tensor]:
+        """``x`` with the local tokens on ``dim`` -> per group [n, ...x without dim..., length at dim]:
+        the group's runs stacked (run first), padded with zeros (``replicate``: the run's last token)."""
+        dim = dim % x.dim()
+        if not replicate:
+            pad = list(x.shape)
+            pad[dim] = 1
+            x = torch.cat([x, x.new_zeros(pad)], dim)
+        out = []
+        for grp, idx in zip(self.groups, self.take_last if replicate else self.take):
+            y = x.index_select(dim, idx).unflatten(dim, (len(grp.index), grp.length))
+            out.append(y.movedim(dim, 0))
+        return out
+
+    def unstack(self, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+        """Inverse of :meth:`stack` for outputs: per group [n, ..., length at ``dim`` + 1, ...] -> the local
+        tokens on ``dim`` (the padding dropped)."""
+        joined = torch.cat([p.movedim(0, dim).flatten(dim, dim + 1) for p in parts], dim)
+        return joined.index_select(dim, self.scatter)
+
+    def in_run_order(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Per group [n, ...] -> [nseg, ...] in the runs' local order."""
+        return torch.cat(parts).index_select(0, self.run_order)
+
+    def to_flat(self, t: torch.Tensor, sbhd: bool) -> torch.Tensor:
+        """A rank-local tensor [s, b, h, ...] (``sbhd``) or [b, s, h, ...] -> fla's varlen input
+        [1, b * s, h, ...]: the rows (run i of sample j, run-major) one after another."""
+        t = t.transpose(0, 1) if sbhd else t  # [b, s, ...]
+        t = t.reshape((-1,) + tuple(t.shape[2:]))
+        return (t if self.flat is None else t.index_select(0, self.flat)).unsqueeze(0)
+
+    def from_flat(self, o: torch.Tensor, batch: int, sbhd: bool) -> torch.Tensor:
+        """Inverse of :meth:`to_flat`: [1, b * s, h, ...] -> [s, b, h, ...] (``sbhd``) or [b, s, h, ...]."""
+        o = o[0] if self.unflat is None else o[0].index_select(0, self.unflat)
+        o = o.reshape((batch, -1) + tuple(o.shape[1:]))
+        return o.transpose(0, 1) if sbhd else o
+
+
+@functools.lru_cache(maxsize=16)  # a step's layers share one batch's layout
+def _run_layout(lengths: tuple[int, ...], chunk: int, batch: int, device: str) -> RunLayout:
+    n_all = torch.tensor(lengths, dtype=torch.long)
+    s = int(n_all.sum())
+    starts = torch.cumsum(n_all, 0) - n_all
+    groups = tuple(chunk_groups(list(lengths), chunk))
+    take, take_last, rows = [], [], []
+    slot_of = torch.empty(s, dtype=torch.long)
+    offset = 0
+    for grp in groups:  # host index arithmetic, once per batch; vectorized over the group's runs
+        idx = torch.tensor(grp.index, dtype=torch.long)
+        a, n = starts[idx, None], n_all[idx, None]
+        pos = torch.arange(grp.length)
+        token, pad = a + pos, pos >= n  # [runs, length]
+        take.append(torch.where(pad, s, token).flatten())
+        take_last.append(torch.where(pad, a + n - 1, token).flatten())
+        slots = offset + torch.arange(token.numel()).view(token.shape)
+        slot_of[token[~pad]] = slots[~pad]
+        offset += token.numel()
+        rows.append(idx)
+    run_order = torch.empty(len(lengths), dtype=torch.long)
+    run_order[torch.cat(rows)] = torch.arange(len(lengths))
+    flat = unflat = None
+    if batch > 1:  # fla's rows run-major: run i of sample j, tokens in order
+        run_of = torch.repeat_interleave(torch.arange(len(lengths)), n_all)  # [s]
+        sample, token = torch.meshgrid(torch.arange(batch), torch.arange(s), indexing="ij")
+        flat = (sample * s + token).flatten()[torch.argsort((run_of[token] * batch + sample).flatten(), stable=True)]
+        unflat = torch.empty_like(flat)
+        unflat[flat] = torch.arange(flat.numel())
+    dev = torch.device(device)
+    return RunLayout(lengths, groups, tuple(t.to(dev) for t in take), tuple(t.to(dev) for t in take_last),
+                     tuple(r.to(dev) for r in rows), slot_of.to(dev), run_order.to(dev),
+                     None if flat is None else flat.to(dev), None if unflat is None else unflat.to(dev))
+
+
+def run_layout(lengths: list[int], chunk: int, batch: int, device: torch.device) -> RunLayout:
+    """The :class:`RunLayout` of a rank's runs of ``lengths`` (cached per batch)."""
+    return _run_layout(tuple(lengths), chunk, batch, str(device))
