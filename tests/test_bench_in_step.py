@@ -11,8 +11,10 @@ AGREE_S = 3.0
 
 
 def _body(plan: dict) -> dict:
-    """Variants by name: 'ok' (an all-reduce), 'refused' (raises everywhere before any collective),
-    'rank1_fails' (rank 1 raises while rank 0 waits in an all-reduce)."""
+    """Variants by name: 'ok' (an all-reduce), 'refused' (raises everywhere before any collective,
+    after a timing barrier), 'rank1_fails' (rank 1 raises while rank 0 waits in an all-reduce),
+    'stale_send' (every rank sends to its ring neighbour, which never receives, and raises: the sends
+    would meet the next variant's receives)."""
     import torch
     import torch.distributed as dist
 
@@ -20,10 +22,23 @@ def _body(plan: dict) -> dict:
 
     ran = []
 
-    def run(variant: str) -> None:
+    def run(variant: str, sync) -> None:
         name = variant.split("#")[0]
+        sync()  # the bodies' timing barriers: not the default group's traffic
         if name == "refused":
             raise ValueError("refused on every rank")
+        if name == "stale_send":
+            rank, world = dist.get_rank(), dist.get_world_size()
+            dist.isend(torch.full((1,), float(rank)), (rank + 1) % world)
+            raise RuntimeError("failed after posting a send")
+        if name == "ring":  # a ring exchange: would receive a stale send
+            rank, world = dist.get_rank(), dist.get_world_size()
+            got = torch.zeros(1)
+            ops = [dist.P2POp(dist.isend, torch.full((1,), 100.0 + rank), (rank + 1) % world),
+                   dist.P2POp(dist.irecv, got, (rank - 1) % world)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            assert got.item() == 100.0 + (rank - 1) % world, got
         if name == "rank1_fails" and dist.get_rank() == 1:
             raise RuntimeError("rank 1 out of memory")
         t = torch.ones(1)
@@ -31,7 +46,13 @@ def _body(plan: dict) -> dict:
         ran.append(variant)
 
     errors = in_step(plan["variants"], run, agree_timeout_s=AGREE_S)
-    return {"ran": ran, "errors": {k: v.splitlines()[0] for k, v in errors.items()}}
+    again = None
+    if plan.get("again"):
+        try:
+            in_step(["ok"], run, agree_timeout_s=AGREE_S)
+        except RuntimeError as e:
+            again = str(e)
+    return {"ran": ran, "errors": {k: v.splitlines()[0] for k, v in errors.items()}, "again": again}
 
 
 def test_a_failure_everywhere_lets_the_next_variant_run():
@@ -58,3 +79,19 @@ def test_a_failure_on_one_rank_gives_up_the_rest_within_the_agreement_timeout():
     assert "rank 1 out of memory" in results[1]["errors"]["rank1_fails"]
     # rank 0 was inside the all-reduce: the peer's exit ended its wait with an error (not a timeout)
     assert "out of memory" not in results[0]["errors"]["rank1_fails"]
+
+
+def test_a_failure_everywhere_after_communicating_gives_up_the_rest():
+    """Every rank failed, but after posting sends nobody received: running on would hand them to the
+    next variant's receives (a 120 s timeout there, the gloo pair closed after), so the rest is given
+    up, quickly, and a second in_step in the process refuses to start."""
+    from megatron_burst.bench.launch import run_local
+
+    start = time.perf_counter()
+    results = run_local(2, _body, {"variants": ["ok#1", "stale_send", "ring"], "again": True})
+    assert time.perf_counter() - start < AGREE_S + 20
+    for res in results:
+        assert res["ran"] == ["ok#1"], res
+        assert "failed after posting a send" in res["errors"]["stale_send"]
+        assert res["errors"]["ring"].startswith("not run: gave up the remaining variants"), res
+        assert "gave up its variants earlier in this process" in res["again"], res

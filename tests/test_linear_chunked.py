@@ -46,8 +46,13 @@ def _doc_index() -> torch.Tensor:
     return doc.view(1, B, 1, L)
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_segment_output_over_many_chunks_equals_each_document_alone(form):
+@pytest.mark.parametrize("form,block", [(f, None) for f in FORMS] + [("channel", 2)])
+def test_segment_output_over_many_chunks_equals_each_document_alone(form, block, monkeypatch):
+    """(block: a decay per key channel builds its weights a few chunks at a time -- 2 here, so the
+    6 chunks go in 3 blocks.)"""
+    if block is not None:
+        from megatron_burst.linear import chunked
+        monkeypatch.setattr(chunked, "CHANNEL_BLOCK", block)
     q, k, v, g = _inputs(form)
     leaves = [t.requires_grad_() for t in (q, k, v) + (() if g is None else (g,))]
     scale = DK ** -0.5

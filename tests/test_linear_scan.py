@@ -218,3 +218,22 @@ def test_a_long_segments_maps_launch_per_tree_level_not_per_chunk():
         with _CountOps() as count:
             fn(a, b, matrix=True)
         assert count.ops <= bound, (fn.__name__, count.ops)
+
+
+@pytest.mark.parametrize("decay", [False, True])
+def test_the_exchange_keeps_only_this_ranks_states_and_the_transitions(decay):
+    """What the LASP-2 exchange saves for the backward and returns at W = 8, one segment per rank
+    (contiguous): this rank's entering state and the 8 decays, never the all-gather buffer or all 8
+    states behind a view (a consecutive pick is a view: 16x the bytes kept)."""
+    from megatron_burst.linear.exchange import Lasp2Exchange, SegmentMap
+
+    W = 8
+    smap = SegmentMap(None, 0, W, tuple((r,) for r in range(W)), True)
+    M = torch.randn(1, 1, H, DK, DV, requires_grad=True)
+    a = torch.rand(1, 1, H, DK, requires_grad=True) if decay else None
+    gathered = torch.randn(W * (M.numel() + (a.numel() if decay else 0)))
+    S = Lasp2Exchange.apply(M, a, gathered, smap, False)
+    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in S.grad_fn.saved_tensors}
+    kept[S.untyped_storage().data_ptr()] = S.untyped_storage().nbytes()
+    state, decays = M.numel() * 4, (W * a.numel() * 4 if decay else 0)
+    assert sum(kept.values()) == state + decays, (sum(kept.values()), state, decays)

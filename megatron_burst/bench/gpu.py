@@ -931,21 +931,21 @@ def multi_rank_body(cfg: dict) -> dict:
     del full
     out = {"rank": r, "times": {}}
 
-    def run(algo: str) -> None:
+    def run(algo: str, sync) -> None:
         ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
         samples = []
         for i in range(cfg["warmup"] + cfg["repeats"]):
             ql.grad = kl.grad = vl.grad = None
             if cfg["cuda"]:
                 torch.cuda.synchronize()
-            dist.barrier()
+            sync()
             t0 = time.perf_counter()
             o = mb.cp_attention(ql, kl, vl, algo=algo, layout="zigzag")
             o.backward(dout)
             if cfg["cuda"]:
                 torch.cuda.synchronize()
             t1 = time.perf_counter()
-            dist.barrier()
+            sync()
             if i >= cfg["warmup"]:
                 samples.append((t1 - t0) * 1e3)
         out["times"][algo] = statistics.median(samples)

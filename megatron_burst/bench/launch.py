@@ -42,31 +42,45 @@ def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, ar
     exit_rank(0, barrier=not _gave_up)
 
 
-def in_step(variants: list[str], body: Callable[[str], None], agree_timeout_s: float = AGREE_TIMEOUT_S
-            ) -> dict[str, str]:
-    """Run ``body(variant)`` for every variant on every rank of the default group, in step; returns
-    this rank's {variant: error text} (a variant absent from it ran).
+def in_step(variants: list[str], body: Callable[[str, Callable[[], None]], None],
+            agree_timeout_s: float = AGREE_TIMEOUT_S) -> dict[str, str]:
+    """Run ``body(variant, sync)`` for every variant on every rank of the default group, in step;
+    returns this rank's {variant: error text} (a variant absent from it ran). ``sync()`` is a barrier
+    for the body's timings, on a group of its own: the default group then carries only the measured
+    op's communication, which is what tells a refusal from a failure in mid-exchange (below).
 
     A variant that raises on one rank can leave its peers inside a collective it never joined. So
     after each variant the ranks compare notes on a separate gloo group with a short timeout
-    (``agree_timeout_s``): nobody failed -> the next variant; every rank failed with the
-    world's collectives still in step (the same sequence number everywhere: a refusal before any
-    collective) -> the next variant; otherwise (a rank missing: stuck in a collective; or the
+    (``agree_timeout_s``): nobody failed -> the next variant; every rank failed before any
+    communication of the variant (each rank's gloo sequence number unchanged: a refusal) -> the
+    next variant; otherwise (a rank missing: stuck in a collective; or the
     collectives out of step) the remaining variants are given up on every rank that can still
     tell, and this process leaves without its final barrier, so a peer stuck in a collective gets
     a connection error at once. Either way a failure costs at most ``agree_timeout_s``, not the
-    collective timeout once per remaining variant.
+    collective timeout once per remaining variant. Once per process: after giving up, a second call
+    raises (the process's collectives are out of step).
     """
     global _gave_up
+    if _gave_up:
+        raise RuntimeError("in_step gave up its variants earlier in this process: its collectives are out of step "
+                           "with the other ranks; run the next variants on new ranks (a new run_local)")
     world = dist.group.WORLD
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=agree_timeout_s))
+    timing = dist.new_group(backend="gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+    def sync() -> None:
+        dist.barrier(group=timing)
+
     errors: dict[str, str] = {}
     for i, variant in enumerate(variants):
+        before = _sequence_number(world)
         try:
-            body(variant)
+            body(variant, sync)
         except Exception as e:  # noqa: BLE001
             errors[variant] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
-        note = torch.tensor([float(variant in errors), float(_sequence_number(world))])
+        # failed here; this rank's communication calls before and after the variant (gloo counts its
+        # collectives and point-to-point ops; a send can count on its sender only)
+        note = torch.tensor([int(variant in errors), before, _sequence_number(world)], dtype=torch.int64)
         notes = [torch.empty_like(note) for _ in range(dist.get_world_size())]
         try:
             dist.all_gather(notes, note, group=control)
@@ -76,11 +90,12 @@ def in_step(variants: list[str], body: Callable[[str], None], agree_timeout_s: f
             failed = [bool(n[0]) for n in notes]
             if not any(failed):
                 continue
-            together = all(failed) and len({float(n[1]) for n in notes}) == 1 and _sequence_number(world) >= 0
-            if together:
+            # a failure everywhere is harmless only where no rank had communicated in the variant yet: a
+            # message posted and never matched would meet the next variant's
+            if all(failed) and all(int(n[1]) == int(n[2]) >= 0 for n in notes):
                 continue
             why = f"{variant!r} failed on ranks {[r for r, f in enumerate(failed) if f]} only" if not all(failed) \
-                else f"{variant!r} failed with the ranks' collectives out of step"
+                else f"{variant!r} failed on every rank after some had communicated"
         for rest in variants[i + 1:]:
             errors[rest] = f"not run: gave up the remaining variants ({why}; see the first failure)"
         _gave_up = True
@@ -122,6 +137,14 @@ def run_local(world_size: int, fn: Callable[..., Any], *args: Any, threads: int 
     try:
         while len(results) < world_size:
             if any(p.exitcode not in (None, 0) for p in procs):
+                while len(results) < world_size:  # results queued before a failed exit still count
+                    try:
+                        rank, blob = queue.get(timeout=1.0)
+                    except queue_module.Empty:
+                        break
+                    results[rank] = torch.load(io.BytesIO(blob), weights_only=False)
+                if len(results) == world_size:
+                    break
                 codes = [p.exitcode for p in procs]
                 for p in procs:  # the others may wait in a collective with it: end them now, not after a join
                     if p.is_alive():

@@ -238,7 +238,7 @@ def multi_rank_body(cfg: dict) -> dict:
     dt = getattr(torch, cfg["dtype"])
     res: dict[str, Any] = {"rank": r, "times": {}, "sent": {}, "tensors": {}}
 
-    def run(variant: str) -> None:
+    def run(variant: str, sync) -> None:
         op, form, how = variant.split(":")
         full = make_inputs(op, form, cfg["s"], cfg["h"], cfg["d"], dt, torch.device("cpu"), cfg["seed"])
         x: dict[str, Optional[torch.Tensor]] = {}
@@ -250,7 +250,7 @@ def multi_rank_body(cfg: dict) -> dict:
             leaves = leaves_of(op, form, x)
             if cfg["cuda"]:
                 torch.cuda.synchronize()
-            dist.barrier()
+            sync()
             with mb.comm_counter() as counter:
                 t0 = time.perf_counter()
                 o = forward(leaves)
@@ -258,7 +258,7 @@ def multi_rank_body(cfg: dict) -> dict:
                 if cfg["cuda"]:
                     torch.cuda.synchronize()
                 t1 = time.perf_counter()
-            dist.barrier()
+            sync()
             if i >= cfg["warmup"]:
                 samples.append((t1 - t0) * 1e3)
                 sent = counter.bytes("sent")

@@ -55,6 +55,23 @@ def _intra_chunk(q: torch.Tensor, k: torch.Tensor, G: Optional[torch.Tensor],
     return torch.einsum("...tc,...jc,...tjc->...tj", q, k, torch.exp(diff))
 
 
+CHANNEL_BLOCK = 16  # chunks whose [C, C, dk] decay weights exist at once (decay per key channel)
+
+
+def _own_scores_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: Optional[torch.Tensor],
+                    same: Optional[torch.Tensor]) -> torch.Tensor:
+    """Every chunk's output from its own tokens: q, k [..., n, C, dk], v [..., n, C, dv] -> [..., n, C, dv].
+    A decay per key channel weighs each score by a [C, C, dk] tensor: those are built CHANNEL_BLOCK
+    chunks at a time, so without autograd (evaluation) the peak does not grow with the length (split,
+    not slices: split's backward concatenates the gradients once)."""
+    n = q.shape[-3]
+    if G is None or G.shape[-1] == 1 or n <= CHANNEL_BLOCK:
+        return _intra_chunk(q, k, G, same) @ v
+    split = lambda t: t.split(CHANNEL_BLOCK, dim=-3)  # noqa: E731
+    parts = zip(split(q), split(k), split(v), split(G), split(same) if same is not None else [None] * n)
+    return torch.cat([_intra_chunk(qb, kb, Gb, sb) @ vb for qb, kb, vb, Gb, sb in parts], dim=-3)
+
+
 def segment_state(k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], doc: Optional[torch.Tensor] = None
                   ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(M, a, G) of each segment: the state it leaves from a zero start, its total decay, and the
@@ -101,7 +118,7 @@ def segment_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optiona
         from_state = (d == prev).unsqueeze(-1).to(q.dtype)  # [..., n, C, 1]  (chunk 0's state is zero)
         carry = (d[..., -1:] == prev).unsqueeze(-1).to(q.dtype)  # [..., n, 1, 1]: no document starts in it
         in_last = (d == d[..., -1:]).unsqueeze(-1).to(q.dtype)  # [..., n, C, 1]
-    out = _intra_chunk(qc, kc, G, same) @ vc  # [..., n, C, dv]
+    out = _own_scores_out(qc, kc, vc, G, same)  # [..., n, C, dv]
     if n > 1:
         # the state each chunk leaves from a zero start (its last document's tokens) and its transition
         k_end = kc if G is None else kc * torch.exp(G[..., -1:, :] - G)

@@ -99,6 +99,9 @@ class Resets:
     keep: torch.Tensor
     links: tuple[bool, ...]
 
+    def __post_init__(self):
+        object.__setattr__(self, "links", tuple(bool(x) for x in self.links))  # hashable: the scan plans are cached
+
 
 def resets(keep: torch.Tensor, device: torch.device) -> Resets:
     """:class:`Resets` from the host's keep [T, b] (bool)."""
@@ -165,6 +168,12 @@ def _rows(t: Optional[torch.Tensor], rows) -> Optional[torch.Tensor]:
     if rows and rows == tuple(range(rows[0], rows[0] + len(rows))):
         return t[rows[0]:rows[0] + len(rows)]
     return t[_index(rows, str(t.device))]
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied when it is a view (of all T states, of the whole all-gather buffer): what a
+    Function saves or returns must not keep a larger buffer alive until the backward."""
+    return t.clone() if t._base is not None else t
 
 
 def _scan_links(T: int, keep: Optional[Resets]) -> tuple[bool, ...]:
@@ -307,10 +316,10 @@ class Lasp2Exchange(torch.autograd.Function):
         ctx.smap, ctx.has_decay, ctx.matrix, ctx.keep = smap, a is not None, matrix, keep
         if not smap.causal:
             return M_all.sum(0).unsqueeze(0).expand_as(M).contiguous()
-        S_mine = _prefix_states(M_all, a_all, matrix, keep, want=smap.order[smap.rank])
+        S_mine = _own(_prefix_states(M_all, a_all, matrix, keep, want=smap.order[smap.rank]))
         # the backward's reverse scan needs every transition but only this rank's entering states (for
         # its own da): keeping those, not all T, is what bounds a layer's memory when T is large (THD)
-        ctx.save_for_backward(S_mine, *([a_all] if a_all is not None else []))
+        ctx.save_for_backward(S_mine, *([_own(a_all)] if a_all is not None else []))
         return S_mine
 
     @staticmethod
