@@ -57,7 +57,9 @@ def in_step(variants: list[str], body: Callable[[str, Callable[[], None]], None]
     collectives out of step) the remaining variants are given up on every rank that can still
     tell, and this process leaves without its final barrier, so a peer stuck in a collective gets
     a connection error at once. Either way a failure costs at most ``agree_timeout_s``, not the
-    collective timeout once per remaining variant. Once per process: after giving up, a second call
+    collective timeout once per remaining variant. A failure on every rank after communicating (an
+    out-of-memory in every backward, say) gives up too: nothing tells whether every message was
+    matched. Once per process: after giving up, a second call
     raises (the process's collectives are out of step).
     """
     global _gave_up
