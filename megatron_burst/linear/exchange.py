@@ -127,10 +127,13 @@ class _Waves:
 
     ``members[d]``: wave d's segments, increasing. ``source[d]`` (d >= 1): the position in wave d - 1 of
     each member's neighbour (wave d never has more members than wave d - 1; consecutive positions are a
-    view, :func:`_rows`). ``where[i]``: segment i's row in the waves concatenated."""
+    view, :func:`_rows`). ``reads[d]``: the rows of M, a and keep wave d's step reads: i - 1 for each
+    member i > 0 (prefix scan), the members themselves (reverse scan). ``where[i]``: segment i's row in
+    the waves concatenated. Planned once per batch (cached), so a layer's scan builds no lists."""
 
     members: tuple[tuple[int, ...], ...]
     source: tuple[tuple[int, ...], ...]
+    reads: tuple[tuple[int, ...], ...]
     where: tuple[int, ...]
 
 
@@ -147,11 +150,12 @@ def _waves(links: tuple[bool, ...], reverse: bool) -> _Waves:
         members[depth[i]].append(i)
     position = {i: p for wave in members for p, i in enumerate(wave)}
     source = [()] + [tuple(position[i + 1 if reverse else i - 1] for i in wave) for wave in members[1:]]
+    reads = [tuple(wave) if reverse else tuple(i - 1 for i in wave if i > 0) for wave in members]
     flat = [i for wave in members for i in wave]
     where = [0] * T
     for row, i in enumerate(flat):
         where[i] = row
-    return _Waves(tuple(tuple(w) for w in members), tuple(source), tuple(where))
+    return _Waves(tuple(tuple(w) for w in members), tuple(source), tuple(reads), tuple(where))
 
 
 @functools.lru_cache(maxsize=512)
@@ -192,12 +196,10 @@ def _prefix_states(M: torch.Tensor, a: Optional[torch.Tensor], matrix: bool = Fa
     T = M.shape[0]
     w = _waves(_scan_links(T, keep), False)
     k = keep_factors(keep, M)
-    first = w.members[0]  # segment 0 enters with zero; an unlinked i with M_{i-1} (the prefix restarts)
-    starts = [torch.zeros_like(M[:1])] if first[0] == 0 else []
-    rest = [i - 1 for i in first if i > 0]
-    waves = [torch.cat(starts + ([_rows(M, rest)] if rest else []))]
-    for wave, src in zip(w.members[1:], w.source[1:]):
-        before = [i - 1 for i in wave]
+    # segment 0 enters with zero; an unlinked i with M_{i-1} (the prefix restarts)
+    starts = [torch.zeros_like(M[:1])] if w.members[0][0] == 0 else []
+    waves = [torch.cat(starts + ([_rows(M, w.reads[0])] if w.reads[0] else []))]
+    for before, src in zip(w.reads[1:], w.source[1:]):
         prev = _rows(waves[-1], src)
         waves.append(_transition(_rows(a, before), prev, matrix, _rows(k, before)) + _rows(M, before))
     every = waves[0] if len(waves) == 1 else torch.cat(waves)
@@ -221,8 +223,8 @@ def _reverse_scan(delta: torch.Tensor, S_in: torch.Tensor, a: Optional[torch.Ten
     T = delta.shape[0]
     w = _waves(_scan_links(T, keep), True)
     k = keep_factors(keep, delta)
-    waves = [_rows(delta, w.members[0])]  # the last segment and every unlinked one: G_i = delta_i
-    for wave, src in zip(w.members[1:], w.source[1:]):
+    waves = [_rows(delta, w.reads[0])]  # the last segment and every unlinked one: G_i = delta_i
+    for wave, src in zip(w.reads[1:], w.source[1:]):
         nxt = _rows(waves[-1], src)
         back = _rows(a, wave)
         if back is not None and matrix:
