@@ -153,6 +153,21 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def time_between_barriers(step: Callable[[], None], sync: Callable[[], None], cuda: bool) -> float:
+    """Milliseconds of ``step()`` on this rank of a multi-rank body, started together with the other
+    ranks (``sync``: a barrier) and timed to the end of its device work; ends at the next barrier."""
+    if cuda:
+        torch.cuda.synchronize()
+    sync()
+    t0 = time.perf_counter()
+    step()
+    if cuda:
+        torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    sync()
+    return (t1 - t0) * 1e3
+
+
 def time_fwd_bwd(fwd: Callable[[], Any], bwd: Callable[[Any], None], device: torch.device, warmup: int,
                  repeats: int, max_seconds: float, zero: Optional[Callable[[], None]] = None) -> dict:
     """Median fwd+bwd (and fwd) milliseconds of ``bwd(fwd())``; CUDA events on a GPU.
@@ -933,21 +948,18 @@ def multi_rank_body(cfg: dict) -> dict:
 
     def run(algo: str, sync) -> None:
         ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
-        samples = []
+        samples, last = [], {}
+
+        def step() -> None:
+            last["o"] = o = mb.cp_attention(ql, kl, vl, algo=algo, layout="zigzag")
+            o.backward(dout)
+
         for i in range(cfg["warmup"] + cfg["repeats"]):
             ql.grad = kl.grad = vl.grad = None
-            if cfg["cuda"]:
-                torch.cuda.synchronize()
-            sync()
-            t0 = time.perf_counter()
-            o = mb.cp_attention(ql, kl, vl, algo=algo, layout="zigzag")
-            o.backward(dout)
-            if cfg["cuda"]:
-                torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            sync()
+            ms = time_between_barriers(step, sync, cfg["cuda"])
             if i >= cfg["warmup"]:
-                samples.append((t1 - t0) * 1e3)
+                samples.append(ms)
+        o = last["o"]
         out["times"][algo] = statistics.median(samples)
         if algo == cfg["algos"][0]:
             out["tensors"] = tensors_to_bytes([o, ql.grad, kl.grad, vl.grad])

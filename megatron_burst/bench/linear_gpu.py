@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from megatron_burst.bench import apply_defaults
 from megatron_burst.bench.gpu import Recorder, environment, free_memory, tensors_from_bytes, tensors_to_bytes, \
-    time_fwd_bwd
+    time_between_barriers, time_fwd_bwd
 
 FORMS = ("none", "head", "token", "channel")
 SMOKE = dict(seq=128, heads=2, head_dim=16, ref_heads=2, worlds=[2], repeats=2, warmup=1, max_seconds=1.0)
@@ -245,23 +245,20 @@ def multi_rank_body(cfg: dict) -> dict:
         for n, t in full.items():  # a per-head decay [h] is every rank's; token-major tensors are sharded
             x[n] = None if t is None else (t if t.dim() == 1 else mb.shard(t, 0, r, W, "contiguous")).to(dev)
         forward = _multi_forward(op, form, how, x, cfg, dev)
-        samples, sent = [], 0
+        samples, sent, last = [], 0, {}
+
+        def step() -> None:
+            last["o"] = o = forward(leaves)
+            o.backward(x["dout"])
+
         for i in range(cfg["warmup"] + cfg["repeats"]):
             leaves = leaves_of(op, form, x)
-            if cfg["cuda"]:
-                torch.cuda.synchronize()
-            sync()
             with mb.comm_counter() as counter:
-                t0 = time.perf_counter()
-                o = forward(leaves)
-                o.backward(x["dout"])
-                if cfg["cuda"]:
-                    torch.cuda.synchronize()
-                t1 = time.perf_counter()
-            sync()
+                ms = time_between_barriers(step, sync, cfg["cuda"])
             if i >= cfg["warmup"]:
-                samples.append((t1 - t0) * 1e3)
+                samples.append(ms)
                 sent = counter.bytes("sent")
+        o = last["o"]
         res["times"][variant] = statistics.median(samples)
         res["sent"][variant] = sent
         res["tensors"][variant] = tensors_to_bytes([o] + [t.grad for t in leaves])
