@@ -329,6 +329,9 @@ def _rates(c: dict, times: List[float], args) -> Dict:
             "mfu_6n": round(flops_6n(c) / step_s / args.peak, 4) if args.peak else None}
 
 
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def run_mlm_variant(name: str, c: dict, args, log) -> Dict:
     """One Megatron-LM variant: .mlm/pretrain_gpt.py in a fresh single-rank process (env:// rendezvous)."""
     if name == "mlm_megatron_local":
@@ -347,7 +350,8 @@ def run_mlm_variant(name: str, c: dict, args, log) -> Dict:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1", "RANK": "0", "WORLD_SIZE": "1",
+    env = {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV},
+           "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1", "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CUDA_DEVICE_MAX_CONNECTIONS": "1",
            "PYTHONPATH": os.pathsep.join([MLM_DIR, REPO, os.environ.get("PYTHONPATH", "")])}
     rc, out, err, wall = _run_logged(name, cmd, MLM_DIR, env, args.per_run_timeout, log)
@@ -377,8 +381,10 @@ def run_variant(name: str, c: dict, args, log) -> Dict:
     kind = CORE_ATTENTION.get(name)
     cmd = ([sys.executable, os.path.abspath(__file__), "--worker", kind, "--"] if kind
            else [sys.executable, "-m", "megatron_burst.train"]) + flags
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # each variant is a world of one that the trainer makes itself: no launcher variables from this process
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env.update({"PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")})
     rc, out, err, wall = _run_logged(name, cmd, REPO, env, args.per_run_timeout, log)
     result: Dict = {"variant": name, "flags": flags[:-2], "returncode": rc, "wall_s": wall}
     if rc != 0:

@@ -41,6 +41,29 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     harness.shutdown_pools(stop_forkserver=True)
 
 
+# What a launcher (torchrun, a harness) sets for a rank. A test that leaves one of these in this
+# process's environment makes every later subprocess join that world instead of making its own:
+# `python -m megatron_burst.train` then binds the leaked MASTER_PORT (EADDRINUSE in CI).
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def no_launcher_env_leak():
+    """Fail a test that changes the launcher variables of this process (they are put back first)."""
+    before = {name: os.environ.get(name) for name in LAUNCHER_ENV}
+    yield
+    after = {name: os.environ.get(name) for name in LAUNCHER_ENV}
+    if after != before:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        changed = {k: (before[k], after[k]) for k in LAUNCHER_ENV if before[k] != after[k]}
+        pytest.fail(f"the test left launcher variables changed in the pytest process (before, after): {changed}; "
+                    f"restore them (monkeypatch.setenv/delenv records only variables that existed)")
+
+
 @pytest.fixture
 def fresh_kernel_choices(monkeypatch):
     """No kernel decision, verdict or warning from another test and no MEGATRON_BURST_* kernel

@@ -163,7 +163,9 @@ def _main_in_process(argv, monkeypatch, capsys):
     from megatron_burst.train.__main__ import main
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+        # setenv first: delenv alone records nothing for an absent variable, so what main() adds would stay
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     with pytest.raises(SystemExit) as exc:
         main(argv)
     out, err = capsys.readouterr()
