@@ -122,6 +122,41 @@ def test_gdn_through_fla_equals_the_torch_path(monkeypatch, cuda_path, layout, s
     assert_same(got, want, f"gdn {layout}")
 
 
+@pytest.mark.parametrize("layout,stripe,s", LAYOUTS[1:])
+def test_gdn_maps_come_from_one_wide_fla_call(monkeypatch, cuda_path, layout, stripe, s):
+    """Several segments per rank: the zero-start outputs, the rows the entering state multiplies and
+    every segment's map (A, B) come from one fla call per layer at value width dv + dk, entering
+    with [0 | I]; none of our chunked algebra runs (delta_segment_maps would raise)."""
+    import functools
+
+    from megatron_burst.linear import delta
+
+    import sys
+
+    fla_standin.install(monkeypatch)
+    inputs = gdn_inputs(s)
+    want = run_gdn(*inputs, layout=layout, stripe=stripe, kernel="torch")
+    run_gdn(*inputs, layout=layout, stripe=stripe)  # the first call self-checks (it calls our torch path)
+    module = sys.modules["fla.ops.gated_delta_rule"]
+    standin, seen = module.chunk_gated_delta_rule, []
+
+    @functools.wraps(standin)
+    def recording(q, k, v, g, beta, **kw):
+        seen.append((tuple(v.shape), None if kw["initial_state"] is None else kw["initial_state"].clone()))
+        return standin(q, k, v, g, beta, **kw)
+
+    monkeypatch.setattr(module, "chunk_gated_delta_rule", recording)
+    monkeypatch.setattr(delta, "delta_segment_maps", lambda *a, **k: pytest.fail("torch maps on the fla path"))
+    got = run_gdn(*inputs, layout=layout, stripe=stripe)
+    assert_same(got, want, f"gdn {layout}")
+    assert len(seen) == 1, [shape for shape, _ in seen]
+    (shape, init), (_, b, h, dk), dv = seen[0], inputs[0].shape, inputs[2].shape[-1]
+    nseg = {"zigzag": 2, "striped": 3}[layout]  # at W = 1
+    assert shape == (nseg * b, s // nseg, h, dv + dk)
+    eye = torch.eye(dk).expand(nseg * b, h, dk, dk)
+    assert torch.equal(init, torch.cat([torch.zeros(nseg * b, h, dk, dv), eye], -1))
+
+
 # ------------------------------------------------------------------------------------------ loud failures
 @pytest.mark.parametrize("fault,expect", [("scale2", "out is off"), ("exclusive", "out is off"),
                                           ("no_state", "no final state"), ("raise", "expected int32")])

@@ -139,26 +139,12 @@ def segment_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optiona
 
 # A chunk's (or segment's) state map is affine, S -> a S + b, with ``a`` a diagonal decay [..., dkg, 1]
 # (broadcast over dv; LASP) or a matrix [..., dk, dk] (``matrix``: the delta rule). Applying map i
-# then map j is (a_j a_i, a_j b_i + b_j): associative, so the maps' product and prefixes take log2(n)
+# then map j is (a_j a_i, a_j b_i + b_j): associative, so the maps' prefixes take log2(n)
 # batched steps instead of n dependent ones (n = a segment's chunks: ~2000 for 128K tokens, each
 # step a few kernel launches on a GPU).
 def _then(a_first, b_first, a_then, b_then, matrix: bool):
     mul = torch.matmul if matrix else torch.mul
     return mul(a_then, a_first), mul(a_then, b_first) + b_then
-
-
-def affine_total(a: torch.Tensor, b: torch.Tensor, matrix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The map of all n maps applied in order, as a tree. a [..., n, x, y] (see above), b [..., n, dk, dv]
-    -> (a [..., x, y], b [..., dk, dv])."""
-    while a.shape[-3] > 1:
-        n = a.shape[-3]
-        pairs = n - n % 2
-        a_pair, b_pair = _then(a[..., 0:pairs:2, :, :], b[..., 0:pairs:2, :, :], a[..., 1:pairs:2, :, :],
-                               b[..., 1:pairs:2, :, :], matrix)
-        if n % 2:  # the odd map out waits for the next round, still the last
-            a_pair, b_pair = torch.cat([a_pair, a[..., -1:, :, :]], -3), torch.cat([b_pair, b[..., -1:, :, :]], -3)
-        a, b = a_pair, b_pair
-    return a[..., 0, :, :], b[..., 0, :, :]
 
 
 def affine_prefix(a: torch.Tensor, b: torch.Tensor, matrix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from megatron_burst.masks.documents import CuSeqlens, Documents
 from megatron_burst.linear.checks import check_qkv, segment_order, segments_per_rank
-from megatron_burst.linear.chunked import CHUNK, affine_prefix, affine_total
+from megatron_burst.linear.chunked import CHUNK, affine_prefix
 from megatron_burst.linear import fla_adapter, kernel_choice
 from megatron_burst.linear.docs import check_documents, segment_documents, unplaced
 from megatron_burst.linear.exchange import Lasp2Exchange, Resets, SegmentMap, local_entering_states, post_state_gather
@@ -82,12 +82,12 @@ class DeltaChunks(NamedTuple):
     length: int  # the segment length before padding to whole chunks
 
 
-def delta_segment_maps(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+def delta_segment_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                        beta: torch.Tensor, doc: Optional[torch.Tensor] = None, enter: Optional[torch.Tensor] = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, Optional[DeltaChunks]]:
+                       ) -> tuple[torch.Tensor, torch.Tensor, DeltaChunks]:
     """(A, B, chunks) of each segment: S_out = A S_in + B. q, k [..., L, dk], v [..., L, dv],
-    g, beta [..., L] (fp32) -> A [..., dk, dk], B [..., dk, dv]. ``q=None``: the maps only
-    (chunks None; another kernel forms the outputs). Documents: ``doc`` [..., L] each token's
+    g, beta [..., L] (fp32) -> A [..., dk, dk], B [..., dk, dv] and the chunks' pieces the outputs
+    need (:func:`delta_segment_outputs`). Documents: ``doc`` [..., L] each token's
     document and ``enter`` [...] the document of the token before the segment (broadcastable
     over the heads; see :mod:`megatron_burst.linear.docs`)."""
     L, dk, dv = k.shape[-2], k.shape[-1], v.shape[-1]
@@ -123,9 +123,6 @@ def delta_segment_maps(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tens
     eye_k = torch.eye(dk, dtype=k.dtype, device=k.device)
     a_chunk = through.unsqueeze(-1) * eye_k - kt.transpose(-1, -2) @ w  # [.., n, dk, dk]
     b_chunk = kt.transpose(-1, -2) @ u0  # [.., n, dk, dv]
-    if q is None:  # the maps only: the chunks' product as a tree
-        A, B = affine_total(a_chunk, b_chunk, matrix=True)
-        return A, B, None
     A_upto, B_upto = affine_prefix(a_chunk, b_chunk, matrix=True)  # through each chunk; entering it: shifted by one
     P = torch.cat([eye_k.expand(k.shape[:-3] + (1, dk, dk)), A_upto[..., :-1, :, :]], dim=-3)
     S0 = torch.cat([k.new_zeros(k.shape[:-3] + (1, dk, dv)), B_upto[..., :-1, :, :]], dim=-3)
@@ -155,20 +152,22 @@ def _choose_kernel(kernel: str, q: torch.Tensor, dv: int, documents: bool):
         raise ValueError(f"unknown gated delta rule kernel {kernel!r}: choose one of {', '.join(GDN_KERNELS)}")
     # the hook is looked up at call time (module attribute), so tests can stand a fake in for fla
     _, fla = kernel_choice.choose("gdn", "token", q.device, q.dtype, q.shape[-1], dv, kernel, documents=documents,
-                                  load=lambda: fla_chunk_gated_delta_rule(), gdn_torch_outputs=torch_entering_outputs)
+                                  load=lambda: fla_chunk_gated_delta_rule(), gdn_torch_terms=torch_segment_terms)
     return fla
 
 
-def torch_entering_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           S_in: torch.Tensor, scale: float, doc: Optional[torch.Tensor] = None,
-                           enter: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Our chunked path for rows entering with their own states: q, k [..., L, dk], v [..., L, dv],
-    g, beta [..., L], S_in [..., dk, dv] -> o [..., L, dv] (what fla's kernel is self-checked against).
-    ``doc`` [..., L] / ``enter`` [...] (broadcastable over the heads): documents, as
-    :func:`delta_segment_maps` takes them."""
-    _, _, chunks = delta_segment_maps(q, k, v, g, beta, doc, enter)
+def torch_segment_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        scale: float, doc: Optional[torch.Tensor] = None, enter: Optional[torch.Tensor] = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Our chunked path's (o0, o_in, A, B) of segments (what fla's kernel is self-checked against,
+    :func:`megatron_burst.linear.fla_adapter.gdn_terms`): q, k [..., L, dk], v [..., L, dv],
+    g, beta [..., L] -> o0 [..., L, dv], o_in [..., L, dk], A [..., dk, dk], B [..., dk, dv]; an
+    entering state S_in gives the outputs o0 + o_in @ S_in and leaves A S_in + B. ``doc`` [..., L]
+    / ``enter`` [...] (broadcastable over the heads): documents, as :func:`delta_segment_maps`
+    takes them."""
+    A, B, chunks = delta_segment_maps(q, k, v, g, beta, doc, enter)
     o0, q_in = delta_segment_outputs(chunks, scale)
-    return o0 + scale * (q_in @ S_in)
+    return o0, scale * q_in, A, B
 
 
 def _validate(q, k, v, g, beta, *, world_size, layout, stripe, qkv_format, cu_seqlens=None) -> Optional[Documents]:
@@ -211,8 +210,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     are its segments, one map each: :mod:`megatron_burst.linear.runs`).
 
     ``kernel``: "torch" (the chunked kernel above, everywhere), "fla" (flash-linear-attention's
-    Triton kernel forms the outputs from the exchanged entering states, its autograd giving their
-    gradients; the maps stay in torch), "auto" (fla on CUDA when installed, after a self-check
+    Triton kernel forms the zero-start outputs, the rows the entering state multiplies and every
+    segment's map (A, B) in one call per layer, :func:`~megatron_burst.linear.fla_adapter.gdn_terms`;
+    its backward gives their gradients; the exchange and the entering state's term stay ours), "auto" (fla on CUDA when installed, after a self-check
     against the torch path; torch on CPU; on CUDA without fla a one-time SlowKernelWarning). See
     :mod:`megatron_burst.linear.kernel_choice` (environment overrides, what is loud).
 
@@ -221,8 +221,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     a validated :class:`~megatron_burst.masks.documents.Documents`): the state starts again from zero at
     every document's first token, across rank boundaries, in every layout; the bytes sent are
     unchanged. fla's kernel takes documents too: each rank's segments cut at the document starts
-    run as its varlen sequences (``cu_seqlens``), the exchanged state entering a segment's first
-    piece only when no document starts at the segment's first token.
+    run as its varlen sequences (``cu_seqlens``), a segment's map starting at its first piece only
+    when no document starts at the segment's first token.
     """
     pg = group
     world_size = dist.get_world_size(pg) if dist.is_available() and dist.is_initialized() else 1
@@ -252,16 +252,14 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     # fla runs documents as pieces (rows cut at document starts, fla_adapter.row_pieces)
     pieces = None if fla is None else fla_adapter.row_pieces(documents, b, smap.order[rank], smap.total, q.device)
     if fla is not None and world_size * per_rank == 1:  # one global segment, entered by a zero state: no maps
-        o = fla_adapter.gdn_rows(fla, *(fla_adapter.to_rows(t, 1, sbhd) for t in (q, k, v, g, beta)), scale, None,
-                                 pieces)
+        o = fla_adapter.gdn_rows(fla, *(fla_adapter.to_rows(t, 1, sbhd) for t in (q, k, v, g, beta)), scale, pieces)
         return fla_adapter.rows_to_local(o, 1, sbhd).to(q.dtype).contiguous()
-    ks, vs = (segments(t) for t in (k, v))
-    gs, bs = (segments(t)[..., 0] for t in (g, beta))
     sd = segment_documents(documents, b, smap.order[rank], smap.total, q.device)
     doc, enter, resets = (None, None, None) if sd is None else (sd.doc, sd.enter, sd.resets)
-    if fla is not None:  # the maps (documents masked in: A = 0 where one starts) in torch, outputs by fla
-        return _fla_outputs(fla, q, k, v, g, beta, delta_segment_maps(None, ks, vs, gs, bs, doc, enter)[:2], smap,
-                            sbhd, scale, pieces, resets)
+    if fla is not None:  # outputs and maps (A = 0 where a document starts) by one fla call
+        return _fla_outputs(fla, q, k, v, g, beta, per_rank, smap, sbhd, scale, pieces, resets)
+    ks, vs = (segments(t) for t in (k, v))
+    gs, bs = (segments(t)[..., 0] for t in (g, beta))
     A, B, chunks = delta_segment_maps(segments(q), ks, vs, gs, bs, doc, enter)
     pending = None
     if world_size > 1:  # overlaps with the local outputs below
@@ -277,26 +275,25 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return out.to(q.dtype).contiguous()
 
 
-def _fla_outputs(fla, q, k, v, g, beta, maps, smap: SegmentMap, sbhd: bool, scale: float,
+def _fla_outputs(fla, q, k, v, g, beta, nseg: int, smap: SegmentMap, sbhd: bool, scale: float,
                  pieces: Optional[fla_adapter.RowPieces] = None, resets: Optional[Resets] = None) -> torch.Tensor:
-    """Outputs by fla's kernel, each segment a batch row entering with its exchanged state (with
-    ``pieces``, documents: each piece of a row a varlen sequence, the row's state entering its
-    first piece when that continues the entering document; :func:`fla_adapter.gdn_rows`)."""
-    A, B = maps  # [nseg, b, h, dk, dk], [nseg, b, h, dk, dv]
-    nseg, b, h, dk, dv = B.shape
-    S_in = None
+    """The fixed layouts by fla (``nseg`` local segments, more than one global one): each segment a
+    batch row; one call gives every row's zero-start outputs, its map (A, B) and the rows o_in
+    (:func:`fla_adapter.gdn_terms`; with ``pieces``, documents: the rows cut into varlen pieces);
+    the exchange gives each row's entering state S_in, which adds o_in @ S_in."""
+    def rows(t: torch.Tensor) -> torch.Tensor:  # sbhd/bshd -> [nseg * b, L, h, ...] (segment-major rows)
+        return fla_adapter.to_rows(t, nseg, sbhd)
+
+    terms = fla_adapter.gdn_terms(fla, rows(q), rows(k), rows(v), rows(g), rows(beta), scale, pieces)
+    N, h, dk, dv = terms.B.shape
+    A, B = terms.A.reshape(nseg, N // nseg, h, dk, dk), terms.B.reshape(nseg, N // nseg, h, dk, dv)
     if smap.world_size > 1:
         gathered, pending = post_state_gather(B, A, smap, label="gdn (A, B) all-gather")
         pending.wait()
         S_in = Lasp2Exchange.apply(B, A, gathered, smap, True, resets)
-    elif nseg > 1:
+    else:  # one rank, several segments (zigzag at W = 1): its segments are the global ones
         S_in = local_entering_states(B, A, matrix=True, keep=resets)
-
-    def rows(t: torch.Tensor) -> torch.Tensor:  # sbhd/bshd -> [nseg * b, L, h, ...] (segment-major rows)
-        return fla_adapter.to_rows(t, nseg, sbhd)
-
-    init = None if S_in is None else S_in.reshape(nseg * b, h, dk, dv)
-    o = fla_adapter.gdn_rows(fla, rows(q), rows(k), rows(v), rows(g), rows(beta), scale, init, pieces)
+    o = fla_adapter.add_entering(terms, S_in.reshape(N, h, dk, dv))
     return fla_adapter.rows_to_local(o, nseg, sbhd).to(q.dtype).contiguous()
 
 
@@ -313,28 +310,32 @@ def _gdn_runs(fla, q, k, v, g, beta, documents: Documents, pg, rank: int, world_
     rd = run_documents(documents, b, runs, rank, q.device)
     lay = run_layout(lengths, CHUNK, b, q.device)  # runs of one chunk count: one batched call
     bhsd = (lambda t: t.permute(1, 2, 0, 3)) if sbhd else (lambda t: t.permute(0, 2, 1, 3))  # noqa: E731
-    stacked = lambda t: lay.stack(bhsd(t.unsqueeze(-1) if t.dim() == 3 else t).to(acc), 2)  # noqa: E731
-    ks, vs = stacked(k), stacked(v)
-    gs, bs = ([x[..., 0] for x in stacked(t)] for t in (g, beta))
-    qs = stacked(q) if fla is None else [None] * len(lay.groups)
-    docs = lay.stack(rd.doc, 1, replicate=True)  # [n, b, length]; broadcast over the heads below
-    maps = [delta_segment_maps(qg, kg, vg, gg, bg, dg.unsqueeze(2), rd.enter.index_select(0, rows))
-            for qg, kg, vg, gg, bg, dg, rows in zip(qs, ks, vs, gs, bs, docs, lay.rows)]
-    A, B = (lay.in_run_order([m[j] for m in maps]) for j in (0, 1))
+    if fla is not None:  # every run a varlen row (pieces: cut at document starts): one call for all
+        pieces = fla_adapter.run_pieces(documents, b, runs.per_rank[rank], q.device)
+        terms = fla_adapter.gdn_terms(fla, *(lay.to_flat(t, sbhd) for t in (q, k, v, g, beta)), scale, pieces)
+        _, h, dk, dv = terms.B.shape
+        A, B = terms.A.reshape(-1, b, h, dk, dk), terms.B.reshape(-1, b, h, dk, dv)
+    else:
+        stacked = lambda t: lay.stack(bhsd(t.unsqueeze(-1) if t.dim() == 3 else t).to(acc), 2)  # noqa: E731
+        ks, vs = stacked(k), stacked(v)
+        gs, bs = ([x[..., 0] for x in stacked(t)] for t in (g, beta))
+        docs = lay.stack(rd.doc, 1, replicate=True)  # [n, b, length]; broadcast over the heads below
+        maps = [delta_segment_maps(qg, kg, vg, gg, bg, dg.unsqueeze(2), rd.enter.index_select(0, rows))
+                for qg, kg, vg, gg, bg, dg, rows in zip(stacked(q), ks, vs, gs, bs, docs, lay.rows)]
+        A, B = (lay.in_run_order([m[j] for m in maps]) for j in (0, 1))
     gathered, pending = post_state_gather(B, A, smap, label="gdn (A, B) all-gather")
     pending.wait()
     # [nseg, b, h, dk, dv]; A = 0 where a run resets already: the flags cut the scan into short chains
     S_in = Lasp2Exchange.apply(B, A, gathered, smap, True, rd.resets)
-    if fla is not None:  # each run a row entering with its state (pieces: cut at document starts)
-        pieces = fla_adapter.run_pieces(documents, b, runs.per_rank[rank], q.device)
-        flat = [lay.to_flat(t, sbhd) for t in (q, k, v, g, beta)]
-        h, dk, dv = S_in.shape[2:]
-        o = fla_adapter.gdn_rows(fla, *flat, scale, S_in.reshape(len(lengths) * b, h, dk, dv), pieces)
-        return lay.from_flat(o, b, sbhd).to(q.dtype).contiguous()
-    outs = []
-    for (_, _, ch), rows in zip(maps, lay.rows):
-        o0, q_in = delta_segment_outputs(ch, scale)
-        outs.append(o0 + scale * (q_in @ S_in.index_select(0, rows)))
-    o = lay.unstack(outs, 2)  # [b, h, s, dv]
+    if fla is not None:  # o0 + o_in @ S_in, the runs' rows stacked by chunk count for the product
+        o_in = lay.stack(bhsd(lay.from_flat(terms.o_in, b, sbhd)).float(), 2)
+        o = bhsd(lay.from_flat(terms.o0, b, sbhd)).float() + lay.unstack(
+            [x @ S_in.index_select(0, rows) for x, rows in zip(o_in, lay.rows)], 2)
+    else:
+        outs = []
+        for (_, _, ch), rows in zip(maps, lay.rows):
+            o0, q_in = delta_segment_outputs(ch, scale)
+            outs.append(o0 + scale * (q_in @ S_in.index_select(0, rows)))
+        o = lay.unstack(outs, 2)  # [b, h, s, dv]
     out = o.permute(2, 0, 1, 3) if sbhd else o.permute(0, 2, 1, 3)
     return out.to(q.dtype).contiguous()

@@ -41,13 +41,22 @@ algorithms need per segment then comes from the pieces:
 * gated delta rule: a row's entering state S_in enters its first piece only, and only when no
   document starts at the row's first token (``RowPieces.carried``); every other piece enters with
   zero (its document starts inside the row).
+
+The gated delta rule's maps (:func:`gdn_terms`). The recurrence acts on the state's value columns
+one by one, linearly: S_t[:, c] = A_t S_in[:, c] + (the zero-start state's column c). So dk extra
+value columns, whose values are zero and which enter as the identity, carry A_t itself: their final
+state is the row's map A, and their output scale * A_t^T q_t is the row the entering state
+multiplies (o_t = o0_t + o_in_t S_in). One fla call at value width dv + dk thus gives the zero-start
+outputs, the rows o_in and the maps (A, B) that the CP exchange composes -- fla's kernels and its
+backward for all of them, nothing of the chunk algebra in torch. Under documents the identity
+enters the carried first pieces only, so a row in which a document starts ends with A = 0.
 """
 from __future__ import annotations
 
 import bisect
 import functools
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -245,18 +254,65 @@ def lasp2_segments(fla_fn: Callable, form: str, q_rows: torch.Tensor, k_rows: to
 
 def gdn_rows(fla_fn: Callable, q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
              g_rows: torch.Tensor, beta_rows: torch.Tensor, scale: float,
-             initial_state: Optional[torch.Tensor], pieces: Optional[RowPieces] = None) -> torch.Tensor:
-    """Outputs [N, L, h, dv] of fla's ``chunk_gated_delta_rule`` on rows entering with
-    ``initial_state`` [N, h, dk, dv] (fp32; None: zero). g fp32 log-decay, beta [N, L, h].
-    ``pieces`` (documents): the rows run as their pieces; a row's entering state enters its first
-    piece when that continues the entering document (``pieces.carried``), every other piece zero."""
+             pieces: Optional[RowPieces] = None) -> torch.Tensor:
+    """Outputs [N, L, h, dv] (q's dtype) of fla's ``chunk_gated_delta_rule`` on rows [N, L, h, d]
+    entering with a zero state. g fp32 log-decay, beta [N, L, h]. ``pieces`` (documents): the rows
+    run as their pieces, each from a zero state."""
     N, L = q_rows.shape[0], q_rows.shape[1]
-    init = None if initial_state is None else initial_state.to(STATE_DTYPE)
     if pieces is not None:
         q_rows, k_rows, v_rows, g_rows, beta_rows = (flatten_rows(t) for t in (q_rows, k_rows, v_rows, g_rows,
                                                                                 beta_rows))
-        if init is not None:  # [P, h, dk, dv]: a gather and a 0/1 factor, so dS_in sums the carried pieces'
-            init = init[pieces.row] * pieces.carried.view(-1, 1, 1, 1)
-    o, _ = fla_fn(q_rows, k_rows, v_rows, g_rows.float(), beta_rows, scale=scale, initial_state=init,
+    o, _ = fla_fn(q_rows, k_rows, v_rows, g_rows.float(), beta_rows, scale=scale, initial_state=None,
                   output_final_state=False, **_varlen(pieces))
     return o.reshape((N, L) + tuple(o.shape[2:]))
+
+
+class GdnTerms(NamedTuple):
+    """What one rank's rows contribute to the CP gated delta rule (see the module docstring): an
+    entering state S_in [N, h, dk, dv] gives the outputs ``o0 + o_in @ S_in`` (per token, per head)
+    and leaves ``A @ S_in + B``."""
+
+    o0: torch.Tensor  # [N, L, h, dv] (q's dtype): the outputs from a zero entering state
+    o_in: torch.Tensor  # [N, L, h, dk] (q's dtype): scale * A_t^T q_t, the map from S_in to the outputs
+    A: torch.Tensor  # [N, h, dk, dk] fp32: the row's map of the entering state (0 where a document starts)
+    B: torch.Tensor  # [N, h, dk, dv] fp32: the state the row leaves from a zero start
+
+
+def gdn_terms(fla_fn: Callable, q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+              g_rows: torch.Tensor, beta_rows: torch.Tensor, scale: float,
+              pieces: Optional[RowPieces] = None) -> GdnTerms:
+    """:class:`GdnTerms` of rows [N, L, h, d] by one call of fla's ``chunk_gated_delta_rule`` at value
+    width dv + dk (the identity trick of the module docstring). g fp32 log-decay, beta [N, L, h].
+    ``pieces`` (documents): the rows run as their pieces; the identity enters each row's first piece
+    when that continues the entering document (``pieces.carried``), a zero state every other piece;
+    A and B are each row's last piece's. Differentiable in every input through fla's backward (its
+    gradients of the outputs and of the final states)."""
+    N, L, h, dk = k_rows.shape
+    dv = v_rows.shape[-1]
+    if pieces is not None:
+        q_rows, k_rows, v_rows, g_rows, beta_rows = (flatten_rows(t) for t in (q_rows, k_rows, v_rows, g_rows,
+                                                                                beta_rows))
+    count = N if pieces is None else pieces.count
+    v_wide = torch.cat([v_rows, v_rows.new_zeros(tuple(v_rows.shape[:-1]) + (dk,))], dim=-1)
+    eye = torch.eye(dk, dtype=STATE_DTYPE, device=k_rows.device).expand(count, h, dk, dk)
+    if pieces is not None:
+        eye = eye * pieces.carried.view(-1, 1, 1, 1)
+    init = torch.cat([eye.new_zeros(count, h, dk, dv), eye], dim=-1)  # [count, h, dk, dv + dk]
+    o, final = fla_fn(q_rows, k_rows, v_wide, g_rows.float(), beta_rows, scale=scale, initial_state=init,
+                      output_final_state=True, **_varlen(pieces))
+    if final is None or tuple(final.shape) != (count, h, dk, dv + dk):
+        got = None if final is None else tuple(final.shape)
+        raise RuntimeError(f"{_fla_name(fla_fn)} returned final states {got}, expected {(count, h, dk, dv + dk)} "
+                           "with output_final_state=True: the CP gated delta rule needs every row's map")
+    if pieces is not None:
+        o = o.reshape((N, L) + tuple(o.shape[2:]))
+        final = final[pieces.last]  # a row's map and state are its last piece's
+    final = final.to(STATE_DTYPE)
+    return GdnTerms(o[..., :dv], o[..., dv:], final[..., dv:], final[..., :dv])
+
+
+def add_entering(terms: GdnTerms, S_in: torch.Tensor) -> torch.Tensor:
+    """The outputs [N, L, h, dv] (fp32) of rows entering with S_in [N, h, dk, dv] (fp32):
+    o0 + o_in @ S_in, token by token."""
+    corr = terms.o_in.float().transpose(1, 2) @ S_in  # [N, h, L, dv]
+    return terms.o0.float() + corr.transpose(1, 2)

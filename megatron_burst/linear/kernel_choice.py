@@ -215,7 +215,7 @@ def _check_values(label: str, case: str, pairs: list[tuple[str, torch.Tensor, to
                   fix: str) -> None:
     tol, tol_decay = _tolerances(dtype)
     for what, got, ref in pairs:
-        bound = tol_decay if what in ("dg", "dbeta") else tol
+        bound = tol_decay if what.split()[-1] in ("dg", "dbeta") else tol
         if tuple(got.shape) != tuple(ref.shape):
             raise KernelSelfCheckError(f"{label} failed its self-check ({case}): {what} has shape {tuple(got.shape)}, "
                                        f"our fp32 torch path {tuple(ref.shape)}. {fix}")
@@ -235,16 +235,19 @@ def _inputs(device, dtype, shape, generator, scale=1.0):
     return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
 
 
-def _check_documents(device: torch.device):
-    """(pieces, segment documents) of the varlen self-check: the two rows are global segments 1 and
-    2 of three (83 tokens each); documents start inside row 0 (at its tokens 30 and 31: a
-    single-token document) and at row 1's first token, so row 0 enters carried and row 1 fresh."""
+def _check_documents(device: torch.device, rows: int = SELF_CHECK_SEGMENTS):
+    """(pieces, segment documents) of the varlen self-check: the rows are global segments 1, 2 (and
+    3) of ``rows`` + 1 (83 tokens each); documents start inside row 0 (at its tokens 30 and 31: a
+    single-token document) and at row 1's first token, so row 0 enters carried and row 1 fresh; a
+    third row continues row 1's document whole (carried, one piece: a map A that is not zero)."""
     from megatron_burst.linear import fla_adapter
     from megatron_burst.linear.docs import segment_documents
     from megatron_burst.masks.documents import check_cu_seqlens
 
-    L, order, total = SELF_CHECK_LEN, (1, 2), 3
-    docs = check_cu_seqlens([0, L + 30, L + 31, 2 * L, 3 * L], 3 * L, 1)
+    if rows not in (2, 3):
+        raise ValueError(f"the varlen self-check has 2 or 3 rows, not {rows}")
+    L, order, total = SELF_CHECK_LEN, tuple(range(1, rows + 1)), rows + 1
+    docs = check_cu_seqlens([0, L + 30, L + 31, 2 * L, total * L], total * L, 1)
     return (fla_adapter.row_pieces(docs, 1, order, total, device),
             segment_documents(docs, 1, order, total, device))
 
@@ -296,20 +299,25 @@ def _lasp2_check(fla_fn: Callable, form: str, device: torch.device, dtype: torch
         (f"d{n}", a, r) for n, a, r in zip(grads_of, got, ref)]
 
 
+GDN_DOCUMENT_ROWS = 3  # the delta rule's varlen self-check adds a carried whole row (its map A is not zero)
+
+
 def _gdn_check(fla_fn: Callable, device: torch.device, dtype: torch.dtype, dk: int, dv: int,
-               torch_outputs: Callable, documents: bool = False) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(name, fla value, fp32 torch value) for o and the gradients of q, k, v, g, beta and the
-    entering states (each row enters with its own state, as the CP exchange hands them).
-    ``torch_outputs(q, k, v, g, beta, S_in, scale, doc, enter)``: our chunked path ([N, h, L, d]
-    segments, g and beta [N, h, L], S_in [N, h, dk, dv], documents or None) -> o [N, h, L, dv]
-    (delta.py passes it: the delta module imports this one, not the reverse). ``documents``: the
-    rows cut into pieces by fla's varlen mode (:func:`_check_documents`)."""
+               torch_terms: Callable, documents: bool = False) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, fla value, fp32 torch value) for both calls the CP gated delta rule makes into fla:
+    the zero-start outputs of whole rows (one global segment; :func:`fla_adapter.gdn_rows`) and the
+    wide call's o0, o_in, A and B (:func:`fla_adapter.gdn_terms`: several segments), each with the
+    gradients of q, k, v, g and beta. ``torch_terms(q, k, v, g, beta, scale, doc, enter)``: our
+    chunked path ([N, h, L, d] segments, g and beta [N, h, L], documents or None) -> (o0 [N, h, L, dv],
+    o_in [N, h, L, dk], A, B) (delta.py passes it: the delta module imports this one, not the
+    reverse). ``documents``: three rows cut into pieces by fla's varlen mode (:func:`_check_documents`)."""
     import torch.nn.functional as F
 
     from megatron_burst.linear import fla_adapter
 
-    N, h, L = SELF_CHECK_SEGMENTS, SELF_CHECK_HEADS, SELF_CHECK_LEN
-    pieces, sd = _check_documents(device) if documents else (None, None)
+    N = GDN_DOCUMENT_ROWS if documents else SELF_CHECK_SEGMENTS
+    h, L = SELF_CHECK_HEADS, SELF_CHECK_LEN
+    pieces, sd = _check_documents(device, N) if documents else (None, None)
     doc = None if sd is None else sd.doc.reshape(N, 1, L)  # broadcast over the heads
     enter = None if sd is None else sd.enter.reshape(N, 1)
     gen = torch.Generator().manual_seed(0)
@@ -318,44 +326,55 @@ def _gdn_check(fla_fn: Callable, device: torch.device, dtype: torch.dtype, dk: i
     v = _inputs(device, dtype, (N, L, h, dv), gen)
     g = (-torch.rand(N, L, h, generator=gen) * 0.3).to(device)
     beta = torch.rand(N, L, h, generator=gen).to(device=device, dtype=dtype)
-    S_in = _inputs(device, torch.float32, (N, h, dk, dv), gen, 0.1)
-    do = _inputs(device, dtype, (N, L, h, dv), gen)
+    # cotangents of o0 (and the plain outputs), o_in, A, B
+    cotangents = (_inputs(device, dtype, (N, L, h, dv), gen), _inputs(device, dtype, (N, L, h, dk), gen),
+                  _inputs(device, torch.float32, (N, h, dk, dk), gen), _inputs(device, torch.float32, (N, h, dk, dv), gen))
     scale = dk ** -0.5
-    names = ("q", "k", "v", "g", "beta", "S_in")
-    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, S_in)]
-    o = fla_adapter.gdn_rows(fla_fn, *leaves[:5], scale, leaves[5], pieces)
-    got = torch.autograd.grad((o.float() * do.float()).sum(), leaves)
+    names = ("q", "k", "v", "g", "beta")
 
-    ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v, g, beta, S_in)]
-    seg = lambda t: t.permute(0, 2, 1, 3)  # noqa: E731  [N, L, h, d] -> [N, h, L, d]
-    rq, rk, rv = (seg(t) for t in ref_leaves[:3])
-    rg, rb = (t.permute(0, 2, 1) for t in ref_leaves[3:5])
-    ref_o = torch_outputs(rq, rk, rv, rg, rb, ref_leaves[5], scale, doc, enter).permute(0, 2, 1, 3)  # [N, L, h, dv]
-    ref = torch.autograd.grad((ref_o * do.float()).sum(), ref_leaves)
-    return [("out", o, ref_o)] + [(f"d{n}" if n != "S_in" else "dS_in", a, r) for n, a, r in zip(names, got, ref)]
+    def pull(values, cots) -> torch.Tensor:  # the functional whose gradients are compared
+        return sum((t.float() * c.float()).sum() for t, c in zip(values, cots))
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+    o = fla_adapter.gdn_rows(fla_fn, *leaves, scale, pieces)
+    got_plain = torch.autograd.grad(pull([o], cotangents), leaves)
+    terms = fla_adapter.gdn_terms(fla_fn, *leaves, scale, pieces)
+    got_wide = torch.autograd.grad(pull(terms, cotangents), leaves)
+
+    ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v, g, beta)]
+    seg = lambda t: t.permute(0, 2, 1, 3)  # noqa: E731  [N, L, h, d] <-> [N, h, L, d]
+    o0, o_in, A, B = torch_terms(*(seg(t) for t in ref_leaves[:3]), *(t.permute(0, 2, 1) for t in ref_leaves[3:]),
+                                 scale, doc, enter)
+    ref_terms = (seg(o0), seg(o_in), A, B)
+    ref_plain = torch.autograd.grad(pull(ref_terms[:1], cotangents), ref_leaves, retain_graph=True)
+    ref_wide = torch.autograd.grad(pull(ref_terms, cotangents), ref_leaves)
+    return ([("out", o, ref_terms[0])] + [(f"d{n}", a, r) for n, a, r in zip(names, got_plain, ref_plain)]
+            + [(f"wide call (maps): {n}", a, r) for n, a, r in zip(fla_adapter.GdnTerms._fields, terms, ref_terms)]
+            + [(f"wide call (maps): d{n}", a, r) for n, a, r in zip(names, got_wide, ref_wide)])
 
 
 def self_check(op: str, form: str, fla_fn: Callable, device: torch.device, dtype: torch.dtype, dk: int, dv: int,
-               gdn_torch_outputs: Optional[Callable] = None, documents: bool = False) -> None:
+               gdn_torch_terms: Optional[Callable] = None, documents: bool = False) -> None:
     """Run fla's kernel for (op, form) against our fp32 torch path on ``device``, forward and
     backward; raise KernelSelfCheckError naming kernel, device, dtype, head dims, form, shape and
-    (chained) the exception or the value that is off. ``gdn_torch_outputs``: the delta rule's
+    (chained) the exception or the value that is off. ``gdn_torch_terms``: the delta rule's
     torch path (op "gdn"; see :func:`_gdn_check`). ``documents``: fla's varlen mode, the path
     documents take (rows cut into pieces, :func:`_check_documents`), instead of whole rows."""
-    if op == "gdn" and gdn_torch_outputs is None:
-        raise ValueError("self_check('gdn', ...) needs gdn_torch_outputs (megatron_burst.linear.delta passes it)")
+    if op == "gdn" and gdn_torch_terms is None:
+        raise ValueError("self_check('gdn', ...) needs gdn_torch_terms (megatron_burst.linear.delta passes it)")
     module_name, function = FLA_OPS[(op, form)]
     label = (f"fla's {module_name}.{function} for {op} ({FORM_TEXT[form]}) on {device} / "
              f"{str(dtype).replace('torch.', '')} / dk {dk} dv {dv}")
     fix = _fix_hint(op)
-    shape = (f"{SELF_CHECK_SEGMENTS} rows x {SELF_CHECK_LEN} tokens x {SELF_CHECK_HEADS} heads"
+    rows = GDN_DOCUMENT_ROWS if op == "gdn" and documents else SELF_CHECK_SEGMENTS
+    shape = (f"{rows} rows x {SELF_CHECK_LEN} tokens x {SELF_CHECK_HEADS} heads"
              + (", documents (varlen cu_seqlens)" if documents else ""))
     variants = [True, False] if form == "head" else [True]  # head: g_gamma (fixed decay) and per-token g (learned)
     for g_needs_grad in variants:
         case = shape + ("" if form != "head" else (", decay learned (per-token g)" if g_needs_grad
                                                    else ", decay fixed (g_gamma)"))
         try:
-            pairs = (_gdn_check(fla_fn, device, dtype, dk, dv, gdn_torch_outputs, documents) if op == "gdn"
+            pairs = (_gdn_check(fla_fn, device, dtype, dk, dv, gdn_torch_terms, documents) if op == "gdn"
                      else _lasp2_check(fla_fn, form, device, dtype, dk, dv, g_needs_grad, documents))
         except KernelSelfCheckError:
             raise
@@ -385,14 +404,14 @@ def _slow(op: str, form: str, device: torch.device, dtype: torch.dtype, dk: int,
 
 def choose(op: str, form: str, device: torch.device, dtype: torch.dtype, dk: int, dv: int, kernel: str = "auto",
            documents: bool = False, policy: Optional[LinearKernelPolicy] = None,
-           load: Optional[Callable[[], Optional[Callable]]] = None, gdn_torch_outputs: Optional[Callable] = None
+           load: Optional[Callable[[], Optional[Callable]]] = None, gdn_torch_terms: Optional[Callable] = None
            ) -> tuple[LinearKernelChoice, Optional[Callable]]:
     """The kernel for one call of ``op`` (``"lasp2"`` or ``"gdn"``) with decay ``form`` on
     (device, dtype, dk, dv): (the choice, fla's function or None). See the module docstring.
 
     ``documents``: the call has document boundaries (fla runs them through its varlen mode for the
     ops in :data:`FLA_DOCUMENT_OPS`; any other op takes the torch path, loudly on CUDA). ``load``: returns fla's function or None (default :func:`load_fla`; delta.py passes
-    its own hook); ``gdn_torch_outputs``: the delta rule's torch path for its self-check (op
+    its own hook); ``gdn_torch_terms``: the delta rule's torch path for its self-check (op
     "gdn", from delta.py). Raises ValueError for an unknown kernel or ``kernel="fla"`` that cannot run,
     KernelSelfCheckError, SlowKernelError (strict policy)."""
     if kernel not in LINEAR_KERNELS:
@@ -410,7 +429,7 @@ def choose(op: str, form: str, device: torch.device, dtype: torch.dtype, dk: int
         decided = _CHOSEN[memo]
         return decided, (load() if decided.uses_fla else None)
     decided, fn = _decide(op, form, device, dtype, dk, dv, requested, documents, policy, fused, load,
-                          gdn_torch_outputs)
+                          gdn_torch_terms)
     _CHOSEN[memo] = decided
     key = (op, form, device.type, dtype, dk, dv, policy)
     if _LOGGED.get(key) != decided:
@@ -419,7 +438,7 @@ def choose(op: str, form: str, device: torch.device, dtype: torch.dtype, dk: int
     return decided, fn
 
 
-def _decide(op, form, device, dtype, dk, dv, requested, documents, policy, fused, load, gdn_torch_outputs):
+def _decide(op, form, device, dtype, dk, dv, requested, documents, policy, fused, load, gdn_torch_terms):
     torch_choice = lambda why: LinearKernelChoice(op, form, device.type, dtype, dk, dv, "torch", why)  # noqa: E731
     if requested == "torch":
         return torch_choice("MEGATRON_BURST_LINEAR_KERNEL=torch"), None
@@ -455,10 +474,10 @@ def _decide(op, form, device, dtype, dk, dv, requested, documents, policy, fused
     name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
     try:
         remembered(_VERIFIED, (op, form, name, str(device), dtype, dk, dv),
-                   lambda: self_check(op, form, fn, device, dtype, dk, dv, gdn_torch_outputs), KernelSelfCheckError)
+                   lambda: self_check(op, form, fn, device, dtype, dk, dv, gdn_torch_terms), KernelSelfCheckError)
         if documents:  # documents take fla's varlen mode: its own check, once per key as well
             remembered(_VERIFIED, (op, form, name, str(device), dtype, dk, dv, "documents"),
-                       lambda: self_check(op, form, fn, device, dtype, dk, dv, gdn_torch_outputs, documents=True),
+                       lambda: self_check(op, form, fn, device, dtype, dk, dv, gdn_torch_terms, documents=True),
                        KernelSelfCheckError)
     except KernelSelfCheckError as e:
         return _self_check_failed(op, form, device, dtype, dk, dv, requested, policy, e)
