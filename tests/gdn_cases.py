@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import fla_standin
 import megatron_burst as mb
 from linear_cases import relative_errors
 from megatron_burst.linear import gated_delta_rule, naive_gated_delta_rule
@@ -28,13 +29,15 @@ def full_inputs(seq: int, dtype: torch.dtype, seed: int = 0):
     return [t.to(dtype) for t in (q, k, v)] + [g, beta], mk(seq, B, H, DV).to(dtype)
 
 
-def fake_fla(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
-    """flash-linear-attention's chunk_gated_delta_rule API ([N, T, H, d] rows, initial_state
-    [N, H, dk, dv]) computed by the token-by-token reference: stands in for fla's Triton kernel on
-    CPU, so the kernel='fla' plumbing (rows, entering states, their gradients) is tested here."""
-    sb = lambda t: t.transpose(0, 1)  # noqa: E731
-    o = naive_gated_delta_rule(sb(q), sb(k), sb(v), sb(g), sb(beta), scale=scale, initial_state=initial_state)
-    return sb(o), None
+def fake_fla(q, k, v, g, beta, **kwargs):
+    """flash-linear-attention's chunk_gated_delta_rule API ([N, T, H, d] rows, initial_state and
+    final states [N, H, dk, dv], varlen cu_seqlens) computed token by token by tests/fla_standin.py:
+    stands in for fla's Triton kernel on CPU, so the kernel='fla' plumbing (rows, the wide call's
+    maps, their gradients) is tested here."""
+    return _STANDIN_GDN(q, k, v, g, beta, **kwargs)
+
+
+_STANDIN_GDN = fla_standin.make_tree()["fla.ops.gated_delta_rule"].chunk_gated_delta_rule
 
 
 def run_gdn_case(layout: str, local_len: int, dtype=torch.float32, stripe: int = 1, seed: int = 0,
