@@ -28,7 +28,10 @@ puts the tree in ``sys.modules``; ``fault`` makes every function wrong in one wa
 must catch it): "scale2" doubles the output, "raise" raises like a Triton launch with a wrong
 index dtype, "exclusive" leaves the current token out of its own output, "no_state" returns no
 final state, "varlen_carry" (varlen only) lets each sequence after the first enter with the state
-the one before it left instead of its initial state (a varlen mode that does not reset). ``calls`` counts the calls of each function (tests that fla was or was not consulted).
+the one before it left instead of its initial state (a varlen mode that does not reset),
+"state_tail_no_grad" returns final states whose value columns past the first half take no
+gradient (a backward that drops dht beyond its first value tile: for the delta rule's wide call,
+the identity columns that carry the maps A). ``calls`` counts the calls of each function (tests that fla was or was not consulted).
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ from typing import Optional
 
 import torch
 
-FAULTS = (None, "scale2", "raise", "exclusive", "no_state", "varlen_carry")
+FAULTS = (None, "scale2", "raise", "exclusive", "no_state", "varlen_carry", "state_tail_no_grad")
 calls: Counter = Counter()
 
 
@@ -75,6 +78,9 @@ def _recurrence(q, k, v, decay, beta, scale, initial_state, output_final_state, 
     if fault == "scale2":
         o = 2 * o
     final = S if (output_final_state and fault != "no_state") else None
+    if final is not None and fault == "state_tail_no_grad":  # the value columns past the first half
+        half = final.shape[-1] // 2
+        final = torch.cat([final[..., :half], final[..., half:].detach()], dim=-1)
     return o.to(q.dtype), final
 
 

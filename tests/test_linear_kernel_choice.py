@@ -180,6 +180,22 @@ def test_a_wrong_gdn_kernel_fails_loudly(monkeypatch, cuda_path):
         run_gdn(*gdn_inputs(64))
 
 
+@pytest.mark.parametrize("documents", [False, True])
+def test_a_gdn_backward_that_drops_the_maps_gradient_fails_its_self_check(monkeypatch, documents):
+    """The maps A ride in the wide call's last dk value columns and are orders of magnitude smaller
+    than B: the self-check compares each term's share of every gradient on its own, so a fla whose
+    backward loses the gradient of those columns fails (a summed check passed it)."""
+    from megatron_burst.linear.delta import fla_chunk_gated_delta_rule, torch_segment_terms
+
+    fla_standin.install(monkeypatch, "state_tail_no_grad")
+    with pytest.raises(KernelSelfCheckError, match=r"wide call \(maps\), through A: dk is off"):
+        kernel_choice.self_check("gdn", "token", fla_chunk_gated_delta_rule(), torch.device("cpu"), torch.float32,
+                                 8, 8, gdn_torch_terms=torch_segment_terms, documents=documents)
+    fla_standin.install(monkeypatch)
+    kernel_choice.self_check("gdn", "token", fla_chunk_gated_delta_rule(), torch.device("cpu"), torch.float32,
+                             8, 8, gdn_torch_terms=torch_segment_terms, documents=documents)
+
+
 def test_allow_slow_turns_a_failed_self_check_into_a_warning(monkeypatch, cuda_path):
     fla_standin.install(monkeypatch, "scale2")
     monkeypatch.setenv("MEGATRON_BURST_ALLOW_SLOW_KERNELS", "1")

@@ -200,7 +200,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     in q's dtype, over the global token order with S [dk, dv], S_0 = 0:
     S <- exp(g_t) S; u_t = beta_t (v_t - S^T k_t); S <- S + k_t u_t^T; o_t = scale * S^T q_t.
     q and k are used as given (Gated DeltaNet l2-normalizes them first). ``scale`` None: dk ** -0.5.
-    States and maps are fp32 whatever the input dtype.
+    States and maps are held in fp32 whatever the input dtype (the fla path computes them in fla's
+    kernels from the input dtype, accumulating in fp32).
 
     Communication: one all-gather of every segment's (A [dk, dk], B [dk, dv]) forward, posted
     before the local outputs are formed, and one all-gather of the entering-state gradients
@@ -212,8 +213,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     ``kernel``: "torch" (the chunked kernel above, everywhere), "fla" (flash-linear-attention's
     Triton kernel forms the zero-start outputs, the rows the entering state multiplies and every
     segment's map (A, B) in one call per layer, :func:`~megatron_burst.linear.fla_adapter.gdn_terms`;
-    its backward gives their gradients; the exchange and the entering state's term stay ours), "auto" (fla on CUDA when installed, after a self-check
-    against the torch path; torch on CPU; on CUDA without fla a one-time SlowKernelWarning). See
+    its backward gives their gradients; the exchange and the entering state's term stay ours),
+    "auto" (fla on CUDA when installed, after a self-check against the torch path; torch on CPU;
+    on CUDA without fla a one-time SlowKernelWarning). See
     :mod:`megatron_burst.linear.kernel_choice` (environment overrides, what is loud).
 
     ``cu_seqlens``: packed documents, as :func:`megatron_burst.cp_attention` takes them (global
@@ -301,8 +303,8 @@ def _gdn_runs(fla, q, k, v, g, beta, documents: Documents, pg, rank: int, world_
               scale: float, acc) -> torch.Tensor:
     """The gated delta rule over a data-derived layout (THD, balanced; W > 1): each of this rank's runs is
     a segment of its own length (:mod:`megatron_burst.linear.runs`) with its own map (A, B); the exchange
-    composes every run's map in global order; the outputs by our chunked kernel or by fla's (the runs
-    as its varlen rows, each entering with its state)."""
+    composes every run's map in global order; outputs and maps by our chunked kernel or by one fla
+    call (the runs as its varlen rows, :func:`fla_adapter.gdn_terms`), the entering states added after."""
     b = q.shape[1] if sbhd else q.shape[0]
     runs = rank_runs(documents, world_size)
     smap = run_map(pg, rank, world_size, runs)

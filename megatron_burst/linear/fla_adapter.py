@@ -19,7 +19,8 @@ head       [h]                         ``chunk_simple_gla(..., g_gamma=g)``; whe
                                        (fla returns no gradient for ``g_gamma``)
 token      [s, b, h]                   ``chunk_simple_gla(..., g=[N, L, h])``
 channel    [s, b, h, dk]               ``chunk_gla(..., g=[N, L, h, dk])``
-gdn        g, beta [s, b, h]           ``chunk_gated_delta_rule(..., initial_state=S_in)``
+gdn        g, beta [s, b, h]           ``chunk_gated_delta_rule(...)``; several segments: at
+                                       value width dv + dk, entering [0 | I] (:func:`gdn_terms`)
 =========  ==========================  =====================================================
 
 Scale: fla's ``o = scale * q S`` with S including the current token -- ours; we always pass the
@@ -38,9 +39,10 @@ algorithms need per segment then comes from the pieces:
   sees an earlier document), and its M -- the state it leaves, keeping its last document only --
   is the final state of its last piece (``RowPieces.last``). The entering state's term and the
   reset flags of the exchange stay as the torch path forms them (:mod:`megatron_burst.linear.docs`).
-* gated delta rule: a row's entering state S_in enters its first piece only, and only when no
-  document starts at the row's first token (``RowPieces.carried``); every other piece enters with
-  zero (its document starts inside the row).
+* gated delta rule: a row's entering state reaches its first piece only, and only when no
+  document starts at the row's first token (``RowPieces.carried``); every other piece starts from
+  zero (its document starts inside the row). So the identity of :func:`gdn_terms` enters the
+  carried first pieces, and a row's map and state are its last piece's.
 
 The gated delta rule's maps (:func:`gdn_terms`). The recurrence acts on the state's value columns
 one by one, linearly: S_t[:, c] = A_t S_in[:, c] + (the zero-start state's column c). So dk extra

@@ -21,7 +21,8 @@ The decision (one per op, device, dtype, head dims, ``kernel`` argument and poli
   :data:`megatron_burst.kernels.choice.FUSED_DEVICE_TYPES` (CUDA; tests add "cpu" to drive this
   path with a stand-in fla), fla when installed -- after a self-check on first use per (op, form,
   device, dtype, dk, dv) against our fp32 torch path, forward and backward, at an odd length
-  crossing fla's 64-token chunks, two rows with their own decays. A failure raises
+  crossing fla's 64-token chunks, two rows with their own decays (the delta rule's varlen check:
+  three). A failure raises
   :class:`~megatron_burst.kernels.choice.KernelSelfCheckError` naming the kernel, device, dtype,
   head dims, decay form, shape and the chained exception; it is never silently replaced. fla not
   installed (or the op not covered: fp64) -> the torch path with a one-time
@@ -190,7 +191,7 @@ def fla_refusal(op: str, form: str) -> Optional[str]:
 
 # ------------------------------------------------------------------------------------------ self-check
 SELF_CHECK_LEN = 83  # odd, crosses fla's 64-token chunk boundary (a padded tail chunk)
-SELF_CHECK_SEGMENTS = 2  # two rows, each with its own decays (and entering state for the delta rule)
+SELF_CHECK_SEGMENTS = 2  # two rows, each with its own decays
 SELF_CHECK_HEADS = 2
 
 
@@ -324,7 +325,8 @@ def _gdn_check(fla_fn: Callable, device: torch.device, dtype: torch.dtype, dk: i
     q = _inputs(device, dtype, (N, L, h, dk), gen)
     k = F.normalize(torch.randn(N, L, h, dk, generator=gen), dim=-1).to(device=device, dtype=dtype)
     v = _inputs(device, dtype, (N, L, h, dv), gen)
-    g = (-torch.rand(N, L, h, generator=gen) * 0.3).to(device)
+    # slow decays: A (and o_in at the rows' ends) stay far above rounding, so their gradients count
+    g = (-torch.rand(N, L, h, generator=gen) * 0.05).to(device)
     beta = torch.rand(N, L, h, generator=gen).to(device=device, dtype=dtype)
     # cotangents of o0 (and the plain outputs), o_in, A, B
     cotangents = (_inputs(device, dtype, (N, L, h, dv), gen), _inputs(device, dtype, (N, L, h, dk), gen),
@@ -332,25 +334,31 @@ def _gdn_check(fla_fn: Callable, device: torch.device, dtype: torch.dtype, dk: i
     scale = dk ** -0.5
     names = ("q", "k", "v", "g", "beta")
 
-    def pull(values, cots) -> torch.Tensor:  # the functional whose gradients are compared
-        return sum((t.float() * c.float()).sum() for t, c in zip(values, cots))
+    def grads(value: torch.Tensor, cotangent: torch.Tensor, leaves: list) -> list[torch.Tensor]:
+        # one term at a time: a term's share of a gradient (A's: the identity columns) can be orders
+        # of magnitude below another's, and a sum would hide it; zeros where a term does not depend
+        got = torch.autograd.grad((value.float() * cotangent.float()).sum(), leaves, retain_graph=True,
+                                  allow_unused=True)
+        return [torch.zeros_like(x) if d is None else d for d, x in zip(got, leaves)]
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
     o = fla_adapter.gdn_rows(fla_fn, *leaves, scale, pieces)
-    got_plain = torch.autograd.grad(pull([o], cotangents), leaves)
+    got_plain = grads(o, cotangents[0], leaves)
     terms = fla_adapter.gdn_terms(fla_fn, *leaves, scale, pieces)
-    got_wide = torch.autograd.grad(pull(terms, cotangents), leaves)
+    got_wide = [grads(t, c, leaves) for t, c in zip(terms, cotangents)]
 
     ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v, g, beta)]
     seg = lambda t: t.permute(0, 2, 1, 3)  # noqa: E731  [N, L, h, d] <-> [N, h, L, d]
     o0, o_in, A, B = torch_terms(*(seg(t) for t in ref_leaves[:3]), *(t.permute(0, 2, 1) for t in ref_leaves[3:]),
                                  scale, doc, enter)
     ref_terms = (seg(o0), seg(o_in), A, B)
-    ref_plain = torch.autograd.grad(pull(ref_terms[:1], cotangents), ref_leaves, retain_graph=True)
-    ref_wide = torch.autograd.grad(pull(ref_terms, cotangents), ref_leaves)
-    return ([("out", o, ref_terms[0])] + [(f"d{n}", a, r) for n, a, r in zip(names, got_plain, ref_plain)]
-            + [(f"wide call (maps): {n}", a, r) for n, a, r in zip(fla_adapter.GdnTerms._fields, terms, ref_terms)]
-            + [(f"wide call (maps): d{n}", a, r) for n, a, r in zip(names, got_wide, ref_wide)])
+    ref_plain = grads(ref_terms[0], cotangents[0], ref_leaves)
+    ref_wide = [grads(t, c, ref_leaves) for t, c in zip(ref_terms, cotangents)]
+    pairs = [("out", o, ref_terms[0])] + [(f"d{n}", a, r) for n, a, r in zip(names, got_plain, ref_plain)]
+    for term, got_t, ref_t, got_d, ref_d in zip(fla_adapter.GdnTerms._fields, terms, ref_terms, got_wide, ref_wide):
+        pairs.append((f"wide call (maps): {term}", got_t, ref_t))
+        pairs += [(f"wide call (maps), through {term}: d{n}", a, r) for n, a, r in zip(names, got_d, ref_d)]
+    return pairs
 
 
 def self_check(op: str, form: str, fla_fn: Callable, device: torch.device, dtype: torch.dtype, dk: int, dv: int,
