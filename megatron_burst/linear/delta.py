@@ -203,10 +203,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     States and maps are held in fp32 whatever the input dtype (the fla path computes them in fla's
     kernels from the input dtype, accumulating in fp32).
 
-    Communication: one all-gather of every segment's (A [dk, dk], B [dk, dv]) forward, posted
-    before the local outputs are formed, and one all-gather of the entering-state gradients
-    [dk, dv] backward; ``comm_counter`` counts (W - 1) x this rank's part, independent of s for the
-    contiguous and zigzag layouts. Layouts: contiguous, zigzag, block-striped with stripe >= 64, and
+    Communication: one all-gather of every segment's (A [dk, dk], B [dk, dv]) forward (the torch
+    path posts it before forming the local outputs; fla's one call forms both first), and one
+    all-gather of the entering-state gradients [dk, dv] backward; ``comm_counter`` counts (W - 1) x
+    this rank's part, independent of s for the contiguous and zigzag layouts. Layouts: contiguous, zigzag, block-striped with stripe >= 64, and
     the data-derived "thd" and "balanced" (need ``cu_seqlens``; a rank's runs of consecutive positions
     are its segments, one map each: :mod:`megatron_burst.linear.runs`).
 
