@@ -330,9 +330,9 @@ def _gdn_runs(fla, q, k, v, g, beta, documents: Documents, pg, rank: int, world_
     # [nseg, b, h, dk, dv]; A = 0 where a run resets already: the flags cut the scan into short chains
     S_in = Lasp2Exchange.apply(B, A, gathered, smap, True, rd.resets)
     if fla is not None:  # o0 + o_in @ S_in, the runs' rows stacked by chunk count for the product
-        o_in = lay.stack(bhsd(lay.from_flat(terms.o_in, b, sbhd)).float(), 2)
+        o_in = lay.stack(bhsd(lay.from_flat(terms.o_in, b, sbhd)), 2)  # gathered copies, in o_in's dtype
         o = bhsd(lay.from_flat(terms.o0, b, sbhd)).float() + lay.unstack(
-            [x @ S_in.index_select(0, rows) for x, rows in zip(o_in, lay.rows)], 2)
+            [fla_adapter.entering_term(x, S_in.index_select(0, rows)) for x, rows in zip(o_in, lay.rows)], 2)
     else:
         outs = []
         for (_, _, ch), rows in zip(maps, lay.rows):
