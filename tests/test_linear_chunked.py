@@ -89,3 +89,40 @@ def test_segment_state_keeps_the_last_document(form):
                 want = torch.exp(gs[0, j, :, t]).unsqueeze(-1) * want
             want = want + k[t, j].unsqueeze(-1) * v[t, j].unsqueeze(-2)
         torch.testing.assert_close(M[j], want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("decay", [None, "token", "channel"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_entering_term_keeps_only_its_inputs(dtype, decay, masked):
+    """scale * ((a * exp(G) * mask) @ S) in fp32 (fp64 stays fp64) with autograd's gradients for a,
+    S and G (summed where G broadcasts), keeping for the backward only a as given, S, G and the
+    mask: no fp32 copy of a, no exp(G), no decayed rows (a bf16 a costs 2 bytes per element)."""
+    from megatron_burst.linear.chunked import entering_term
+
+    gen = torch.Generator().manual_seed(0)
+    acc = torch.promote_types(dtype, torch.float32)
+    n, h, L, dk, dv = 3, 2, 37, 8, 5
+    a = torch.randn(n, h, L, dk, generator=gen).to(dtype).requires_grad_()
+    S = torch.randn(n, h, dk, dv, generator=gen).to(acc).requires_grad_()
+    G = None if decay is None else (-torch.rand(n, h, L, 1 if decay == "token" else dk, generator=gen).cumsum(-2)
+                                    ).to(acc).requires_grad_()
+    mask = (torch.arange(L) < 20).to(acc).view(1, 1, L, 1).expand(n, 1, L, 1) if masked else None
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = entering_term(a, S, G, mask, 0.3)
+    assert out.dtype == acc
+    kept = [t for t in (a, S, G, mask) if t is not None]
+    assert sum(t.numel() * t.element_size() for t in saved) == sum(t.numel() * t.element_size() for t in kept)
+    leaves = [t for t in (a, S, G) if t is not None]
+    ref_leaves = [t.detach().to(acc).requires_grad_() for t in leaves]
+    rows = ref_leaves[0] * (1 if G is None else torch.exp(ref_leaves[2])) * (1 if mask is None else mask)
+    want_out = 0.3 * (rows @ ref_leaves[1])
+    cot = torch.randn(out.shape, generator=gen).to(acc)
+    got = torch.autograd.grad(out, leaves, cot)
+    want = torch.autograd.grad(want_out, ref_leaves, cot)
+    torch.testing.assert_close(out, want_out.detach())
+    for x, g_got, g_want in zip(leaves, got, want):
+        assert g_got.dtype == x.dtype and g_got.shape == x.shape
+        torch.testing.assert_close(g_got, g_want.to(x.dtype))
+

@@ -157,31 +157,6 @@ def test_gdn_maps_come_from_one_wide_fla_call(monkeypatch, cuda_path, layout, st
     assert torch.equal(init, torch.cat([torch.zeros(nseg * b, h, dk, dv), eye], -1))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
-def test_the_entering_term_keeps_o_in_in_its_own_dtype(dtype):
-    """o_in @ S_in in fp32 (fp64 stays fp64) with autograd's gradients, saving o_in as given: a bf16
-    o_in costs 2 bytes per element for the backward, not the 4 of an fp32 copy."""
-    from megatron_burst.linear.fla_adapter import entering_term
-
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(3, 2, 37, 8, generator=gen).to(dtype).requires_grad_()
-    S = torch.randn(3, 2, 8, 5, generator=gen, dtype=torch.float64 if dtype == torch.float64 else torch.float32,
-                    requires_grad=True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = entering_term(a, S)
-    acc = torch.promote_types(dtype, torch.float32)
-    assert out.dtype == acc
-    assert sum(t.numel() * t.element_size() for t in saved) == a.numel() * a.element_size() + S.numel() * S.element_size()
-    cot = torch.randn(out.shape, generator=gen, dtype=acc)
-    got = torch.autograd.grad(out, (a, S), cot)
-    ref_a, ref_S = a.detach().to(acc).requires_grad_(), S.detach().requires_grad_()
-    want = torch.autograd.grad(ref_a @ ref_S, (ref_a, ref_S), cot)
-    torch.testing.assert_close(out, (ref_a @ ref_S).detach())
-    torch.testing.assert_close(got[0], want[0].to(dtype))
-    torch.testing.assert_close(got[1], want[1])
-
-
 # ------------------------------------------------------------------------------------------ loud failures
 @pytest.mark.parametrize("fault,expect", [("scale2", "out is off"), ("exclusive", "out is off"),
                                           ("no_state", "no final state"), ("raise", "expected int32")])

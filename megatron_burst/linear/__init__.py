@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megatron_burst.masks.documents import CuSeqlens, Documents
 from megatron_burst.linear.checks import MIN_STRIPE, check_qkv, segment_order, segments_per_rank
-from megatron_burst.linear.chunked import CHUNK, segment_output, segment_state
+from megatron_burst.linear.chunked import CHUNK, entering_term, segment_output, segment_state
 from megatron_burst.linear.docs import check_documents, segment_documents, unplaced
 from megatron_burst.linear import fla_adapter, kernel_choice
 from megatron_burst.linear.exchange import (Lasp1Chain, Lasp2Exchange, SegmentMap, local_entering_states,
@@ -163,16 +163,18 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         gathered, pending = post_state_gather(M, a, smap)  # overlaps with the intra-segment work below
     if causal and fla_fn is None:
         o = segment_output(qs, ks, vs, gs, scale, doc)
-    q_in = qs if G is None else qs * torch.exp(G)  # the entering state S_in adds scale * q_in @ S_in
-    if sd is not None:  # ... to the tokens before the segment's first document start
-        q_in = q_in * sd.from_entering.unsqueeze(-1).to(q_in.dtype)
+    # the entering state S_in adds scale * (qs * exp(G)) @ S_in to the tokens before the segment's
+    # first document start (entering_term: the decayed rows formed again in the backward, not kept)
+    reach = None if sd is None else sd.from_entering.unsqueeze(-1).to(acc)
     if world_size == 1:  # the local segments are the global ones: no exchange
         S_in = local_entering_states(M, a, keep=keep) if causal else M.sum(0, keepdim=True).expand_as(M)
-        inter = scale * (q_in @ S_in)
+        inter = entering_term(qs, S_in, G, reach, scale)
     elif algo == "lasp2":
         pending.wait()
-        inter = scale * (q_in @ Lasp2Exchange.apply(M, a, gathered, smap, False, keep))
+        inter = entering_term(qs, Lasp2Exchange.apply(M, a, gathered, smap, False, keep), G, reach, scale)
     else:  # LASP-1 computes the inter-segment term inside its chain, as the paper's Algorithm 6
+        q_in = qs.to(acc) if G is None else qs.to(acc) * torch.exp(G)
+        q_in = q_in if reach is None else q_in * reach
         inter = Lasp1Chain.apply(q_in, M, a, scale, smap, keep)
     o = o + inter if causal else inter
     o = o.permute(1, 2, 0, 3, 4).reshape(b, h, s, dv)  # segments back in local order
@@ -185,7 +187,8 @@ def _fla_local(fla_fn, form, q, k, v, g, nseg, b, h, s, dk, dv, L, sbhd, scale, 
     """This rank's local work by fla: (o, M, a, G, qs) as the torch path forms them -- o [nseg, b, h,
     L, dv] the zero-start outputs and M [nseg, b, h, dk, dv] the states the segments leave, from fla;
     a [nseg, b, h, 1 or dk] and G [nseg, b, h, L, 1 or dk] (the segments' total and cumulative
-    decays; None without decay) and qs (fp32 queries) in torch for the entering state's term.
+    decays; None without decay) in torch, and qs (the queries as segments, a view of q in its
+    dtype) for the entering state's term.
     ``pieces`` (documents, :func:`~megatron_burst.linear.fla_adapter.row_pieces`): o and M by fla's
     varlen mode (M keeps the segment's last document); a stays the plain decay, as in the torch
     path (the exchange's ``keep`` applies a document start)."""
@@ -198,7 +201,7 @@ def _fla_local(fla_fn, form, q, k, v, g, nseg, b, h, s, dk, dv, L, sbhd, scale, 
     if g is not None:
         g_sbhd = g if (sbhd or g.dim() == 1) else g.transpose(0, 1)
         a, G = _decays(segments(expand_log_decay(g_sbhd, b, h, s, dk).to(acc)))
-    return o.to(acc), M, a, G, segments(to_bhsd(q).to(acc))
+    return o.to(acc), M, a, G, segments(to_bhsd(q))
 
 
 def _lasp2_runs(q, k, v, g, documents: Documents, pg, rank: int, world_size: int, sbhd: bool, scale: float, acc,
@@ -217,7 +220,8 @@ def _lasp2_runs(q, k, v, g, documents: Documents, pg, rank: int, world_size: int
     lay = run_layout(lengths, CHUNK, b, q.device)
     # runs of one chunk count stack into one batched call (linear.runs.RunLayout: padding tokens are
     # identity steps); per group: its stacked q, decay, document indices and entering documents
-    qs = lay.stack(to_bhsd(q).to(acc), 2)  # per group [n, b, h, length, dk]
+    # per group [n, b, h, length, dk]; fp32 for our kernels, q's dtype when only the entering term reads it
+    qs = lay.stack(to_bhsd(q).to(acc) if fla_fn is None else to_bhsd(q), 2)
     gs = [None] * len(lay.groups)
     if g is not None:
         g_sbhd = g if (sbhd or g.dim() == 1) else g.transpose(0, 1)
@@ -245,9 +249,8 @@ def _lasp2_runs(q, k, v, g, documents: Documents, pg, rank: int, world_size: int
     S_in = Lasp2Exchange.apply(M, a, gathered, smap, False, rd.resets)
     terms = []
     for j, (qg, m, dg, eg, rows) in enumerate(zip(qs, maps, docs, enters, lay.rows)):
-        q_in = qg if m[2] is None else qg * torch.exp(m[2])
-        q_in = q_in * (dg == eg.unsqueeze(-1)).unsqueeze(-1).to(q_in.dtype)  # the entering document's tokens
-        term = scale * (q_in @ S_in.index_select(0, rows))
+        reach = (dg == eg.unsqueeze(-1)).unsqueeze(-1).to(acc)  # the entering document's tokens
+        term = entering_term(qg, S_in.index_select(0, rows), m[2], reach, scale)
         terms.append(term if own is None else own[j] + term)
     o = lay.unstack(terms, 2)  # [b, h, s, dv]
     if fla_fn is not None:

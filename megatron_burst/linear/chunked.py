@@ -168,3 +168,57 @@ def affine_prefix(a: torch.Tensor, b: torch.Tensor, matrix: bool = False) -> tup
         return torch.cat([both, even[..., m:, :, :]], -3) if n % 2 else both
 
     return interleave(even_a, odd_a), interleave(even_b, odd_b)
+
+
+def _entering_rows(a: torch.Tensor, G: Optional[torch.Tensor], mask: Optional[torch.Tensor],
+                   acc: torch.dtype) -> torch.Tensor:
+    rows = a.to(acc)
+    if G is not None:
+        rows = rows * torch.exp(G.to(acc))
+    return rows if mask is None else rows * mask.to(acc)
+
+
+class _EnteringTerm(torch.autograd.Function):
+    """scale * ((a * exp(G) * mask) @ S) in fp32 (or wider), keeping for the backward only ``a`` as
+    given, G, the mask and S: the decayed rows are formed again there (an elementwise pass) instead
+    of keeping a's fp32 copy, exp(G) and the rows themselves (~8 x dk bytes per token and head)."""
+
+    @staticmethod
+    def forward(ctx, a, S, G, mask, scale):
+        acc = torch.promote_types(torch.promote_types(a.dtype, S.dtype), torch.float32)
+        ctx.save_for_backward(a, S, G, mask)
+        ctx.acc, ctx.scale = acc, scale
+        return scale * (_entering_rows(a, G, mask, acc) @ S.to(acc))
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, S, G, mask = ctx.saved_tensors
+        acc = ctx.acc
+        grad = ctx.scale * grad.to(acc)
+        need_a, need_S, need_G = ctx.needs_input_grad[:3]
+        rows = _entering_rows(a, G, mask, acc) if (need_S or need_G) else None
+        da = dS = dG = None
+        if need_S:
+            dS = (rows.transpose(-1, -2) @ grad).to(S.dtype)
+        if need_a or need_G:
+            d_rows = grad @ S.to(acc).transpose(-1, -2)
+            if need_a:
+                factor = _entering_rows(torch.ones((), dtype=acc, device=a.device), G, mask, acc)
+                da = (d_rows * factor).to(a.dtype)
+            if need_G:  # d rows / dG = rows (per channel), summed where G broadcasts
+                dG = (d_rows * rows).sum_to_size(G.shape).to(G.dtype)
+        return da, dS, dG, None, None
+
+
+def entering_term(a: torch.Tensor, S: torch.Tensor, G: Optional[torch.Tensor] = None,
+                  mask: Optional[torch.Tensor] = None, scale: float = 1.0) -> torch.Tensor:
+    """What the state entering each segment adds to its outputs: scale * ((a * exp(G) * mask) @ S).
+
+    a [..., L, dk] (queries, or the gated delta rule's o_in; any float dtype), S [..., dk, dv] (fp32),
+    G [..., L, 1 or dk] (the cumulative log-decay from the segment start; None: no decay), mask
+    [..., L, 1] (0 for tokens the entering state does not reach: after a document start; None: all)
+    -> [..., L, dv] in fp32 (fp64 for fp64 inputs); differentiable in a, S and G. ``a`` is saved as
+    given: pass the input itself or a tensor that owns its storage (a view of a larger tensor would
+    keep all of it)."""
+    return _EnteringTerm.apply(a, S, G, mask, scale)
+

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from megatron_burst.masks.documents import CuSeqlens, Documents
 from megatron_burst.linear.checks import check_qkv, segment_order, segments_per_rank
-from megatron_burst.linear.chunked import CHUNK, affine_prefix
+from megatron_burst.linear.chunked import CHUNK, affine_prefix, entering_term
 from megatron_burst.linear import fla_adapter, kernel_choice
 from megatron_burst.linear.docs import check_documents, segment_documents, unplaced
 from megatron_burst.linear.exchange import Lasp2Exchange, Resets, SegmentMap, local_entering_states, post_state_gather
@@ -332,7 +332,7 @@ def _gdn_runs(fla, q, k, v, g, beta, documents: Documents, pg, rank: int, world_
     if fla is not None:  # o0 + o_in @ S_in, the runs' rows stacked by chunk count for the product
         o_in = lay.stack(bhsd(lay.from_flat(terms.o_in, b, sbhd)), 2)  # gathered copies, in o_in's dtype
         o = bhsd(lay.from_flat(terms.o0, b, sbhd)).float() + lay.unstack(
-            [fla_adapter.entering_term(x, S_in.index_select(0, rows)) for x, rows in zip(o_in, lay.rows)], 2)
+            [entering_term(x, S_in.index_select(0, rows)) for x, rows in zip(o_in, lay.rows)], 2)
     else:
         outs = []
         for (_, _, ch), rows in zip(maps, lay.rows):

@@ -62,6 +62,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from megatron_burst.linear.chunked import entering_term
 from megatron_burst.masks.documents import Documents
 
 # fla's GLA kernel asserts an fp32 initial state; our exchanged states are fp32 anyway
@@ -313,36 +314,8 @@ def gdn_terms(fla_fn: Callable, q_rows: torch.Tensor, k_rows: torch.Tensor, v_ro
     return GdnTerms(o[..., :dv], o[..., dv:], final[..., dv:], final[..., :dv])
 
 
-class _EnteringTerm(torch.autograd.Function):
-    """a [..., L, dk] @ S [..., dk, dv] computed in fp32 (or wider), keeping ``a`` in its own dtype for
-    the backward instead of an fp32 copy: a 16-bit o_in is saved at half the bytes."""
-
-    @staticmethod
-    def forward(ctx, a: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
-        acc = torch.promote_types(torch.promote_types(a.dtype, S.dtype), torch.float32)
-        ctx.save_for_backward(a, S)
-        ctx.acc = acc
-        return a.to(acc) @ S.to(acc)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        a, S = ctx.saved_tensors
-        grad = grad.to(ctx.acc)
-        da = (grad @ S.to(ctx.acc).transpose(-1, -2)).to(a.dtype) if ctx.needs_input_grad[0] else None
-        dS = (a.to(ctx.acc).transpose(-1, -2) @ grad).to(S.dtype) if ctx.needs_input_grad[1] else None
-        return da, dS
-
-
-def entering_term(a: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
-    """The entering states' share of the outputs, a @ S: a [..., L, dk] (o_in, any float dtype),
-    S [..., dk, dv] (fp32) -> [..., L, dv] in fp32 (or wider), differentiable in both. ``a`` is
-    saved for the backward as given, so pass a tensor that owns its storage (a view of a larger
-    tensor would keep all of it)."""
-    return _EnteringTerm.apply(a, S)
-
-
 def add_entering(terms: GdnTerms, S_in: torch.Tensor) -> torch.Tensor:
     """The outputs [N, L, h, dv] (fp32) of rows entering with S_in [N, h, dk, dv] (fp32):
     o0 + o_in @ S_in, token by token (o_in copied out of the wide output in its own dtype)."""
-    corr = entering_term(terms.o_in.transpose(1, 2).contiguous(), S_in)  # [N, h, L, dv]
+    corr = entering_term(terms.o_in.transpose(1, 2).contiguous(), S_in)  # [N, h, L, dv]; o_in saved as a copy
     return terms.o0.float() + corr.transpose(1, 2)
