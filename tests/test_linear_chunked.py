@@ -96,8 +96,9 @@ def test_segment_state_keeps_the_last_document(form):
 @pytest.mark.parametrize("masked", [False, True])
 def test_the_entering_term_keeps_only_its_inputs(dtype, decay, masked):
     """scale * ((a * exp(G) * mask) @ S) in fp32 (fp64 stays fp64) with autograd's gradients for a,
-    S and G (summed where G broadcasts), keeping for the backward only a as given, S, G and the
-    mask: no fp32 copy of a, no exp(G), no decayed rows (a bf16 a costs 2 bytes per element)."""
+    S and G (summed where G broadcasts), keeping for the backward only a's elements in its dtype
+    (a view into a fused tensor: not that tensor), S, G and the mask: no fp32 copy of a, no exp(G),
+    no decayed rows (a bf16 a costs 2 bytes per element)."""
     from megatron_burst.linear.chunked import entering_term
 
     gen = torch.Generator().manual_seed(0)
@@ -108,15 +109,19 @@ def test_the_entering_term_keeps_only_its_inputs(dtype, decay, masked):
     G = None if decay is None else (-torch.rand(n, h, L, 1 if decay == "token" else dk, generator=gen).cumsum(-2)
                                     ).to(acc).requires_grad_()
     mask = (torch.arange(L) < 20).to(acc).view(1, 1, L, 1).expand(n, 1, L, 1) if masked else None
+    if masked:  # a as a view into a larger tensor (q out of a fused QKV): only its elements are kept
+        fused = torch.randn(n, h, L, 3 * dk, generator=gen).to(dtype).requires_grad_()
+        a = fused[..., dk:2 * dk]
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = entering_term(a, S, G, mask, 0.3)
     assert out.dtype == acc
-    kept = [t for t in (a, S, G, mask) if t is not None]
-    assert sum(t.numel() * t.element_size() for t in saved) == sum(t.numel() * t.element_size() for t in kept)
-    leaves = [t for t in (a, S, G) if t is not None]
+    kept = a.numel() * a.element_size() + sum(t.untyped_storage().nbytes() for t in (S, G, mask) if t is not None)
+    assert sum(t.untyped_storage().nbytes() for t in saved) == kept
+    leaves = [t for t in (fused if masked else a, S, G) if t is not None]
     ref_leaves = [t.detach().to(acc).requires_grad_() for t in leaves]
-    rows = ref_leaves[0] * (1 if G is None else torch.exp(ref_leaves[2])) * (1 if mask is None else mask)
+    ref_a = ref_leaves[0][..., dk:2 * dk] if masked else ref_leaves[0]
+    rows = ref_a * (1 if G is None else torch.exp(ref_leaves[2])) * (1 if mask is None else mask)
     want_out = 0.3 * (rows @ ref_leaves[1])
     cot = torch.randn(out.shape, generator=gen).to(acc)
     got = torch.autograd.grad(out, leaves, cot)

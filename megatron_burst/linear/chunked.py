@@ -178,15 +178,22 @@ def _entering_rows(a: torch.Tensor, G: Optional[torch.Tensor], mask: Optional[to
     return rows if mask is None else rows * mask.to(acc)
 
 
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it is all of its storage, else a copy of just its elements (in its dtype): a
+    view into a larger tensor (q sliced out of a fused QKV projection, o_in out of the wide output)
+    kept for the backward would keep all of that tensor."""
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+
+
 class _EnteringTerm(torch.autograd.Function):
-    """scale * ((a * exp(G) * mask) @ S) in fp32 (or wider), keeping for the backward only ``a`` as
-    given, G, the mask and S: the decayed rows are formed again there (an elementwise pass) instead
-    of keeping a's fp32 copy, exp(G) and the rows themselves (~8 x dk bytes per token and head)."""
+    """scale * ((a * exp(G) * mask) @ S) in fp32 (or wider), keeping for the backward only ``a`` in its
+    own dtype (:func:`_compact`), G, the mask and S: the decayed rows are formed again there (an
+    elementwise pass) instead of keeping a's fp32 copy, exp(G) and the fp32 rows."""
 
     @staticmethod
     def forward(ctx, a, S, G, mask, scale):
         acc = torch.promote_types(torch.promote_types(a.dtype, S.dtype), torch.float32)
-        ctx.save_for_backward(a, S, G, mask)
+        ctx.save_for_backward(_compact(a), S, G, mask)
         ctx.acc, ctx.scale = acc, scale
         return scale * (_entering_rows(a, G, mask, acc) @ S.to(acc))
 
@@ -217,8 +224,8 @@ def entering_term(a: torch.Tensor, S: torch.Tensor, G: Optional[torch.Tensor] = 
     a [..., L, dk] (queries, or the gated delta rule's o_in; any float dtype), S [..., dk, dv] (fp32),
     G [..., L, 1 or dk] (the cumulative log-decay from the segment start; None: no decay), mask
     [..., L, 1] (0 for tokens the entering state does not reach: after a document start; None: all)
-    -> [..., L, dv] in fp32 (fp64 for fp64 inputs); differentiable in a, S and G. ``a`` is saved as
-    given: pass the input itself or a tensor that owns its storage (a view of a larger tensor would
-    keep all of it)."""
+    -> [..., L, dv] in fp32 (fp64 for fp64 inputs); differentiable in a, S and G. Kept for the
+    backward: ``a`` in its own dtype (itself when it is all of its storage, else a copy of its
+    elements), S, G and the mask."""
     return _EnteringTerm.apply(a, S, G, mask, scale)
 

@@ -316,6 +316,6 @@ def gdn_terms(fla_fn: Callable, q_rows: torch.Tensor, k_rows: torch.Tensor, v_ro
 
 def add_entering(terms: GdnTerms, S_in: torch.Tensor) -> torch.Tensor:
     """The outputs [N, L, h, dv] (fp32) of rows entering with S_in [N, h, dk, dv] (fp32):
-    o0 + o_in @ S_in, token by token (o_in copied out of the wide output in its own dtype)."""
-    corr = entering_term(terms.o_in.transpose(1, 2).contiguous(), S_in)  # [N, h, L, dv]; o_in saved as a copy
+    o0 + o_in @ S_in, token by token."""
+    corr = entering_term(terms.o_in.transpose(1, 2), S_in)  # [N, h, L, dv]; keeps a copy of o_in, not the wide output
     return terms.o0.float() + corr.transpose(1, 2)
