@@ -329,6 +329,8 @@ def _rates(c: dict, times: List[float], args) -> Dict:
             "mfu_6n": round(flops_6n(c) / step_s / args.peak, 4) if args.peak else None}
 
 
+# megatron_burst.world.LAUNCHER_VARIABLES (this orchestrator imports neither torch nor megatron_burst;
+# tests/test_e2e_smoke.py holds the two equal)
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 

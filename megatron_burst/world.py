@@ -23,6 +23,11 @@ import torch
 import torch.distributed as dist
 
 
+# What a launcher (torchrun, the test harness) sets for each rank; a process that finds RANK set joins
+# that world (megatron_burst.train), so a world of one must start without these.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that is free right now (the OS picks it), for MASTER_PORT.
 

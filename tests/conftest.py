@@ -41,15 +41,14 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     harness.shutdown_pools(stop_forkserver=True)
 
 
-# What a launcher (torchrun, a harness) sets for a rank. A test that leaves one of these in this
-# process's environment makes every later subprocess join that world instead of making its own:
-# `python -m megatron_burst.train` then binds the leaked MASTER_PORT (EADDRINUSE in CI).
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 @pytest.fixture(autouse=True)
 def no_launcher_env_leak():
-    """Fail a test that changes the launcher variables of this process (they are put back first)."""
+    """Fail a test that changes the launcher variables of this process (they are put back first): one
+    left behind makes every later subprocess join that world instead of making its own
+    (`python -m megatron_burst.train` then binds the leaked MASTER_PORT: EADDRINUSE in CI)."""
+    # imported here, not at collection: the package imports torch and megatron.core
+    from megatron_burst.world import LAUNCHER_VARIABLES as LAUNCHER_ENV
+
     before = {name: os.environ.get(name) for name in LAUNCHER_ENV}
     yield
     after = {name: os.environ.get(name) for name in LAUNCHER_ENV}

@@ -18,6 +18,9 @@ def test_e2e_smoke_runs_every_cpu_variant(tmp_path):
         import e2e_gpt_1b as e2e
     finally:
         sys.path.pop(0)
+    from megatron_burst.world import LAUNCHER_VARIABLES
+
+    assert e2e.LAUNCHER_ENV == LAUNCHER_VARIABLES  # the orchestrator's copy (it imports no torch)
     # the documented full-size figures
     assert e2e.param_count(e2e.FULL) == 1_170_049_024
     assert e2e.flops_megatron(e2e.FULL) == pytest.approx(e2e.flops_6n(e2e.FULL), rel=1e-3)

@@ -162,7 +162,9 @@ def _main_in_process(argv, monkeypatch, capsys):
     in os.environ; monkeypatch puts the environment back."""
     from megatron_burst.train.__main__ import main
 
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    from megatron_burst.world import LAUNCHER_VARIABLES
+
+    for name in LAUNCHER_VARIABLES:
         # setenv first: delenv alone records nothing for an absent variable, so what main() adds would stay
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)

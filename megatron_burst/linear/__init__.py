@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megatron_burst.masks.documents import CuSeqlens, Documents
 from megatron_burst.linear.checks import MIN_STRIPE, check_qkv, segment_order, segments_per_rank
-from megatron_burst.linear.chunked import CHUNK, entering_term, segment_output, segment_state
+from megatron_burst.linear.chunked import CHUNK, entering_rows, entering_term, segment_output, segment_state
 from megatron_burst.linear.docs import check_documents, segment_documents, unplaced
 from megatron_burst.linear import fla_adapter, kernel_choice
 from megatron_burst.linear.exchange import (Lasp1Chain, Lasp2Exchange, SegmentMap, local_entering_states,
@@ -173,8 +173,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         pending.wait()
         inter = entering_term(qs, Lasp2Exchange.apply(M, a, gathered, smap, False, keep), G, reach, scale)
     else:  # LASP-1 computes the inter-segment term inside its chain, as the paper's Algorithm 6
-        q_in = qs.to(acc) if G is None else qs.to(acc) * torch.exp(G)
-        q_in = q_in if reach is None else q_in * reach
+        q_in = entering_rows(qs, G, reach, acc)
         inter = Lasp1Chain.apply(q_in, M, a, scale, smap, keep)
     o = o + inter if causal else inter
     o = o.permute(1, 2, 0, 3, 4).reshape(b, h, s, dv)  # segments back in local order

@@ -170,8 +170,10 @@ def affine_prefix(a: torch.Tensor, b: torch.Tensor, matrix: bool = False) -> tup
     return interleave(even_a, odd_a), interleave(even_b, odd_b)
 
 
-def _entering_rows(a: torch.Tensor, G: Optional[torch.Tensor], mask: Optional[torch.Tensor],
-                   acc: torch.dtype) -> torch.Tensor:
+def entering_rows(a: torch.Tensor, G: Optional[torch.Tensor], mask: Optional[torch.Tensor],
+                  acc: torch.dtype) -> torch.Tensor:
+    """a * exp(G) * mask in ``acc`` (shapes as :func:`entering_term` takes them): the rows the state
+    entering a segment multiplies (LASP-1's chain takes them as they are)."""
     rows = a.to(acc)
     if G is not None:
         rows = rows * torch.exp(G.to(acc))
@@ -195,7 +197,7 @@ class _EnteringTerm(torch.autograd.Function):
         acc = torch.promote_types(torch.promote_types(a.dtype, S.dtype), torch.float32)
         ctx.save_for_backward(_compact(a), S, G, mask)
         ctx.acc, ctx.scale = acc, scale
-        return scale * (_entering_rows(a, G, mask, acc) @ S.to(acc))
+        return scale * (entering_rows(a, G, mask, acc) @ S.to(acc))
 
     @staticmethod
     def backward(ctx, grad):
@@ -203,14 +205,14 @@ class _EnteringTerm(torch.autograd.Function):
         acc = ctx.acc
         grad = ctx.scale * grad.to(acc)
         need_a, need_S, need_G = ctx.needs_input_grad[:3]
-        rows = _entering_rows(a, G, mask, acc) if (need_S or need_G) else None
+        rows = entering_rows(a, G, mask, acc) if (need_S or need_G) else None
         da = dS = dG = None
         if need_S:
             dS = (rows.transpose(-1, -2) @ grad).to(S.dtype)
         if need_a or need_G:
             d_rows = grad @ S.to(acc).transpose(-1, -2)
             if need_a:
-                factor = _entering_rows(torch.ones((), dtype=acc, device=a.device), G, mask, acc)
+                factor = entering_rows(torch.ones((), dtype=acc, device=a.device), G, mask, acc)
                 da = (d_rows * factor).to(a.dtype)
             if need_G:  # d rows / dG = rows (per channel), summed where G broadcasts
                 dG = (d_rows * rows).sum_to_size(G.shape).to(G.dtype)
