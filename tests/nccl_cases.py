@@ -127,13 +127,14 @@ def direct_document_schedule(algo: str, ring: str, ranks_per_node: int, layout: 
             "sent": sum(res["direct"]["bytes"].values()), "ring_sent": sum(res["ring"]["bytes"].values())}
 
 
-def gdn_schedule(layout: str):
-    """gated_delta_rule forward + backward (errors checked too), recorded and replayed."""
+def gdn_schedule(layout: str, kernel: str = "torch"):
+    """gated_delta_rule forward + backward (errors checked too), recorded and replayed; ``kernel``
+    "fla": the local work by the CPU stand-in for fla (its one wide call), as on CUDA."""
     from gdn_cases import run_gdn_case
 
     stripe = 64 if layout == "striped" else 1
     with record_schedule() as trace:
-        errs = run_gdn_case(layout, 128 if stripe > 1 else 70, stripe=stripe)
+        errs = run_gdn_case(layout, 128 if stripe > 1 else 70, stripe=stripe, kernel=kernel)
     result = _replays(trace)
     result["max_err"] = max(v for key, v in errs.items() if key not in ("bytes", "dtype"))
     return result

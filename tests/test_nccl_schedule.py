@@ -150,12 +150,14 @@ def test_linear_attention_schedules_complete_under_nccl(algo, layout, causal, wo
         assert res["max_err"] < 1e-5
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_gated_delta_rule_schedules_complete_under_nccl(layout, world_size):
-    """The gated delta rule's (A, B) all-gather forward and dS all-gather backward."""
-    for rank, res in enumerate(run_ranks(world_size, nccl_cases.gdn_schedule, layout)):
-        _assert_replays(res, f"gdn {layout} W={world_size} rank {rank}")
+@pytest.mark.parametrize("layout,world_size,kernel", [(lay, W, "torch") for lay in ("contiguous", "zigzag", "striped")
+                                                     for W in (2, 3, 4)]
+                         + [("zigzag", 3, "fla"), ("striped", 2, "fla")])
+def test_gated_delta_rule_schedules_complete_under_nccl(layout, world_size, kernel):
+    """The gated delta rule's (A, B) all-gather forward and dS all-gather backward; with fla's maps
+    (the wide call) as well as ours."""
+    for rank, res in enumerate(run_ranks(world_size, nccl_cases.gdn_schedule, layout, kernel)):
+        _assert_replays(res, f"gdn {layout} {kernel} W={world_size} rank {rank}")
         assert res["max_err"] < 1e-5
 
 
