@@ -75,7 +75,8 @@ FLA_TRITON=$(carried_triton_path "$PY")
 LINEAR_PP="${FLA_TRITON:+$FLA_TRITON:}$PYTHONPATH"
 PYTHONPATH="$LINEAR_PP" $PY -c "import triton; print('linear parts: triton', triton.__version__, triton.__file__)" 2>&1 | tee -a "$OUT_DIR/session.log"
 LINEAR_S=$(share ${LINEAR_BENCH_SHARE:-14})
-part linear-bench $LINEAR_S bash -o pipefail -c "PYTHONPATH='$LINEAR_PP' $PY -m megatron_burst.bench linear --gpu --out '$OUT_DIR/bench_linear.jsonl' \
+# traced.py: every thread's stack each TRACE_S seconds on stderr (fla's autotuning and compiles print nothing)
+part linear-bench $LINEAR_S bash -o pipefail -c "PYTHONPATH='$LINEAR_PP' $PY scripts/traced.py ${TRACE_S:-30} -m megatron_burst.bench linear --gpu --out '$OUT_DIR/bench_linear.jsonl' \
   ${LINEAR_BENCH_ARGS:---seq 32768 --heads 16 --head-dim 128 --worlds 2 --repeats 5 --warmup 2 --max-seconds 2} 2>&1 | tee -a '$OUT_DIR/session.log'"
 part e2e $(share ${E2E_SHARE:-15}) bash -o pipefail -c "$PY examples/e2e_gpt_1b.py --out '$OUT_DIR/e2e' --per-run-timeout $(( $(share ${E2E_SHARE:-15}) - 20 )) \
   ${E2E_ARGS:---variants mlm_burst} 2>&1 | tail -5 | tee -a '$OUT_DIR/session.log'"

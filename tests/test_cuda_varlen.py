@@ -28,13 +28,18 @@ CPU = torch.device("cpu")
 
 
 def _op_mask(cu_q, cu_k, max_k, left, right, causal, sq, sk) -> torch.Tensor:
-    """What FlashAttention-2's varlen op sees (written from its documentation, independently of the
-    module): per segment, bottom-right aligned; -1 unbounded; a window >= max_k is unbounded;
-    is_causal sets right = 0."""
+    """What FlashAttention-2's varlen op sees (written from its documentation and mha_varlen_fwd /
+    set_params_fprop, independently of the module): per segment, bottom-right aligned; -1 unbounded;
+    a window >= max_k is unbounded; is_causal sets right = 0; with one side bounded, the open side
+    becomes a window of max_k."""
     if causal:
         right = 0
     left = -1 if left >= max_k else left
     right = -1 if right >= max_k else right
+    if left < 0 and right >= 0:  # set_params_fprop: one side bounded, the open one becomes max_k
+        left = max_k
+    if left >= 0 and right < 0:
+        right = max_k
     vis = torch.zeros(sq, sk, dtype=torch.bool)
     for s in range(len(cu_q) - 1):
         qa, qb, ka, kb = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
@@ -142,6 +147,9 @@ def test_many_documents_on_the_diagonal_are_one_causal_varlen_call():
     ((torch.arange(10, 22), torch.arange(10, 14), None, None, (None, 0)), 12, 4, "treat it as unbounded"),
     ((torch.arange(10), torch.arange(10), None, None, (-3, 5)), 10, 10, "sees nothing"),
     ((torch.arange(2, 12), torch.arange(0, 4), None, None, (None, 0)), 10, 4, "treat it as unbounded"),
+    # a zigzag documents + window block (an H100 gave NaN for it): 193 rows after 74 keys, window 193;
+    # the op would bound the open right side at max_k = 74 and cut the first rows
+    ((torch.arange(384, 577), torch.arange(310, 384), None, None, (193, 0)), 193, 74, "open right side"),
     # a slash run's band (keys at offsets 2..5): its first rows see nothing
     ((torch.arange(10), torch.arange(10), None, None, (5, -2)), 10, 10, "sees nothing"),
     # per-head bands of a sparse pattern: one window per call cannot express them

@@ -82,10 +82,13 @@ class VarlenPlan:
 
 
 def flash_visibility(plan: VarlenPlan, sq: int, sk: int) -> torch.Tensor:
-    """Boolean [sq, sk]: what the op sees for ``plan`` (FlashAttention-2's rule, written out for the
-    tests: a window >= max_k is unbounded; is_causal forces right = 0)."""
+    """Boolean [sq, sk]: what the op sees for ``plan`` (FlashAttention-2's rules, written out for the
+    tests: a window >= max_k is unbounded; is_causal forces right = 0; then, when exactly one side
+    is bounded, the open side becomes a window of max_k)."""
     left = -1 if plan.left >= plan.max_k else plan.left
     right = 0 if plan.causal else (-1 if plan.right >= plan.max_k else plan.right)
+    if (left < 0) != (right < 0):
+        left, right = (plan.max_k, right) if left < 0 else (left, plan.max_k)
     vis = torch.zeros(sq, sk, dtype=torch.bool)
     for s in range(len(plan.cu_q) - 1):
         qa, qb, ka, kb = plan.cu_q[s], plan.cu_q[s + 1], plan.cu_k[s], plan.cu_k[s + 1]
@@ -234,6 +237,13 @@ def block_plan(positions: tuple, sq: int, sk: int) -> Union[VarlenPlan, str]:
     wr = right.choose("right", max_k)
     if isinstance(wr, str):
         return wr
+    # With one side bounded the op makes the open side a window of max_k. On the left that loses
+    # nothing (row i's bound i + lk - lq - max_k < 0); on the right row 0 of a segment reaches
+    # column lk - lq + max_k, short of lk - 1 when lq - 1 > max_k (seen on an H100: zigzag
+    # documents + window blocks with more rows than keys gave lse +inf and NaN outputs).
+    if wl >= 0 and wr < 0 and max_q - 1 > max_k:
+        return (f"a bounded left window ({wl}) with an open right side: the op bounds the right at max_k={max_k}, "
+                f"which cuts rows of a segment with {max_q} rows > max_k + 1")
     return VarlenPlan(tuple(cu_q), tuple(cu_k), max_q, max_k, wl, wr)
 
 

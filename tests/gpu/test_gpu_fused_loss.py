@@ -114,8 +114,8 @@ def test_no_tokens_by_vocab_allocation():
 def test_weight_grad_backward_peak_is_the_gradients():
     """weight_grad="backward" (N = 8192, V = 65536, d = 1024, bf16): the backward allocates d weight
     and at most vocab_pass.TAIL_BYTES more (every other tile's scratch lies in d weight's rows not
-    yet written; d hidden is the forward's D, scaled in place), plus [N]-sized statistics; the
-    gradient matches the default mode's to one bf16 rounding."""
+    yet written; d hidden is the forward's D, scaled in place), plus [N]-sized statistics; its
+    d weight is as close to fp32 as the default mode's."""
     from megatron_burst.loss import vocab_pass
 
     N, V, d = 8192, 65536, 1024
@@ -137,4 +137,12 @@ def test_weight_grad_backward_peak_is_the_gradients():
     loss = fused_linear_cross_entropy(h, w, labels, loss_mask=mask, token_chunk=1024)
     ((loss * mask).sum() / mask.sum()).backward()
     dw = w.grad.float()
-    assert ((dw_lean - dw).abs() <= 2 ** -7 * dw.abs() + 1e-4 * dw.abs().max()).all()
+    # against fp32 on the same bf16 inputs: within a bf16 rounding (2^-8 relative, Frobenius) and
+    # 1.5x the default mode's error. Not elementwise against the default mode: the two round the
+    # partial sums differently, and entries whose terms cancel differ by more than 2^-7 of themselves
+    # (an H100 run of the old elementwise bound failed on such entries with both errors ~2e-3)
+    wf = weight.detach().float().requires_grad_()
+    ref_loss = torch.nn.functional.cross_entropy(hidden.float() @ wf.t(), labels, reduction="none", ignore_index=-100)
+    ((ref_loss * mask).sum() / mask.sum()).backward()
+    e_lean, e_default = _rel(dw_lean, wf.grad), _rel(dw, wf.grad)
+    assert e_lean <= max(1.5 * e_default, 2 ** -8), (e_lean, e_default)

@@ -13,6 +13,7 @@ FUSED = {  # kernel: the dense mask kinds it runs (choice.GPU_CANDIDATES)
     "cudnn": ("full", "causal"),
     "cuda_flash": ("full", "causal"),
     "triton_masked": ("full", "causal", "block_causal", "positions"),
+    "varlen_or_triton": ("positions",),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
