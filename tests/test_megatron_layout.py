@@ -190,6 +190,22 @@ def test_mask_check_covers_every_row_chunk(monkeypatch):
             batch_mod.check_causal_attention_mask(bad, s)
 
 
+def test_the_device_side_mask_check_has_a_message_cuda_accepts(monkeypatch):
+    """Off the CPU the check stays on the device (torch._assert_async), whose CUDA kernel refuses a
+    message of 255 characters or more ("Message length must be smaller than 255": it stopped
+    Megatron-LM's pretrain_gpt.py on an H100 at the first batch). Run on the meta device with the
+    assert recorded."""
+    from megatron_burst.megatron import batch as batch_mod
+
+    messages = []
+    monkeypatch.setattr(torch, "_assert_async", lambda cond, msg: messages.append((cond.device.type, msg)))
+    s = 6
+    mask = torch.ones(s, s, dtype=torch.bool).triu(1).expand(1, 1, s, s).to("meta")
+    batch_mod.check_causal_attention_mask(mask, s)
+    assert len(messages) == 1 and messages[0][0] == "meta"
+    assert len(messages[0][1]) < 255 and "not the plain causal mask" in messages[0][1]
+
+
 def test_positions_and_rope_rows_are_built_once():
     """Slicing indices and RoPE rows are cached per (sequence, rank, layout, device): the same
     tensor comes back, so no host-to-device index copy happens per call."""

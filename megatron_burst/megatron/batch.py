@@ -22,6 +22,10 @@ _MASK_ERROR = ("attention_mask is not the plain causal mask (a dense mask is nev
                "attention): for --reset-attention-mask documents pass eod_token (the documents then come from "
                "the EOD tokens); padding masks are not supported: build batches without them, or without an "
                "attention mask at all (create_attention_mask=False / --no-create-attention-mask-in-dataloader)")
+# the device-side check's message: CUDA's assert takes fewer than 255 characters
+_DEVICE_MASK_ERROR = ("megatron-burst: attention_mask is not the plain causal mask. Pass eod_token for "
+                      "--reset-attention-mask documents; padding masks are unsupported "
+                      "(--no-create-attention-mask-in-dataloader)")
 _MASK_ROWS_PER_CHUNK = 1024
 
 
@@ -32,7 +36,7 @@ def check_causal_attention_mask(mask: torch.Tensor, seq_len: int) -> None:
     it as boundaries (``eod_token`` below), and any other mask (padding) must not be silently dropped.
     The comparison runs over chunks of rows (no second s x s tensor). A CPU mask raises ValueError
     here; on a GPU the verdict stays on the device (``torch._assert_async``, no host sync): a
-    wrong mask stops the job with the same message at the next synchronization.
+    wrong mask stops the job at the next synchronization with a shorter message (CUDA's limit).
     """
     if mask.dim() != 4 or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (seq_len, seq_len):
         raise ValueError(f"attention_mask of shape {tuple(mask.shape)} is not a [b, 1, {seq_len}, "
@@ -47,7 +51,7 @@ def check_causal_attention_mask(mask: torch.Tensor, seq_len: int) -> None:
         if bool(wrong):
             raise ValueError(_MASK_ERROR)
     else:
-        torch._assert_async(~wrong, _MASK_ERROR)
+        torch._assert_async(~wrong, _DEVICE_MASK_ERROR)
 
 
 def get_batch_on_this_cp_rank(batch: Dict[str, Any], layout: str = "zigzag",
