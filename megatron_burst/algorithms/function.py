@@ -38,7 +38,12 @@ class _CPAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cfg: CPConfig, backward_algo: str, qkv_format: str, q_rows: Optional[int] = None,
                 out_tail: Optional[torch.Tensor] = None, lse_tail: Optional[torch.Tensor] = None):
-        qh, kh, vh = (to_bhsd(t, qkv_format).contiguous() for t in (q, k, v))
+        views = [to_bhsd(t, qkv_format) for t in (q, k, v)]
+        # one block and nothing exchanged: every kernel reads any strides, so the caller's tensors
+        # are handed over (and kept) as views, as torch's SDPA does; the CP schedules need
+        # contiguous buffers
+        one = q_rows is None and single_block(cfg, views[0].shape[2], views[0].shape[0]) is not None
+        qh, kh, vh = views if one else [t.contiguous() for t in views]
         out, _, lse = attention_forward(qh, kh, vh, cfg, qkv_format, q_rows, out_tail, lse_tail, backward_algo)
         ctx.save_for_backward(qh, kh, vh, out, lse)
         ctx.cfg, ctx.backward_algo, ctx.qkv_format = cfg, backward_algo, qkv_format
@@ -48,9 +53,9 @@ class _CPAttention(torch.autograd.Function):
     def backward(ctx, dout):
         qh, kh, vh, out, lse = ctx.saved_tensors
         fmt = ctx.qkv_format
-        dout_h = to_bhsd(dout, fmt).contiguous()
         out_h = to_bhsd(out, fmt)
         whole = single_block(ctx.cfg, qh.shape[2], qh.shape[0])
+        dout_h = to_bhsd(dout, fmt) if whole is not None else to_bhsd(dout, fmt).contiguous()
         if whole is not None:  # a kernel that reads the output itself needs no D
             D = None if reads_output(qh, whole.kind, ctx.cfg.kernel) else row_dot(dout_h, out_h)
             dq, dk, dv = block_backward(dout_h, qh, kh, vh, D, lse, whole, ctx.cfg.scale, ctx.cfg.kernel, out=out_h)
@@ -91,22 +96,28 @@ def attention_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, cfg:
                       q_rows: Optional[int] = None, out_tail: Optional[torch.Tensor] = None,
                       lse_tail: Optional[torch.Tensor] = None, scheme: str = "ring"
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The CP forward on contiguous [b, h, s, d] q/k/v.
+    """The CP forward on [b, h, s, d] q/k/v (contiguous, except for a single block: any strides).
 
     Returns (out in the caller's format, contiguous; the same storage viewed [b, h, s, d];
     lse [b, h, s] fp32). Blocks merge in fp32; the output is rounded to q's dtype once, at the end.
+    A single block's output is the kernel's own when it is already in the caller's layout (no copy).
     ``q_rows``/``out_tail``/``lse_tail``: rows [q_rows, s) come from a selective-checkpoint store.
     ``scheme``: "allgather" gathers K,V; ring and burst circulate them.
     """
     b, h, s, d = qh.shape
     shape = (s, b, h, vh.shape[-1]) if qkv_format == "sbhd" else (b, s, h, vh.shape[-1])
-    out = torch.empty(shape, dtype=qh.dtype, device=qh.device)
-    out_h = to_bhsd(out, qkv_format)
     whole = single_block(cfg, s, b) if q_rows is None else None
     if whole is not None:
         o, lse = block_forward(qh, kh, vh, whole, cfg.scale, cfg.kernel)
+        o_caller = from_bhsd(o, qkv_format)
+        if o.dtype == qh.dtype and o_caller.is_contiguous():  # cuDNN and the varlen op write q's layout
+            return o_caller, o, lse
+        out = torch.empty(shape, dtype=qh.dtype, device=qh.device)
+        out_h = to_bhsd(out, qkv_format)
         out_h.copy_(o)
         return out, out_h, lse
+    out = torch.empty(shape, dtype=qh.dtype, device=qh.device)
+    out_h = to_bhsd(out, qkv_format)
     # fp32 inputs accumulate straight into the output; others through one fp32 buffer
     acc = out_h if qh.dtype == torch.float32 else None
     acc, lse = _FORWARD[scheme](qh, kh, vh, cfg, q_rows=q_rows, out=acc)

@@ -156,9 +156,8 @@ def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0, out: Option
         return cuda_flash.backward(dout, q, k, v, D, lse, kind, block, scale, out=out)
     cum_q, cum_k, seed, offset, lse_rank = _placeholders(q.device, q.dtype)
     o = stand_in_output(dout, D) if out is None else out.to(q.dtype)
-    dout = dout.contiguous()
     if o.stride() != dout.stride():  # the op reads O and dO with one set of strides
-        o = o.contiguous()
+        dout, o = dout.contiguous(), o.contiguous()
     lse = lse.contiguous()
     if lse_rank == 4:
         lse = lse.unsqueeze(-1)
