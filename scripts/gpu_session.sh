@@ -20,6 +20,10 @@
 # process beside the suite (gpu_test_linear.log). E.g.
 #   pip download --no-deps -d .whl flash-linear-attention fla-core einops liger-kernel cut-cross-entropy
 #   pip download --no-deps -d .whl --python-version 3.12 --only-binary=:all: megatron-core==0.16.1
+# More than 8 files come back: run it as `bash scripts/gpu_session.sh /tmp/s; tar czf $OUT/s.tgz -C /tmp/s .;
+# cp /tmp/s/verdict.md $OUT/` (a device call returns at most 8 files). After the session,
+# `mkdir -p .autotune && tar xzf <files>/s.tgz -O ./autotune.tgz | tar xz -C .autotune` and carry .autotune
+# next time (Triton's autotuning results, below).
 # Outputs: OUT_DIR/session.log (versions; each part's start, exit status and seconds), gpu_test.log,
 # gpu_test_multi.log, gpu_failures.log (each failure as it happens),
 # bench_gpu.{jsonl,log}, bench_loss.{jsonl,log}, bench_linear.jsonl, e2e/e2e_results.json (the e2e log: e2e/e2e.log; the linear log goes to session.log;
@@ -43,6 +47,18 @@ part() {  # part NAME SECONDS COMMAND...: run with at most SECONDS (and never pa
   echo "$name: start (limit ${limit}s)" | tee -a "$OUT_DIR/session.log"
   timeout "$limit" "$@"
   echo "$name: exit $? after $(( $(date +%s) - t0 ))s" | tee -a "$OUT_DIR/session.log"
+  pack_autotune
+}
+# Triton's autotuning results, kept across sessions: fla's kernels benchmark every launch config on
+# first use (compiling each), which took a fresh machine's whole 80-90 s linear share twice (2026-11-27).
+# A carried .autotune/ (git-ignored: unpack the last session's OUT_DIR/autotune.tgz into it) seeds
+# the cache; each part's end packs every *.autotune.json again (small: the chosen configs' timings,
+# no binaries), so a later session compiles only the chosen configs.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"
+[ -d .autotune ] && cp -r .autotune/. "$TRITON_CACHE_DIR/" && echo "autotune: seeded from .autotune ($(find .autotune -name '*.autotune.json' | wc -l) results)" | tee -a "$OUT_DIR/session.log"
+pack_autotune() {
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT_DIR/autotune.tgz" -T - 2>/dev/null) || true
 }
 share() { echo $(( BUDGET * $1 / 100 )); }
 
