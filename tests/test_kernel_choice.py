@@ -446,6 +446,35 @@ def test_cudnn_blocks_torch_refuses_run_flash_and_the_gate_is_cached(monkeypatch
     assert ran[-1] == "flash_bwd"
 
 
+def test_cudnn_backward_copies_o_and_do_only_when_their_layouts_differ(monkeypatch):
+    """The op reads O and dO with one set of strides. A one-block call hands both as sbhd views
+    (as SDPA itself does): they go through as they are. Different layouts (the CP schedules' contiguous
+    dO against the output's sbhd view) are both made contiguous, as are non-dense ones."""
+    monkeypatch.setattr(cudnn_sdpa, "_torch_would_run_cudnn", lambda q, k, v, causal: True)
+    monkeypatch.setattr(cudnn_sdpa, "native_gqa", lambda device, dtype: True)
+    monkeypatch.setattr(cudnn_sdpa, "_TAKES", {})
+    monkeypatch.setattr(cudnn_sdpa, "_placeholders", lambda device, dtype: (None, None, None, None, 3))
+    seen = {}
+
+    def call(name, **kw):
+        seen.update(grad_out=kw["grad_out"], out=kw["out"])
+        return torch.zeros_like(kw["query"]), torch.zeros_like(kw["key"]), torch.zeros_like(kw["value"])
+
+    monkeypatch.setattr(cudnn_sdpa.torch_ops, "call", call)
+    s, h, d = 48, 4, 16
+    q, k = torch.zeros(s, 1, h, d).permute(1, 2, 0, 3), torch.zeros(s, 1, 2, d).permute(1, 2, 0, 3)
+    lse = torch.zeros(1, h, s)
+    o, do = torch.randn(s, 1, h, d).permute(1, 2, 0, 3), torch.randn(s, 1, h, d).permute(1, 2, 0, 3)
+    cudnn_sdpa.backward(do, q, k, k, None, lse, "causal", 1, 0.25, out=o)
+    assert seen["grad_out"] is do and seen["out"] is o
+    do_c = do.contiguous()
+    cudnn_sdpa.backward(do_c, q, k, k, None, lse, "causal", 1, 0.25, out=o)
+    assert seen["grad_out"].is_contiguous() and seen["out"].is_contiguous() and torch.equal(seen["out"], o)
+    o_gaps, do_gaps = (torch.randn(1, 2 * h, s, d)[:, ::2] for _ in range(2))  # same strides, not dense
+    cudnn_sdpa.backward(do_gaps, q, k, k, None, lse, "causal", 1, 0.25, out=o_gaps)
+    assert seen["grad_out"].is_contiguous() and seen["out"].is_contiguous()
+
+
 def test_cudnn_gate_asks_torch_and_restores_its_switch():
     """The gate evaluates torch's own test with cuDNN's runtime switch on, then restores the switch."""
     before = torch.backends.cuda.cudnn_sdp_enabled()

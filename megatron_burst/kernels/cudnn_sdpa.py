@@ -98,6 +98,16 @@ def _kv(t: torch.Tensor, hq: int) -> torch.Tensor:
 _TAKES: dict[tuple, bool] = {}
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a permutation of a contiguous tensor (no gaps, no overlap)."""
+    span = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda p: p[1]):
+        if size > 1 and stride != span:
+            return False
+        span *= size
+    return True
+
+
 def takes_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
     """Whether torch would run cuDNN attention on these exact tensors (q [b, hq, sq, d], k/v
     [b, hkv, sk, d] as this adapter passes them): torch's public eligibility test, cached."""
@@ -156,7 +166,9 @@ def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0, out: Option
         return cuda_flash.backward(dout, q, k, v, D, lse, kind, block, scale, out=out)
     cum_q, cum_k, seed, offset, lse_rank = _placeholders(q.device, q.dtype)
     o = stand_in_output(dout, D) if out is None else out.to(q.dtype)
-    if o.stride() != dout.stride():  # the op reads O and dO with one set of strides
+    # the op reads O and dO with one set of strides: both as they are when they share one dense
+    # layout (a one-block call's sbhd views, as SDPA itself passes them), else both contiguous
+    if o.stride() != dout.stride() or not _dense(o):
         dout, o = dout.contiguous(), o.contiguous()
     lse = lse.contiguous()
     if lse_rank == 4:
