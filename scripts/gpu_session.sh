@@ -34,6 +34,7 @@ set -u
 OUT_DIR=${1:-${OUT:-/tmp/gpu_session}}
 BUDGET=${2:-540}
 mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)  # absolute: parts and pack_autotune write here from other folders
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}
 START=$(date +%s)
@@ -51,7 +52,7 @@ part() {  # part NAME SECONDS COMMAND...: run with at most SECONDS (and never pa
 }
 # Triton's autotuning results, kept across sessions: fla's kernels benchmark every launch config on
 # first use (compiling each), which took a fresh machine's whole 80-90 s linear share twice (2026-11-27).
-# A carried .autotune/ (git-ignored: unpack the last session's OUT_DIR/autotune.tgz into it) seeds
+# A carried .autotune/ (in .gitignore: unpack the last session's OUT_DIR/autotune.tgz into it) seeds
 # the cache; each part's end packs every *.autotune.json again (small: the chosen configs' timings,
 # no binaries), so a later session compiles only the chosen configs.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}

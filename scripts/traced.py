@@ -4,6 +4,8 @@ still says where it was:
 
     python scripts/traced.py SECONDS -m MODULE [ARGS...]
     python scripts/traced.py SECONDS SCRIPT.py [ARGS...]
+
+SECONDS 0 runs it without stack dumps.
 """
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ import sys
 
 
 def main() -> None:
-    if len(sys.argv) < 3:
+    if len(sys.argv) < 3 or (sys.argv[2] == "-m" and len(sys.argv) < 4):
         sys.exit(__doc__)
     every = float(sys.argv[1])
-    faulthandler.dump_traceback_later(every, repeat=True, file=sys.stderr)
+    if every > 0:
+        faulthandler.dump_traceback_later(every, repeat=True, file=sys.stderr)
     if sys.argv[2] == "-m":
         sys.argv = [sys.argv[3]] + sys.argv[4:]
         runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)

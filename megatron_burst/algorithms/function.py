@@ -39,11 +39,11 @@ class _CPAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cfg: CPConfig, backward_algo: str, qkv_format: str, q_rows: Optional[int] = None,
                 out_tail: Optional[torch.Tensor] = None, lse_tail: Optional[torch.Tensor] = None):
         views = [to_bhsd(t, qkv_format) for t in (q, k, v)]
-        # one block and nothing exchanged: every kernel reads any strides, so the caller's tensors
-        # are handed over (and kept) as views, as torch's SDPA does; the CP schedules need
-        # contiguous buffers
+        # one block and nothing exchanged: every kernel reads any strides with a unit-stride last
+        # dim, so the caller's tensors are handed over (and kept) as views, as torch's SDPA does;
+        # the CP schedules need contiguous buffers
         one = q_rows is None and single_block(cfg, views[0].shape[2], views[0].shape[0]) is not None
-        qh, kh, vh = views if one else [t.contiguous() for t in views]
+        qh, kh, vh = [t if one and t.stride(-1) == 1 else t.contiguous() for t in views]
         out, _, lse = attention_forward(qh, kh, vh, cfg, qkv_format, q_rows, out_tail, lse_tail, backward_algo)
         ctx.save_for_backward(qh, kh, vh, out, lse)
         ctx.cfg, ctx.backward_algo, ctx.qkv_format = cfg, backward_algo, qkv_format
@@ -55,7 +55,9 @@ class _CPAttention(torch.autograd.Function):
         fmt = ctx.qkv_format
         out_h = to_bhsd(out, fmt)
         whole = single_block(ctx.cfg, qh.shape[2], qh.shape[0])
-        dout_h = to_bhsd(dout, fmt) if whole is not None else to_bhsd(dout, fmt).contiguous()
+        dout_h = to_bhsd(dout, fmt)
+        if whole is None or dout_h.stride(-1) != 1:
+            dout_h = dout_h.contiguous()
         if whole is not None:  # a kernel that reads the output itself needs no D
             D = None if reads_output(qh, whole.kind, ctx.cfg.kernel) else row_dot(dout_h, out_h)
             dq, dk, dv = block_backward(dout_h, qh, kh, vh, D, lse, whole, ctx.cfg.scale, ctx.cfg.kernel, out=out_h)
