@@ -212,6 +212,24 @@ def test_a_single_block_call_copies_nothing(monkeypatch, qkv_format):
         torch.testing.assert_close(t.grad, w, atol=0, rtol=0)
 
 
+def test_a_single_block_call_gives_kernels_a_unit_stride_last_dim(monkeypatch):
+    """Views are handed over only with a unit-stride last dim (torch's flash op needs one): a q whose
+    head dim is strided, or a dO of stride 0 (from out.sum()), arrives copied."""
+    import megatron_burst as mb
+    from megatron_burst.algorithms import function
+
+    strides, real_fwd, real_bwd = [], function.block_forward, function.block_backward
+    monkeypatch.setattr(function, "block_forward", lambda qh, kh, vh, *a: (
+        strides.append([t.stride(-1) for t in (qh, kh, vh)]) or real_fwd(qh, kh, vh, *a)))
+    monkeypatch.setattr(function, "block_backward", lambda dout_h, *a, **kw: (
+        strides.append([dout_h.stride(-1)]) or real_bwd(dout_h, *a, **kw)))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(24, 1, 4, 32, generator=g)[..., ::2].requires_grad_()
+    k, v = (torch.randn(24, 1, 2, 16, generator=g).requires_grad_() for _ in range(2))
+    mb.cp_attention(q, k, v).sum().backward()
+    assert strides == [[1, 1, 1], [1]]
+
+
 @pytest.mark.parametrize("algo", ["burst", "allgather"])  # burst: CPConfig.blocks; allgather cuts kv pieces first
 def test_block_causal_split_into_causal_and_stripe_rest_is_exact(algo):
     """Block-striped layouts on CUDA run each block_causal block as a causal block (cuDNN) plus the
