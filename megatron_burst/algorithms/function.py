@@ -17,12 +17,14 @@ import torch
 from megatron_burst.algorithms import allgather, burst, ring
 from megatron_burst.algorithms.schedule import CPConfig
 from megatron_burst.kernels import block_backward, block_forward, reads_output, row_dot
+from megatron_burst.kernels.rows import unit_last
 from megatron_burst.masks.block import BlockMask
 
 __all__ = ["attention_forward", "from_bhsd", "single_block", "to_bhsd"]
 
 _FORWARD = {"ring": ring.kv_ring_forward, "burst": ring.kv_ring_forward, "allgather": allgather.allgather_forward}
 _BACKWARD = {"ring": ring.ring_backward, "burst": burst.burst_backward, "allgather": allgather.allgather_backward}
+_LOOK_UP = object()  # attention_forward's default ``whole``: it looks the single block up itself
 
 
 class _CPAttention(torch.autograd.Function):
@@ -39,25 +41,25 @@ class _CPAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cfg: CPConfig, backward_algo: str, qkv_format: str, q_rows: Optional[int] = None,
                 out_tail: Optional[torch.Tensor] = None, lse_tail: Optional[torch.Tensor] = None):
         views = [to_bhsd(t, qkv_format) for t in (q, k, v)]
+        whole = single_block(cfg, views[0].shape[2], views[0].shape[0])  # looked up once per call
         # one block and nothing exchanged: every kernel reads any strides with a unit-stride last
         # dim, so the caller's tensors are handed over (and kept) as views, as torch's SDPA does;
         # the CP schedules need contiguous buffers
-        one = q_rows is None and single_block(cfg, views[0].shape[2], views[0].shape[0]) is not None
-        qh, kh, vh = [t if one and t.stride(-1) == 1 else t.contiguous() for t in views]
-        out, _, lse = attention_forward(qh, kh, vh, cfg, qkv_format, q_rows, out_tail, lse_tail, backward_algo)
+        one = whole is not None and q_rows is None
+        qh, kh, vh = [unit_last(t) if one else t.contiguous() for t in views]
+        out, _, lse = attention_forward(qh, kh, vh, cfg, qkv_format, q_rows, out_tail, lse_tail, backward_algo,
+                                        whole=whole)
         ctx.save_for_backward(qh, kh, vh, out, lse)
-        ctx.cfg, ctx.backward_algo, ctx.qkv_format = cfg, backward_algo, qkv_format
+        ctx.cfg, ctx.backward_algo, ctx.qkv_format, ctx.whole = cfg, backward_algo, qkv_format, whole
         return out
 
     @staticmethod
     def backward(ctx, dout):
         qh, kh, vh, out, lse = ctx.saved_tensors
         fmt = ctx.qkv_format
-        out_h = to_bhsd(out, fmt)
-        whole = single_block(ctx.cfg, qh.shape[2], qh.shape[0])
+        out_h, whole = to_bhsd(out, fmt), ctx.whole
         dout_h = to_bhsd(dout, fmt)
-        if whole is None or dout_h.stride(-1) != 1:
-            dout_h = dout_h.contiguous()
+        dout_h = unit_last(dout_h) if whole is not None else dout_h.contiguous()
         if whole is not None:  # a kernel that reads the output itself needs no D
             D = None if reads_output(qh, whole.kind, ctx.cfg.kernel) else row_dot(dout_h, out_h)
             dq, dk, dv = block_backward(dout_h, qh, kh, vh, D, lse, whole, ctx.cfg.scale, ctx.cfg.kernel, out=out_h)
@@ -96,7 +98,7 @@ def from_bhsd(t: torch.Tensor, qkv_format: str) -> torch.Tensor:
 
 def attention_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, cfg: CPConfig, qkv_format: str,
                       q_rows: Optional[int] = None, out_tail: Optional[torch.Tensor] = None,
-                      lse_tail: Optional[torch.Tensor] = None, scheme: str = "ring"
+                      lse_tail: Optional[torch.Tensor] = None, scheme: str = "ring", whole=_LOOK_UP
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The CP forward on [b, h, s, d] q/k/v (contiguous, except for a single block: any strides).
 
@@ -104,11 +106,15 @@ def attention_forward(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, cfg:
     lse [b, h, s] fp32). Blocks merge in fp32; the output is rounded to q's dtype once, at the end.
     A single block's output is the kernel's own when it is already in the caller's layout (no copy).
     ``q_rows``/``out_tail``/``lse_tail``: rows [q_rows, s) come from a selective-checkpoint store.
-    ``scheme``: "allgather" gathers K,V; ring and burst circulate them.
+    ``scheme``: "allgather" gathers K,V; ring and burst circulate them. ``whole``: the call's
+    :func:`single_block` when the caller has looked it up (None: there is none).
     """
     b, h, s, d = qh.shape
     shape = (s, b, h, vh.shape[-1]) if qkv_format == "sbhd" else (b, s, h, vh.shape[-1])
-    whole = single_block(cfg, s, b) if q_rows is None else None
+    if whole is _LOOK_UP:
+        whole = single_block(cfg, s, b)
+    if q_rows is not None:
+        whole = None
     if whole is not None:
         o, lse = block_forward(qh, kh, vh, whole, cfg.scale, cfg.kernel)
         o_caller = from_bhsd(o, qkv_format)

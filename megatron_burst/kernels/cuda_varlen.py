@@ -39,6 +39,7 @@ import torch
 
 from megatron_burst.kernels import torch_ops
 from megatron_burst.kernels.cpu_flash import stand_in_output
+from megatron_burst.kernels.rows import unit_last
 from megatron_burst.masks.block import HeadBands
 
 NAME = "cuda_varlen"
@@ -390,14 +391,9 @@ def _placeholders(device: torch.device, dtype: torch.dtype) -> tuple:
     return res[2], res[3], res[1].dim()
 
 
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    """The op reads rows with any stride but needs a unit-stride last dim."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _seq(t: torch.Tensor, i: int) -> torch.Tensor:
     """Sample i of t [b, h, s, d] as the op's packed [s, h, d] (a view when the last dim is unit-stride)."""
-    return _unit_last(t.select(0, i).transpose(0, 1))  # select, not t[i]: fake CUDA tensors on CPU builds
+    return unit_last(t.select(0, i).transpose(0, 1))  # select, not t[i]: fake CUDA tensors on CPU builds
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str) -> None:

@@ -167,8 +167,9 @@ def backward(dout, q, k, v, D, lse, kind="full", block=1, scale=1.0, out: Option
     cum_q, cum_k, seed, offset, lse_rank = _placeholders(q.device, q.dtype)
     o = stand_in_output(dout, D) if out is None else out.to(q.dtype)
     # the op reads O and dO with one set of strides: both as they are when they share one dense
-    # layout (a one-block call's sbhd views, as SDPA itself passes them), else both contiguous
-    if o.stride() != dout.stride() or not _dense(o):
+    # layout with a unit-stride last dim (a one-block call's sbhd views, as SDPA itself passes
+    # them), else both contiguous
+    if o.stride() != dout.stride() or o.stride(-1) != 1 or not _dense(o):
         dout, o = dout.contiguous(), o.contiguous()
     lse = lse.contiguous()
     if lse_rank == 4:

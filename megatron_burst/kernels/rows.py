@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["row_dot"]
+__all__ = ["row_dot", "unit_last"]
+
+
+def unit_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dim is unit-stride (or has at most one element), else a contiguous
+    copy: what the fused kernels and torch's ops need of q, k, v and dO; any other strides are read
+    as they are."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 def row_dot(a: torch.Tensor, b: torch.Tensor, chunk_elems: int = 1 << 24) -> torch.Tensor:

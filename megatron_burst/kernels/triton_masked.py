@@ -77,6 +77,7 @@ from collections import OrderedDict
 import torch
 
 from megatron_burst.kernels import torch_ops
+from megatron_burst.kernels.rows import unit_last
 from megatron_burst.kernels.triton_env import AVAILABLE, interpreting, unavailable  # noqa: F401  (module face)
 from megatron_burst.masks.block import HeadBands
 
@@ -845,11 +846,6 @@ def _tile_ranges(a: Optional[torch.Tensor], b: Optional[torch.Tensor], ad: Optio
     return (out.transpose(0, 1) if per_head else out).to(torch.int32).contiguous()
 
 
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself unless its last dim is strided (then a contiguous copy)."""
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
-
-
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if not q.is_cuda and not interpreting():
         raise ValueError(f"the triton masked kernel needs CUDA tensors (got {q.device}); set TRITON_INTERPRET=1 "
@@ -895,7 +891,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str = "full
     mask.check_heads(hq)
     if b * hq == 0 or sq == 0 or sk == 0:
         return out, lse
-    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    q, k, v = unit_last(q), unit_last(k), unit_last(v)
     kern = _kernels()["masked_fwd_kernel"]
     opts = launch_options("forward", {q.dtype, k.dtype, v.dtype}, d, dv, interpreting())
     ranges = mask.ranges("q", sq, sk, opts["BLOCK_M"], opts["BLOCK_N"], False, q.device)
@@ -926,7 +922,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     mask.check_heads(hq)
     if b * hq == 0 or sq == 0 or sk == 0:
         return dq, dk, dvv
-    q, k, v, dout = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(dout)
+    q, k, v, dout = unit_last(q), unit_last(k), unit_last(v), unit_last(dout)
     D, lse = D.float(), lse.float()
     kerns = _kernels()
     dtypes = {q.dtype, k.dtype, v.dtype, dout.dtype}

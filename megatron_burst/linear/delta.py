@@ -206,9 +206,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     Communication: one all-gather of every segment's (A [dk, dk], B [dk, dv]) forward (the torch
     path posts it before forming the local outputs; fla's one call forms both first), and one
     all-gather of the entering-state gradients [dk, dv] backward; ``comm_counter`` counts (W - 1) x
-    this rank's part, independent of s for the contiguous and zigzag layouts. Layouts: contiguous, zigzag, block-striped with stripe >= 64, and
-    the data-derived "thd" and "balanced" (need ``cu_seqlens``; a rank's runs of consecutive positions
-    are its segments, one map each: :mod:`megatron_burst.linear.runs`).
+    this rank's part, independent of s for the contiguous and zigzag layouts. Layouts: contiguous,
+    zigzag, block-striped with stripe >= 64, and the data-derived "thd" and "balanced" (need
+    ``cu_seqlens``; a rank's runs of consecutive positions are its segments, one map each:
+    :mod:`megatron_burst.linear.runs`).
 
     ``kernel``: "torch" (the chunked kernel above, everywhere), "fla" (flash-linear-attention's
     Triton kernel forms the zero-start outputs, the rows the entering state multiplies and every
