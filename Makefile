@@ -47,8 +47,9 @@ test: env
 # torch and no network for `make env`: make gpu-test GPU_PY=python3 (that python runs it, env is skipped).
 GPU_PY ?=
 # pytest-xdist, when installed, runs it in 8 workers sharing the GPU (Triton compiles and rank
-# start-ups dominate, not GPU time); GPU_TEST_FAILLOG=<file> records each failure as it happens.
-GPU_XDIST = $(shell $(or $(GPU_PY),$(PY)) -c "import xdist" 2>/dev/null && echo "-n 8")
+# start-ups dominate, not GPU time), the multi-rank tests grouped per world size (one worker, one rank
+# pool per W: tests/gpu/conftest.py); GPU_TEST_FAILLOG=<file> records each failure as it happens.
+GPU_XDIST = $(shell $(or $(GPU_PY),$(PY)) -c "import xdist" 2>/dev/null && echo "-n 8 --dist loadgroup")
 gpu-test: $(if $(GPU_PY),,env)
 	$(or $(GPU_PY),$(PY)) -m pytest -q -p no:cacheprovider --durations=15 $(GPU_XDIST) $(PYTEST_ARGS) tests/gpu
 

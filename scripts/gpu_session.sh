@@ -11,7 +11,7 @@
 #    fused loss (examples/e2e_gpt_1b.py mlm_burst; needs .mlm from scripts/mlm_bundle.sh, carried)
 # 3. the whole GPU suite (tests/gpu: attention, sparse, fused loss, linear), xdist workers when installed
 # Shares of the budget: ATTN_BENCH_SHARE 23, LOSS_BENCH_SHARE 15, LINEAR_BENCH_SHARE 14, E2E_SHARE 15, SUITE_SHARE 33,
-# PROBE_S 40 (seconds for scripts/gpu_probe_cudnn.py; 0 skips it), TUNE_SHARE 0 (scripts/gpu_tune_masked.py: Triton masked kernel launch configs) (percent; 0 skips a part); GPU_BENCH_ARGS, LINEAR_BENCH_ARGS, GPU_TEST_ARGS, GPU_MULTI_ARGS override each part's arguments.
+# PROBE_S 40 (seconds for scripts/gpu_probe_cudnn.py; 0 skips it), PROFILE_S 0 (seconds for scripts/gpu_profile.py: kernel tables of the loss and 64-document cases, profile.txt), TUNE_SHARE 0 (scripts/gpu_tune_masked.py: Triton masked kernel launch configs) (percent; 0 skips a part); GPU_BENCH_ARGS, LINEAR_BENCH_ARGS, GPU_TEST_ARGS, GPU_MULTI_ARGS override each part's arguments.
 # Carry `.whl`, `.mlm` and `.triton` (git-ignored). .whl: fla_core, flash_linear_attention, einops (I3);
 # liger_kernel, cut_cross_entropy (the loss bench's peers), megatron_core and pydantic (+ its needs:
 # scripts/mlm_bundle.sh, which also writes .mlm, Megatron-LM's patched training side). .triton:
@@ -65,7 +65,9 @@ share() { echo $(( BUDGET * $1 / 100 )); }
 
 # the figures first, on a quiet GPU (bench timings), then the correctness suites (pytest-xdist workers
 # share the GPU when installed: first Triton compiles and rank spawns dominate, not GPU time)
-XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-8}")
+XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-8} --dist loadgroup")
+# the multi-rank tests: one xdist worker per world size (W = 2, 3, 4 pools side by side; conftest.py groups them)
+MULTI_XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 3 --dist loadgroup")
 TIMEOUT=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout=240")  # the GPU image has pytest-timeout
 for pkg in liger_kernel:liger_kernel cut_cross_entropy:cut_cross_entropy megatron.core:megatron_core fla:fla_core fla:flash_linear_attention einops:einops \
            annotated_types:annotated_types typing_inspection:typing_inspection pydantic_core:pydantic_core pydantic:pydantic; do
@@ -81,6 +83,7 @@ $PY -c "import pydantic" 2>/dev/null || { ls .whl/typing_extensions-*.whl >/dev/
 part cudnn-probe ${PROBE_S:-40} bash -o pipefail -c "$PY scripts/gpu_probe_cudnn.py 2>&1 | tee -a '$OUT_DIR/session.log'"
 part attention-bench $(share ${ATTN_BENCH_SHARE:-23}) bash -o pipefail -c "$PY -m megatron_burst.bench gpu --out '$OUT_DIR/bench_gpu.jsonl' \
   ${GPU_BENCH_ARGS:---sections sparse documents rank_block dense --seqs 32768 --doc-seqs 32768 --no-flex --repeats 5 --max-seconds 2} 2>&1 | tee '$OUT_DIR/bench_gpu.log'"
+part profile ${PROFILE_S:-0} bash -o pipefail -c "$PY scripts/gpu_profile.py --out '$OUT_DIR/profile.txt' 2>&1 | tail -3"
 part loss-bench $(share ${LOSS_BENCH_SHARE:-15}) bash -o pipefail -c "$PY -m megatron_burst.bench loss --quick --plot '' \
   --out '$OUT_DIR/bench_loss.jsonl' ${LOSS_BENCH_ARGS:-} 2>&1 | tee '$OUT_DIR/bench_loss.log'"
 part masked-tune $(share ${TUNE_SHARE:-0}) bash -o pipefail -c "$PY scripts/gpu_tune_masked.py --out '$OUT_DIR/tune_masked.jsonl' 2>&1 | tail -3"
@@ -97,14 +100,14 @@ part linear-bench $LINEAR_S bash -o pipefail -c "PYTHONPATH='$LINEAR_PP' $PY scr
   ${LINEAR_BENCH_ARGS:---seq 32768 --heads 16 --head-dim 128 --worlds 2 --repeats 5 --warmup 2 --max-seconds 2} 2>&1 | tee -a '$OUT_DIR/session.log'"
 part e2e $(share ${E2E_SHARE:-15}) bash -o pipefail -c "$PY examples/e2e_gpt_1b.py --out '$OUT_DIR/e2e' --per-run-timeout $(( $(share ${E2E_SHARE:-15}) - 20 )) \
   ${E2E_ARGS:---variants mlm_burst} 2>&1 | tail -5 | tee -a '$OUT_DIR/session.log'"
-# the multi-rank tests (W processes per test sharing the GPU) run serially beside the xdist run of
+# the multi-rank tests (W processes per test sharing the GPU; one worker per W) run beside the xdist run of
 # the rest: rank pools and xdist workers are kept apart; with a carried Triton the linear tests run beside
 # them too, in a process of their own on that Triton (exit status: the single-process suite's, else the
 # multi-rank one's, else the linear one's). GPU_TEST_ARGS goes to the single-process run only;
 # GPU_MULTI_ARGS replaces the multi-rank run's (empty: no such run)
 part gpu-suite $(share ${SUITE_SHARE:-33}) bash -o pipefail -c "export GPU_TEST_FAILLOG='$OUT_DIR/gpu_failures.log'
   multi=0 linear=0
-  [ -n '${GPU_MULTI_ARGS-tests/gpu/test_gpu_cp_multi.py}' ] && { $PY -m pytest -q -p no:cacheprovider $TIMEOUT \
+  [ -n '${GPU_MULTI_ARGS-tests/gpu/test_gpu_cp_multi.py}' ] && { $PY -m pytest -q -p no:cacheprovider $TIMEOUT $MULTI_XDIST --durations=20 \
     ${GPU_MULTI_ARGS-tests/gpu/test_gpu_cp_multi.py} > '$OUT_DIR/gpu_test_multi.log' 2>&1 & multi=\$!; }
   [ -n '$FLA_TRITON' ] && { PYTHONPATH='$LINEAR_PP' $PY -m pytest -q -p no:cacheprovider $TIMEOUT \
     tests/gpu/test_gpu_linear.py > '$OUT_DIR/gpu_test_linear.log' 2>&1 & linear=\$!; }

@@ -8,6 +8,9 @@
 * fp32 references run in real fp32 (TF32 matmuls off).
 * ``MEGATRON_BURST_GPU_TESTS_ON_CPU=1``: the dry run on CPU (see gpu/common.py), nothing skipped
   except the CUDA-only assertions.
+* Tests parametrized by ``world_size`` (W processes sharing cuda:0 through a rank pool) are grouped
+  per W for ``--dist loadgroup``: one xdist worker holds each W's pool, so pools of different W run
+  side by side and no two workers start a pool of the same W.
 * ``GPU_TEST_FAILLOG=<file>``: each failure's report is appended to the file the moment it happens
   (a device call that runs out of time keeps the reasons; pytest prints them only at the end), with
   xdist workers too (the controller gets every report, a crashed worker's included).
@@ -45,6 +48,9 @@ def pytest_collection_modifyitems(config, items):
             continue
         item.add_marker(pytest.mark.gpu)
         item.add_marker(pytest.mark.filterwarnings("error::megatron_burst.kernels.choice.SlowKernelWarning"))
+        world = getattr(getattr(item, "callspec", None), "params", {}).get("world_size")
+        if world is not None:  # one xdist worker per world size (--dist loadgroup): one rank pool each
+            item.add_marker(pytest.mark.xdist_group(f"ranks{world}"))
         if not run:
             item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
 
