@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import fla_standin
 from megatron_burst.bench import linear_gpu
 from megatron_burst.kernels import choice as attention_choice
@@ -73,3 +75,26 @@ def test_forms_fla_refuses_are_skipped_with_the_reason(tmp_path, monkeypatch):
             assert "scripts/triton_bundle.sh" in lines[name, variant]["skipped"]
         assert "skipped" not in lines[name, "torch"]
     assert all("skipped" not in lines["lasp2_channel", v] for v in ("torch", "fla", "fla_direct"))
+
+
+def test_limit_autotune_keeps_the_fewest_stage_configs():
+    """bench linear --gpu --autotune-configs N and tests/gpu (N = 2): every Triton autotuner tries at
+    most N configs, those with the fewest pipeline stages then warps; N <= 0 restores the full search."""
+    triton = pytest.importorskip("triton")
+    from triton.runtime.autotuner import Autotuner
+    from megatron_burst.bench.autotune_limit import limit_autotune
+
+    original = getattr(Autotuner.prune_configs, "uncapped", Autotuner.prune_configs)
+    tuner = Autotuner.__new__(Autotuner)
+    tuner.configs = [triton.Config({"B": b}, num_warps=w, num_stages=s) for b in (32, 64) for w in (8, 4)
+                     for s in (3, 1, 2)]
+    tuner.early_config_prune, tuner.perf_model, tuner.nargs = None, None, {}
+    try:
+        assert limit_autotune(2)
+        assert [(c.num_stages, c.num_warps) for c in tuner.prune_configs({})] == [(1, 4), (1, 4)]
+        limit_autotune(3)  # a later call replaces the cap, not stacks on it
+        assert len(tuner.prune_configs({})) == 3
+        limit_autotune(0)
+        assert len(tuner.prune_configs({})) == 12
+    finally:
+        Autotuner.prune_configs = original

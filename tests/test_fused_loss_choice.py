@@ -28,11 +28,12 @@ def emulated_ce_rows(z, tgt, stats, *, grad=None, wts=None, compute_stats=True, 
         m = z.max(dim=1).values
         stats[0] = m
         stats[1] = torch.exp(z - m[:, None]).sum(dim=1)
-        stats[2] = torch.where(tgt >= 0, z.gather(1, tgt.clamp(min=0)[:, None])[:, 0], 0.0)
+        here = (tgt >= 0) & (tgt < z.shape[1])
+        stats[2] = torch.where(here, z.gather(1, torch.where(here, tgt, 0)[:, None])[:, 0], 0.0)
     if grad is not None:
         g = torch.exp(z - stats[0][:, None]) * (wts / stats[1])[:, None]
         if subtract_target:
-            hit = tgt >= 0
+            hit = (tgt >= 0) & (tgt < z.shape[1])
             rows = torch.arange(z.shape[0])[hit]
             g[rows, tgt[hit]] -= wts[hit]
         grad.copy_(g)

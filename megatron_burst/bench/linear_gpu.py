@@ -379,6 +379,9 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--max-seconds", type=float, default=3.0, help="cut the repeats of one measurement to about this")
+    p.add_argument("--autotune-configs", type=int, default=0,
+                   help="try at most this many launch configs per Triton kernel (fla's and ours alike; 0: all). "
+                        "Caps the minutes of first-use autotuning on a fresh machine; recorded in every line")
     args = p.parse_args(argv)
     if args.smoke:
         given = apply_defaults(args, argv, SMOKE)
@@ -397,6 +400,10 @@ def main(argv=None) -> None:
         torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference in real fp32
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     env = environment(device)
+    if args.autotune_configs > 0:
+        from megatron_burst.bench.autotune_limit import limit_autotune
+        limit_autotune(args.autotune_configs)
+        env["autotune_configs"] = args.autotune_configs
     rec = Recorder(args.out, env)
     t0 = time.perf_counter()
     print(f"# bench linear --gpu: {env['device']}, torch {env['torch']}, triton {env['triton']}, {dtype}, "

@@ -18,7 +18,7 @@ def ce_rows_kernel(Z, G, TGT, WTS, MAX, SUMEXP, ZTGT, V, stride_z, stride_g,
 
     STATS: walk the row once in BLOCK_V tiles, keeping the running max m and sum exp(z - m) in
     fp32 (one exp per logit: the sum is rescaled once per tile), and read the target's logit;
-    store m, s and z_target (0 where TGT < 0: no target in this shard) to MAX, SUMEXP, ZTGT.
+    store m, s and z_target (0 where TGT is outside [0, V): no target here) to MAX, SUMEXP, ZTGT.
     Without STATS, m and s (the global ones, combined over TP by the caller) are read from MAX
     and SUMEXP instead.
     GRAD: walk the row again and store the gradient of the per-token loss with respect to the
@@ -27,13 +27,14 @@ def ce_rows_kernel(Z, G, TGT, WTS, MAX, SUMEXP, ZTGT, V, stride_z, stride_g,
     """
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
-    tgt = tl.load(TGT + row)  # local target column; -1: not in this shard (or ignored)
+    tgt = tl.load(TGT + row)  # local target column; outside [0, V): none in these columns (or ignored)
     cols = tl.arange(0, BLOCK_V)
     if STATS:
         # The target's logit is read first: with G aliasing Z (fp32), another warp may already be
         # writing gradients into the row once the cross-warp reductions below have passed.
-        z_tgt = tl.load(z_row + tl.maximum(tgt, 0))
-        z_tgt = tl.where(tgt >= 0, z_tgt, 0.0)
+        has_tgt = (tgt >= 0) & (tgt < V)
+        z_tgt = tl.load(z_row + tl.where(has_tgt, tgt, 0))
+        z_tgt = tl.where(has_tgt, z_tgt, 0.0)
         # First tile peeled off, so that m and s enter the loop as fp32 values (and m is finite).
         z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
         m = tl.max(z, axis=0)

@@ -70,8 +70,10 @@ def ce_rows(z: torch.Tensor, tgt: torch.Tensor, stats: torch.Tensor, *, grad: Op
     """Softmax statistics and / or the weighted logits gradient of the rows of ``z``.
 
     z: [T, V] fp32 logits, unit column stride (any row stride); tgt: [T] int64 local target
-    column or -1; stats: [3, T] fp32 contiguous -- written (max m, sum exp(z - m), target logit or
-    0) when ``compute_stats``, else read (rows 0 and 1: the global m and s). ``grad``: [T, V] in
+    column, any value outside [0, V) meaning no target among these columns (a vocabulary tile's
+    caller passes global-shard columns minus the tile's start); stats: [3, T] fp32, each row with
+    unit stride (a column slice of a [3, N] tensor works) -- written (max m, sum exp(z - m), target
+    logit or 0) when ``compute_stats``, else read (rows 0 and 1: the global m and s). ``grad``: [T, V] in
     the GEMM dtype, unit column stride (may be ``z`` itself for fp32): receives
     ``wts[t] * (exp(z - m) / s - [v == tgt[t]])``; ``wts``: [T] fp32. At least one of the two.
     """
@@ -79,8 +81,9 @@ def ce_rows(z: torch.Tensor, tgt: torch.Tensor, stats: torch.Tensor, *, grad: Op
     T, V = z.shape
     if T == 0:
         return
-    if z.stride(1) != 1 or (grad is not None and grad.stride(1) != 1) or not stats.is_contiguous():
-        raise ValueError("ce_rows: z and grad need unit column stride and stats must be contiguous")
+    if z.stride(1) != 1 or (grad is not None and grad.stride(1) != 1) or (T > 1 and stats.stride(1) != 1):
+        raise ValueError(f"ce_rows: z, grad and each row of stats need unit column stride (z {tuple(z.stride())}, "
+                         f"grad {None if grad is None else tuple(grad.stride())}, stats {tuple(stats.stride())})")
     if grad is None and not compute_stats:
         raise ValueError("ce_rows: nothing to do (neither statistics nor a gradient asked for)")
     g = z if grad is None else grad
