@@ -243,7 +243,7 @@ def test_scratch_plan_stays_behind_its_rows(shape, acc_temp):
     assert own <= vocab_pass.TAIL_BYTES
     plain = vocab_pass.plan_vocab_tiles(N, V, d, torch.bfloat16, 16384, in_result=False, dest_fp32=False,
                                         acc_temp=acc_temp)
-    # No degenerate plan (thousands of slivers): at (16K, 128K, 4096) 82 tiles (106 with acc_temp)
+    # No degenerate plan (thousands of slivers): at (16K, 128K, 4096) 106 tiles (127 with acc_temp)
     # against 64, and by the traffic model of _bytes_per_row less memory traffic than the own-buffer
     # plan there (no accumulator read-modify-write where all tokens fit in one GEMM).
     assert len(tiles) <= 3 * len(plain) + 48, (len(tiles), len(plain))

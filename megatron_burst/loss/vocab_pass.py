@@ -33,8 +33,11 @@ Where that scratch lives (:func:`plan_vocab_tiles`):
   (tens, where even ``MIN_TILE_ROWS`` rows do not fit) use a buffer of their own of at most
   ``TAIL_BYTES``. The pass's peak above the gradient is then that buffer: at N = 16K, V = 128K,
   d = 4096, bf16, ~1.4 MiB -- the op's backward peaks at the two bf16 gradients (1152 MiB) plus that.
-  The price is more, smaller tiles near the end (each re-reads h): 82 tiles instead of 64 there
-  (heights multiples of ROW_ALIGN but the last).
+  The price is more, smaller tiles near the end (each re-reads h): 106 tiles and 201 (tile, token
+  sub-chunk) pieces instead of 64 there (heights multiples of ROW_ALIGN but the last). Shapes are
+  chosen by a cost per row that prices memory traffic and each piece's launches
+  (PIECE_COST_BYTES): without the latter the plan had 82 tiles but 358 pieces, 128 of them in the
+  tail, and the pass was host-bound on an H100.
 * **in a buffer of its own** (with ``main_grad``: no result to borrow from; or ``in_result=False``):
   fixed tiles, ``vt`` = min(vocab_chunk, VOCAB_TILE) rows, ``tn`` tokens from TILE_BYTES; at the
   shape above vt = 2048, tn = 4096: 48 MiB of logits / G and a 32 MiB accumulator.
@@ -72,6 +75,12 @@ ALIGN = 256  # bytes: every scratch piece starts on a 256-byte boundary (cuBLAS 
 # Tile heights are multiples of this many rows (but the last tile): a tile's height is the leading
 # dimension of its [tn, vt] logits and G scratch, and odd ones keep cuBLAS off its tensor-core kernels.
 ROW_ALIGN = 16
+# A piece (one tile's token sub-chunk) is four launches -- two GEMMs, a shift of the target columns,
+# the softmax-gradient kernel -- about 100 us of host time in eager PyTorch; priced as the memory
+# traffic of that time at Hopper's ~3 TB/s, so that the plan does not trade a little traffic for
+# many tiny pieces (the tail at (16K, 128K, 4096) had 128 pieces of 48 rows x 512 tokens, and the
+# pass was host-bound on an H100).
+PIECE_COST_BYTES = 256 << 20
 # Whether d weight's own unwritten rows hold the scratch (module switch for tests and benchmarks).
 SCRATCH_IN_RESULT = True
 
@@ -135,10 +144,11 @@ def _own_tile(cap: int, n_tokens: int, dtype: torch.dtype) -> tuple[int, int]:
 
 
 def _bytes_per_row(vt: int, tn: int, n_tokens: int, d: int, elt: int) -> float:
-    """Memory traffic a tile shape costs per vocabulary row beyond its FLOPs: h read by both GEMMs
-    (each tile re-reads all of it) and, for split tokens, the accumulator's read-modify-write."""
+    """What a tile shape costs per vocabulary row beyond its FLOPs, in bytes of memory traffic: h read
+    by both GEMMs (each tile re-reads all of it), for split tokens the accumulator's
+    read-modify-write, and PIECE_COST_BYTES per (tile, token sub-chunk) piece for its launches."""
     subchunks = -(-n_tokens // tn)
-    return (2 * n_tokens * d * elt + (subchunks - 1) * 8 * vt * d) / vt
+    return (2 * n_tokens * d * elt + (subchunks - 1) * 8 * vt * d + subchunks * PIECE_COST_BYTES) / vt
 
 
 def _token_options(n_tokens: int, vt: int, dtype: torch.dtype) -> list[int]:
@@ -155,7 +165,7 @@ def plan_vocab_tiles(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, vo
     ``acc_temp``: as :func:`tile_scratch`. Host arithmetic only, cached per shape (and per value
     of the module's tiling constants).
     """
-    constants = (VOCAB_TILE, TILE_BYTES, MIN_TILE_ROWS, TAIL_BYTES, SPLIT_TOKENS, ALIGN, ROW_ALIGN)
+    constants = (VOCAB_TILE, TILE_BYTES, MIN_TILE_ROWS, TAIL_BYTES, SPLIT_TOKENS, ALIGN, ROW_ALIGN, PIECE_COST_BYTES)
     return _plan(n_tokens, v_local, d, dtype, vocab_chunk, in_result, dest_fp32, acc_temp, constants)
 
 
