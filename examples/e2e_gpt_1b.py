@@ -216,6 +216,54 @@ def _worker(kind: str, argv: List[str]) -> None:
     main(argv)
 
 
+# Kernel-name patterns of a profiled step's categories, first match wins (the rest: elementwise
+# kernels -- norms, RoPE, SwiGLU, residual adds, casts -- and anything unnamed here).
+PROFILE_CATEGORIES = (("gemm", r"gemm|nvjet|cutlass|xmma|cublas"), ("attention", r"flash|fmha|cudnn|attn"),
+                      ("fused loss", r"ce_rows"), ("optimizer", r"multi_tensor|adam"),
+                      ("copies", r"memcpy|memset|copy"), ("elementwise and other", r""))
+
+
+def profile_train_step(at: int, path: str) -> None:
+    """Run Megatron-LM's ``at``-th train_step (1-based) under torch's profiler and write where its
+    time went: ``path`` (the kernel table, top 40 by own time) and ``path + '.json'`` ({category:
+    ms} over PROFILE_CATEGORIES, the step's wall ms; device time on CUDA, else CPU time). Wraps
+    ``megatron.training.training.train_step``, which ``train`` looks up per call."""
+    import megatron.training.training as training
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    real, calls = training.train_step, {"n": 0}
+    cuda = torch.cuda.is_available()
+
+    def train_step(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] != at:
+            return real(*args, **kwargs)
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            out = real(*args, **kwargs)
+            if cuda:
+                torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3
+        events = prof.key_averages()
+        own = "self_device_time_total" if cuda else "self_cpu_time_total"
+        kernels = [e for e in events if not cuda or str(getattr(e, "device_type", "")).endswith("CUDA")]
+        sums = {name: 0.0 for name, _ in PROFILE_CATEGORIES}
+        for e in kernels:
+            name = next(n for n, pattern in PROFILE_CATEGORIES if re.search(pattern, e.key, re.IGNORECASE))
+            sums[name] += getattr(e, own, 0.0) / 1e3
+        with open(path, "w") as f:
+            f.write(events.table(sort_by=own.replace("device", "cuda") if cuda else own, row_limit=40,
+                                 max_name_column_width=80))
+        with open(path + ".json", "w") as f:
+            json.dump({"iteration": at, "wall_ms": round(wall_ms, 2), "time": "device" if cuda else "cpu",
+                       "ms": {k: round(v, 2) for k, v in sums.items()}}, f)
+        print(f"> profiled iteration {at}: {wall_ms:.1f} ms; " + ", ".join(f"{k} {v:.1f} ms" for k, v in sums.items()))
+        return out
+
+    training.train_step = train_step
+
+
 def _mlm_worker(argv: List[str]) -> None:
     """Run .mlm/pretrain_gpt.py as ``python pretrain_gpt.py argv`` would, with Megatron-LM's two
     start-up build steps fitted to a pip-installed megatron-core (the GPU machine's): the dataset
@@ -242,6 +290,8 @@ def _mlm_worker(argv: List[str]) -> None:
             print(f"> legacy fused kernels: none to build; nvcc not usable here ({type(exc).__name__}: {exc})")
 
     fused_kernels.load = load
+    if int(os.environ.get("E2E_PROFILE_ITER", "0") or 0) > 0:
+        profile_train_step(int(os.environ["E2E_PROFILE_ITER"]), os.environ.get("E2E_PROFILE_OUT", "e2e_profile.txt"))
     script = os.path.join(MLM_DIR, "pretrain_gpt.py")
     sys.argv = [script] + argv
     runpy.run_path(script, run_name="__main__")
@@ -356,15 +406,26 @@ def run_mlm_variant(name: str, c: dict, args, log) -> Dict:
            "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1", "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CUDA_DEVICE_MAX_CONNECTIONS": "1",
            "PYTHONPATH": os.pathsep.join([MLM_DIR, REPO, os.environ.get("PYTHONPATH", "")])}
+    profile_path = None
+    if getattr(args, "profile_iter", 0) > 0:
+        profile_path = os.path.join(os.path.abspath(args.out), f"{name}_profile.txt")
+        env.update(E2E_PROFILE_ITER=str(args.profile_iter), E2E_PROFILE_OUT=profile_path)
     rc, out, err, wall = _run_logged(name, cmd, MLM_DIR, env, args.per_run_timeout, log)
     result.update(returncode=rc, wall_s=wall)
+    if profile_path and os.path.exists(profile_path + ".json"):
+        with open(profile_path + ".json") as f:
+            result["profile"] = json.load(f)
     parsed = parse_mlm_log(out)
     if rc != 0 or not parsed["elapsed_s"]:
         result["error"] = _failure(err, "no iteration logged")
         if not parsed["elapsed_s"]:
             return result
     peak = parsed["max_memory_allocated_bytes"]
-    result.update(_rates(c, parsed["elapsed_s"], args))
+    elapsed = list(parsed["elapsed_s"])
+    if profile_path and len(elapsed) >= args.profile_iter:
+        elapsed.pop(args.profile_iter - 1)  # the profiled iteration (the profiler slows it) is not timed
+        result["timed_without_iteration"] = args.profile_iter
+    result.update(_rates(c, elapsed, args))
     result.update(lm_loss=[round(x, 4) for x in parsed["lm_loss"]], megatron_tflops_per_gpu=parsed["megatron_tflops"],
                   peak_memory_gib=round(peak / 2 ** 30, 2) if peak else None)
     return result
@@ -420,6 +481,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--iters", type=int, default=None, help="iterations per variant")
     p.add_argument("--per-run-timeout", type=float, default=None, help="seconds per variant (default 120)")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak dense bf16 TFLOP/s for MFU")
+    p.add_argument("--profile-iter", type=int, default=0,
+                   help="Megatron-LM variants: run this iteration (1-based; after the warm-up) under torch's "
+                        "profiler; its kernel table goes to OUT/<variant>_profile.txt and the time per category "
+                        "(GEMMs, attention, loss, optimizer, elementwise) into the results")
     p.add_argument("--worker", choices=["sdpa", "megatron_local"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--mlm-worker", action="store_true", help=argparse.SUPPRESS)
     if argv is None:

@@ -99,7 +99,7 @@ LINEAR_S=$(share ${LINEAR_BENCH_SHARE:-14})
 part linear-bench $LINEAR_S bash -o pipefail -c "PYTHONPATH='$LINEAR_PP' $PY scripts/traced.py ${TRACE_S:-30} -m megatron_burst.bench linear --gpu --out '$OUT_DIR/bench_linear.jsonl' \
   ${LINEAR_BENCH_ARGS:---seq 32768 --heads 16 --head-dim 128 --worlds 2 --repeats 5 --warmup 2 --max-seconds 2} 2>&1 | tee -a '$OUT_DIR/session.log'"
 part e2e $(share ${E2E_SHARE:-15}) bash -o pipefail -c "$PY examples/e2e_gpt_1b.py --out '$OUT_DIR/e2e' --per-run-timeout $(( $(share ${E2E_SHARE:-15}) - 20 )) \
-  ${E2E_ARGS:---variants mlm_burst} 2>&1 | tail -5 | tee -a '$OUT_DIR/session.log'"
+  ${E2E_ARGS:---variants mlm_burst --profile-iter 4} 2>&1 | tail -5 | tee -a '$OUT_DIR/session.log'"
 # the multi-rank tests (W processes per test sharing the GPU; one worker per W) run beside the xdist run of
 # the rest: rank pools and xdist workers are kept apart; with a carried Triton the linear tests run beside
 # them too, in a process of their own on that Triton (exit status: the single-process suite's, else the

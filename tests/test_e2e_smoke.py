@@ -107,6 +107,39 @@ def test_megatron_lm_worker_runs_pretrain_gpt_with_the_wheel_fitted_start_up(tmp
     assert "ran as __main__ with ['--num-layers', '2']" in proc.stdout
 
 
+def test_profiled_iteration_writes_its_kernel_table_and_categories(tmp_path):
+    """--profile-iter N (E2E_PROFILE_ITER / E2E_PROFILE_OUT in the worker): the N-th call of
+    Megatron-LM's train_step runs under torch's profiler -- only that one -- and leaves its table and
+    {category: ms} beside it (on CPU: CPU time). A stand-in megatron.training.training counts calls."""
+    mlm = tmp_path / "mlm"
+    (mlm / "megatron" / "training").mkdir(parents=True)
+    (mlm / "megatron" / "training" / "__init__.py").write_text("")
+    (mlm / "megatron" / "legacy" / "fused_kernels").mkdir(parents=True)
+    (mlm / "megatron" / "legacy" / "__init__.py").write_text("")
+    (mlm / "megatron" / "legacy" / "fused_kernels" / "__init__.py").write_text("def load(args):\n    pass\n")
+    (mlm / "megatron" / "training" / "training.py").write_text(
+        "import torch\ncalls = []\n"
+        "def train_step(i):\n    calls.append(i)\n    a = torch.ones(64, 64)\n    return float((a @ a).sum())\n")
+    (mlm / "pretrain_gpt.py").write_text(
+        "from megatron.training import training\n"
+        "out = [training.train_step(i) for i in range(4)]\n"
+        "assert training.calls == [0, 1, 2, 3] and out == [64.0 ** 3] * 4, (training.calls, out)\n"
+        "print('steps ran:', len(out))\n")
+    out_file = tmp_path / "mlm_burst_profile.txt"
+    driver = ("import sys; sys.path.insert(0, sys.argv[1]); import e2e_gpt_1b as e; e.MLM_DIR = sys.argv[2]; "
+              "e.main(['--mlm-worker', '--'])")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(mlm), REPO, os.environ.get("PYTHONPATH", "")]),
+           "E2E_PROFILE_ITER": "3", "E2E_PROFILE_OUT": str(out_file)}
+    proc = subprocess.run([sys.executable, "-c", driver, os.path.join(REPO, "examples"), str(mlm)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "steps ran: 4" in proc.stdout and proc.stdout.count("> profiled iteration") == 1
+    assert "aten::mm" in out_file.read_text()
+    summary = json.loads((tmp_path / "mlm_burst_profile.txt.json").read_text())
+    assert summary["iteration"] == 3 and summary["time"] == "cpu" and summary["wall_ms"] > 0
+    assert set(summary["ms"]) == {"gemm", "attention", "fused loss", "optimizer", "copies", "elementwise and other"}
+
+
 def test_a_variants_output_is_in_the_log_while_it_runs(tmp_path):
     """The GPU session kills the driver from outside when its share ends: what a variant printed so
     far must already be in e2e.log (stdout) and beside it (stderr), not held in a pipe. A run past
