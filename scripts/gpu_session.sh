@@ -23,7 +23,8 @@
 # More than 8 files come back: run it as `bash scripts/gpu_session.sh /tmp/s; tar czf $OUT/s.tgz -C /tmp/s .;
 # cp /tmp/s/verdict.md $OUT/` (a device call returns at most 8 files). After the session,
 # `mkdir -p .autotune && tar xzf <files>/s.tgz -O ./autotune.tgz | tar xz -C .autotune` and carry .autotune
-# next time (Triton's autotuning results, below).
+# next time (Triton's autotuning results, below; CACHE_PACK_MB=N also packs the compiled kernels into
+# triton_cache.tgz when they compress to <= N MB: unpack it into .autotune the same way).
 # Outputs: OUT_DIR/session.log (versions; each part's start, exit status and seconds), gpu_test.log,
 # gpu_test_multi.log, gpu_failures.log (each failure as it happens),
 # bench_gpu.{jsonl,log}, bench_loss.{jsonl,log}, bench_linear.jsonl, e2e/e2e_results.json (the e2e log: e2e/e2e.log; the linear log goes to session.log;
@@ -60,6 +61,16 @@ mkdir -p "$TRITON_CACHE_DIR"
 [ -d .autotune ] && cp -r .autotune/. "$TRITON_CACHE_DIR/" && echo "autotune: seeded from .autotune ($(find .autotune -name '*.autotune.json' | wc -l) results)" | tee -a "$OUT_DIR/session.log"
 pack_autotune() {
   (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT_DIR/autotune.tgz" -T - 2>/dev/null) || true
+  # CACHE_PACK_MB > 0: the compiled kernels too (OUT_DIR/triton_cache.tgz, unpacked into .autotune/ like the
+  # above), when they compress to at most that size: two autotune configs per fla kernel still compiled for
+  # ~60 s per LASP-2 form on a fresh machine (2026-11-27). Off by default: .whl + .mlm + .triton already
+  # fill ~60 of the 64 MiB a call carries (a linear-only session can leave .mlm behind).
+  if (( ${CACHE_PACK_MB:-0} > 0 )); then
+    (cd "$TRITON_CACHE_DIR" && tar czf "$OUT_DIR/triton_cache.tgz.part" . 2>/dev/null) || true
+    local size; size=$(stat -c %s "$OUT_DIR/triton_cache.tgz.part" 2>/dev/null || echo 0)
+    if (( size > 0 && size <= CACHE_PACK_MB * 1048576 )); then mv "$OUT_DIR/triton_cache.tgz.part" "$OUT_DIR/triton_cache.tgz"
+    else rm -f "$OUT_DIR/triton_cache.tgz.part"; echo "triton cache: $size bytes packed, over CACHE_PACK_MB=$CACHE_PACK_MB: not kept" >> "$OUT_DIR/session.log"; fi
+  fi
 }
 share() { echo $(( BUDGET * $1 / 100 )); }
 
