@@ -115,16 +115,21 @@ part e2e $(share ${E2E_SHARE:-15}) bash -o pipefail -c "$PY examples/e2e_gpt_1b.
 # the rest: rank pools and xdist workers are kept apart; with a carried Triton the linear tests run beside
 # them too, in a process of their own on that Triton (exit status: the single-process suite's, else the
 # multi-rank one's, else the linear one's). GPU_TEST_ARGS goes to the single-process run only;
-# GPU_MULTI_ARGS replaces the multi-rank run's (empty: no such run)
+# GPU_MULTI_ARGS replaces the multi-rank run's (empty: no such run); GPU_SINGLE=0 leaves out the
+# single-process run (e.g. a session that only re-runs the linear tests)
 part gpu-suite $(share ${SUITE_SHARE:-33}) bash -o pipefail -c "export GPU_TEST_FAILLOG='$OUT_DIR/gpu_failures.log'
   multi=0 linear=0
   [ -n '${GPU_MULTI_ARGS-tests/gpu/test_gpu_cp_multi.py}' ] && { $PY -m pytest -q -p no:cacheprovider $TIMEOUT $MULTI_XDIST --durations=20 \
     ${GPU_MULTI_ARGS-tests/gpu/test_gpu_cp_multi.py} > '$OUT_DIR/gpu_test_multi.log' 2>&1 & multi=\$!; }
   [ -n '$FLA_TRITON' ] && { PYTHONPATH='$LINEAR_PP' $PY -m pytest -q -p no:cacheprovider $TIMEOUT \
     tests/gpu/test_gpu_linear.py > '$OUT_DIR/gpu_test_linear.log' 2>&1 & linear=\$!; }
-  $PY -m pytest -q -p no:cacheprovider $XDIST $TIMEOUT --durations=15 ${GPU_TEST_ARGS:-} tests/gpu --ignore=tests/gpu/test_gpu_cp_multi.py \
-    ${FLA_TRITON:+--ignore=tests/gpu/test_gpu_linear.py} 2>&1 | tee '$OUT_DIR/gpu_test.log'
-  single=\$?; if (( multi )); then wait \$multi; multi=\$?; fi; if (( linear )); then wait \$linear; linear=\$?; fi
+  single=0
+  if [ '${GPU_SINGLE:-1}' = 1 ]; then
+    $PY -m pytest -q -p no:cacheprovider $XDIST $TIMEOUT --durations=15 ${GPU_TEST_ARGS:-} tests/gpu --ignore=tests/gpu/test_gpu_cp_multi.py \
+      ${FLA_TRITON:+--ignore=tests/gpu/test_gpu_linear.py} 2>&1 | tee '$OUT_DIR/gpu_test.log'
+    single=\$?
+  fi
+  if (( multi )); then wait \$multi; multi=\$?; fi; if (( linear )); then wait \$linear; linear=\$?; fi
   exit \$(( single ? single : (multi ? multi : linear) ))"
 echo "session: $(( $(date +%s) - START ))s of ${BUDGET}s" | tee -a "$OUT_DIR/session.log"
 # the figures against the issues' bars (reads the files above; no GPU work, about a second)
