@@ -95,3 +95,31 @@ def test_a_failure_everywhere_after_communicating_gives_up_the_rest():
         assert "failed after posting a send" in res["errors"]["stale_send"]
         assert res["errors"]["ring"].startswith("not run: gave up the remaining variants"), res
         assert "gave up its variants earlier in this process" in res["again"], res
+
+
+def test_run_local_starts_again_when_its_port_was_taken(monkeypatch):
+    """free_port() hands out a port that another process may bind before the ranks' rendezvous does
+    (seen once in make test: EADDRINUSE failed a bench smoke test). The first port here is held by
+    a listening socket: rank 0 cannot bind it, exits PORT_TAKEN_EXIT, and run_local starts the ranks
+    again on a fresh port instead of failing."""
+    import socket
+
+    import torch.distributed as dist
+
+    from megatron_burst.bench import launch
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        ports = [taken]
+        real = launch.free_port
+        handed = []
+
+        def free_port():
+            handed.append(ports.pop() if ports else real())
+            return handed[-1]
+
+        monkeypatch.setattr(launch, "free_port", free_port)
+        assert launch.run_local(2, dist.get_world_size) == [2, 2]
+    assert handed[0] == taken and len(handed) == 2  # one restart, on a port of its own

@@ -18,6 +18,10 @@ from megatron_burst.world import exit_rank, free_port
 COLLECTIVE_TIMEOUT_S = 120
 AGREE_TIMEOUT_S = 30  # how long ranks wait for each other after a variant (they leave its last barrier together)
 _gave_up = False  # this rank gave up its remaining variants: it leaves without the final barrier
+# A rank's exit status when the rendezvous port was taken between free_port() and the bind (another
+# process on the machine, e.g. a parallel test); run_local then starts the ranks again on a new port.
+PORT_TAKEN_EXIT = 98
+PORT_ATTEMPTS = 3
 
 
 def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: tuple, queue) -> None:
@@ -25,7 +29,13 @@ def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, ar
     torch.set_num_threads(threads)
     # a rank that fails inside a collective (say, out of memory) leaves its peers waiting: each
     # collective gives up after COLLECTIVE_TIMEOUT_S instead of gloo's default 30 minutes
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    except Exception as e:  # noqa: BLE001
+        if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
+            os._exit(PORT_TAKEN_EXIT)  # another process took the port after free_port: run_local retries
+        raise
     try:
         result = fn(*args)
     except Exception:
@@ -122,7 +132,19 @@ STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_":
 def run_local(world_size: int, fn: Callable[..., Any], *args: Any, threads: int = 1,
               env: Optional[dict[str, str]] = None) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned gloo ranks; returns per-rank results.
-    ``env``: variables the ranks start with (those the caller's environment sets win)."""
+    ``env``: variables the ranks start with (those the caller's environment sets win). A port taken
+    before the rendezvous bound it starts the ranks again on another (PORT_ATTEMPTS in all)."""
+    for _ in range(PORT_ATTEMPTS):
+        results = _run_local_once(world_size, fn, args, threads, env)
+        if results is not None:
+            return results
+    raise RuntimeError(f"the benchmark ranks' rendezvous port was taken {PORT_ATTEMPTS} times in a row "
+                       "(EADDRINUSE): other processes are opening ports fast on this machine")
+
+
+def _run_local_once(world_size: int, fn: Callable[..., Any], args: tuple, threads: int,
+                    env: Optional[dict[str, str]]) -> Optional[list[Any]]:
+    """One start of :func:`run_local`'s ranks; None when the rendezvous port was taken."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -151,6 +173,8 @@ def run_local(world_size: int, fn: Callable[..., Any], *args: Any, threads: int 
                 for p in procs:  # the others may wait in a collective with it: end them now, not after a join
                     if p.is_alive():
                         p.kill()
+                if PORT_TAKEN_EXIT in codes:
+                    return None
                 raise RuntimeError(f"a benchmark rank failed (exit codes {codes})")
             try:
                 rank, blob = queue.get(timeout=1.0)
