@@ -39,6 +39,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_taken(error: object) -> bool:
+    """Whether an error (an exception or its text) says a rendezvous port was taken between
+    :func:`free_port` and the bind (EADDRINUSE): then a launcher starts again on another port."""
+    text = str(error)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
 def group_timeout() -> Optional[timedelta]:
     """The timeout of the default process group (``init_process_group(timeout=...)``, Megatron-LM's
     ``--distributed-timeout-minutes``), for process groups made later; None without a world or

@@ -4,34 +4,28 @@
 
 * ``loss``: fused_linear_cross_entropy fwd+bwd at (N 16384, V 131072, d 4096) bf16, the default
   (d weight in the forward) and weight_grad="backward" (the memory-lean mode), beside the unfused
-  bf16 GEMM + fp32 cross-entropy: wall ms (median of 3) and the top CUDA kernels of one step.
+  bf16 GEMM + fp32 cross-entropy: median ms, peak memory and the top CUDA kernels of one step.
 * ``docs``: cp_attention at W = 1 over 64 equal documents of a 32K sequence (GQA 32/8, d 128, bf16)
-  beside torch's varlen flash on the same documents: wall ms and top kernels, plus the host time of
-  one call with no GPU work in the way (launch overhead shows as the gap between the two).
+  beside torch's varlen flash on the same documents: median ms and top kernels, plus the host time of
+  one call issued behind a long GPU queue (a host sync in the call shows up as the queue's length).
 
 Writes a text report (kernel tables) to --out as it goes; nothing here is a test.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
 import torch
 
 
-def _wall_ms(step, repeats: int = 5, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def _timed(step) -> dict:
+    """The bench's timing of ``step()`` (fwd and bwd in one closure): median ms and peak MiB above
+    what was allocated before."""
+    from megatron_burst.bench.gpu import time_fwd_bwd
+
+    return time_fwd_bwd(step, lambda _: None, torch.device("cuda"), warmup=2, repeats=5, max_seconds=3.0)
 
 
 def _kernels(step, rows: int = 14) -> str:
@@ -70,11 +64,9 @@ def section_loss(report) -> None:
 
     for name, step in (("fused default (d weight in the forward)", fused("forward")),
                        ("fused weight_grad=backward (lean)", fused("backward")), ("unfused bf16 + fp32 CE", unfused)):
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        ms = _wall_ms(step, repeats=3, warmup=1)
-        peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-        report(f"## loss: {name}: {ms:.1f} ms, peak {peak:.0f} MiB above the inputs\n" + _kernels(step))
+        t = _timed(step)
+        report(f"## loss: {name}: {t['ms']:.1f} ms, peak {t['peak_extra_mib']:.0f} MiB above the inputs\n"
+               + _kernels(step))
 
 
 def section_docs(report) -> None:
@@ -102,7 +94,7 @@ def section_docs(report) -> None:
 
     for name, step in (("cp_attention W=1, 64 equal documents", ours), ("varlen flash, same documents", varlen)):
         try:
-            ms = _wall_ms(step)
+            ms = _timed(step)["ms"]
             # host time of one step while the GPU is busy with a long queue ahead of it: the launch overhead
             torch.cuda._sleep(int(2e8))
             t0 = time.perf_counter()

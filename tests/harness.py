@@ -428,6 +428,7 @@ _pools: dict[int, _Pool] = {}
 def _get_pool(world_size: int) -> _Pool:
     pool = _pools.get(world_size)
     if pool is None or not pool.workers:
+        from megatron_burst.world import port_taken
         for attempt in range(_START_ATTEMPTS):
             pool = _Pool(world_size)
             try:
@@ -435,7 +436,7 @@ def _get_pool(world_size: int) -> _Pool:
                 break
             except BaseException as exc:
                 pool.kill()
-                if "EADDRINUSE" not in str(exc) or attempt == _START_ATTEMPTS - 1:
+                if not port_taken(exc) or attempt == _START_ATTEMPTS - 1:
                     raise
         _pools[world_size] = pool
     return pool

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_burst.world import exit_rank, free_port
+from megatron_burst.world import exit_rank, free_port, port_taken
 
 
 COLLECTIVE_TIMEOUT_S = 120
@@ -33,7 +33,7 @@ def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, ar
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     except Exception as e:  # noqa: BLE001
-        if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
+        if port_taken(e):
             os._exit(PORT_TAKEN_EXIT)  # another process took the port after free_port: run_local retries
         raise
     try:

@@ -74,7 +74,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_burst.bench import plotting
-from megatron_burst.world import free_port
+from megatron_burst.world import free_port, port_taken
 
 VARIANTS = ("unfused", "unfused_torch", "fused", "fused_bwdw", "fused_recompute", "fused_torch", "recompute", "liger",
             "cce")
@@ -365,7 +365,7 @@ def _run(spec: dict, timeout: float, attempts: int = 3) -> dict:
     """
     for _ in range(attempts):
         res = _run_once(dict(spec, port=free_port()), timeout)
-        if "EADDRINUSE" not in res.get("error", ""):
+        if not port_taken(res.get("error", "")):
             break
     return res
 
