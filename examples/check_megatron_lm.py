@@ -338,13 +338,16 @@ def main(argv: Optional[list] = None) -> int:
 
 def _e2e_flags() -> list:
     """(variant, None or the error) for each Megatron-LM variant of examples/e2e_gpt_1b.py: its flags
-    pass Megatron-LM's parse_args and validate_args with our extra_args_provider (in this process:
-    nothing is built), so the GPU run does not fail at startup on a flag."""
+    pass Megatron-LM's parse_args and validate_args with our extra_args_provider, and the
+    TransformerConfig Megatron-LM derives from them builds (after ``--te-free-fusions`` installs its
+    kernels, as the patched model provider does; megatron.core refuses ``--rope-fusion`` without
+    them), so the GPU run does not fail at startup on a flag. Nothing is built but the config."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import e2e_gpt_1b as e2e
     from megatron.training import arguments
 
     from megatron_burst.megatron import megatron_lm as burst_lm
+    from megatron_burst.megatron import te_free
 
     arguments.get_device_arch_version = lambda: 9  # validate_args asks CUDA for the GPU generation (Hopper)
     out, saved = [], sys.argv
@@ -356,9 +359,14 @@ def _e2e_flags() -> list:
                 with contextlib.redirect_stdout(io.StringIO()):
                     args = arguments.parse_args(extra_args_provider=partial(burst_lm.extra_args_provider, chained=None))
                     arguments.validate_args(args, {})
+                    if burst_lm.burst_options(args).te_free_fusions:
+                        te_free.install()
+                    arguments.core_transformer_config_from_args(args)
                 out.append((name, None))
             except (AssertionError, ValueError, SystemExit) as exc:
                 out.append((name, f"{type(exc).__name__}: {exc}"))
+            finally:
+                te_free.uninstall()
     finally:
         sys.argv = saved
     return out

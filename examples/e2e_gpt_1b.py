@@ -29,8 +29,13 @@ Peak memory: torch.cuda.max_memory_allocated at the end (the trainer logs it on 
 Variants (each a fresh process, so peaks and OOMs stay apart). Through Megatron-LM's pretrain_gpt.py
 (what a Megatron-LM user runs; its own training loop, optimizer and logging; iteration time, its
 own TFLOP/s and ``max allocated`` parsed from its log; TE- and apex-free flags, ``mlm_flags``):
-  mlm_burst         --cp-algo burst --fused-lm-loss: our attention and fused loss
-  mlm_megatron_local  --cp-algo none (Megatron's own local attention and unfused loss), full recompute
+  mlm_burst         --cp-algo burst --fused-lm-loss --te-free-fusions: our attention and fused loss, and
+                    fused RoPE / Adam / gradient-norm kernels in place of the TE/apex ones megatron.core
+                    lacks here (megatron_burst.megatron.te_free; Megatron-LM's default --rope-fusion)
+  mlm_burst_unfused the same without --te-free-fusions (--no-rope-fusion; torch's foreach AdamW and
+                    megatron.core's per-tensor norm / copy loops: what a TE-free install runs by default)
+  mlm_megatron_local  --cp-algo none (Megatron's own local attention and unfused loss) with
+                    --te-free-fusions, full recompute
 Through ``python -m megatron_burst.train``:
   burst             our engine (--cp-algo burst; at CP = 1 one fused kernel call per direction)
   burst_recompute   + Megatron's full recompute (uniform, 1 layer)
@@ -78,10 +83,12 @@ VARIANTS = {
 }
 CORE_ATTENTION = {"sdpa": "sdpa", "megatron_local": "megatron_local"}  # the others keep our spec
 # Megatron-LM's own training loop: the patched pretrain_gpt.py of .mlm/ (scripts/mlm_bundle.sh), same model
+# (--te-free-fusions: megatron_burst.megatron.te_free; without it a TE-free run needs --no-rope-fusion)
 MLM_VARIANTS = {
-    "mlm_burst": ["--cp-algo", "burst", "--fused-lm-loss"],
-    "mlm_megatron_local": ["--cp-algo", "none", "--recompute-granularity", "full", "--recompute-method", "uniform",
-                           "--recompute-num-layers", "1"],
+    "mlm_burst": ["--cp-algo", "burst", "--fused-lm-loss", "--te-free-fusions"],
+    "mlm_burst_unfused": ["--cp-algo", "burst", "--fused-lm-loss", "--no-rope-fusion"],
+    "mlm_megatron_local": ["--cp-algo", "none", "--te-free-fusions", "--recompute-granularity", "full",
+                           "--recompute-method", "uniform", "--recompute-num-layers", "1"],
 }
 ALL_VARIANTS = list(VARIANTS) + list(MLM_VARIANTS)
 MLM_DIR = os.path.join(REPO, ".mlm")
@@ -118,12 +125,13 @@ def train_flags(c: dict, data_dir: str) -> List[str]:
             "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", str(c["iters"]),
             "--lr", "1e-4", "--lr-decay-style", "constant", "--mock-data", "--tokenizer-type", "NullTokenizer",
             "--vocab-size", str(c["vocab"]), "--data-cache-path", data_dir, "--bf16", "--fused-lm-loss",
-            "--cp-algo", "burst", "--log-interval", "1"]
+            "--cp-algo", "burst", "--te-free-fusions", "--log-interval", "1"]
 
 
 def mlm_flags(c: dict, data_dir: str) -> List[str]:
     """The same model for Megatron-LM's pretrain_gpt.py (TransformerEngine- and apex-free: local
-    layers, no fusions that need them), logging every iteration's time, throughput and memory."""
+    layers, no fusions that need them; RoPE fusion is each variant's choice), logging every
+    iteration's time, throughput and memory."""
     return ["--num-layers", str(c["layers"]), "--hidden-size", str(c["hidden"]),
             "--num-attention-heads", str(c["heads"]), "--group-query-attention", "--num-query-groups", str(c["groups"]),
             "--kv-channels", str(c["kv_channels"]), "--ffn-hidden-size", str(c["ffn"]), "--swiglu",
@@ -133,7 +141,7 @@ def mlm_flags(c: dict, data_dir: str) -> List[str]:
             "--lr", "1e-4", "--lr-decay-style", "constant", "--mock-data", "--tokenizer-type", "NullTokenizer",
             "--vocab-size", str(c["vocab"]), "--data-cache-path", data_dir, "--bf16", "--attention-dropout", "0",
             "--hidden-dropout", "0", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
-            "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--no-rope-fusion",
+            "--no-persist-layer-norm", "--no-masked-softmax-fusion",
             "--eval-iters", "0", "--eval-interval", str(10 ** 6), "--log-interval", "1", "--log-throughput",
             "--log-memory-interval", "1"]
 
@@ -217,9 +225,9 @@ def _worker(kind: str, argv: List[str]) -> None:
 
 
 # Kernel-name patterns of a profiled step's categories, first match wins (the rest: elementwise
-# kernels -- norms, RoPE, SwiGLU, residual adds, casts -- and anything unnamed here).
+# kernels -- norms, unfused RoPE, SwiGLU, residual adds, casts -- and anything unnamed here).
 PROFILE_CATEGORIES = (("gemm", r"gemm|nvjet|cutlass|xmma|cublas"), ("attention", r"flash|fmha|cudnn|attn"),
-                      ("fused loss", r"ce_rows"), ("optimizer", r"multi_tensor|adam"),
+                      ("fused loss", r"ce_rows"), ("rope", r"rope"), ("optimizer", r"multi_tensor|adam"),
                       ("copies", r"memcpy|memset|copy"), ("elementwise and other", r""))
 
 

@@ -137,7 +137,8 @@ def test_profiled_iteration_writes_its_kernel_table_and_categories(tmp_path):
     assert "aten::mm" in out_file.read_text()
     summary = json.loads((tmp_path / "mlm_burst_profile.txt.json").read_text())
     assert summary["iteration"] == 3 and summary["time"] == "cpu" and summary["wall_ms"] > 0
-    assert set(summary["ms"]) == {"gemm", "attention", "fused loss", "optimizer", "copies", "elementwise and other"}
+    assert set(summary["ms"]) == {"gemm", "attention", "fused loss", "rope", "optimizer", "copies",
+                                  "elementwise and other"}
 
 
 def test_a_variants_output_is_in_the_log_while_it_runs(tmp_path):

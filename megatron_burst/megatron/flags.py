@@ -54,7 +54,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     ``--cp-algo`` (ring/burst/auto), ``--cp-layout`` (contiguous/zigzag/striped/balanced), ``--cp-stripe``,
     ``--cp-ring`` (flat/double), ``--cp-ranks-per-node``, ``--seq-selective-ckpt-ratio`` and
-    ``--fused-lm-loss``; and, in a second group, ``--linear-attention-type``,
+    ``--fused-lm-loss``, ``--te-free-fusions``, the ``--sparse-*`` flags; and, in a second group, ``--linear-attention-type``,
     ``--linear-attention-freq`` (Megatron-LM's own flag: added only when the parser lacks it) and
     ``--linear-cp-algo``; see each flag's help. Usable as Megatron-LM's ``extra_args_provider``
     (which must return the parser).
@@ -98,6 +98,13 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="while training, compute the LM head and vocab-parallel cross-entropy in "
                             "one fused op that never builds the [s, b, V/tp] logits "
                             "(megatron_burst.fused_linear_cross_entropy)")
+    group.add_argument("--te-free-fusions", action="store_true",
+                       help="where neither TransformerEngine nor apex is installed, give megatron.core fused "
+                            "kernels for what it otherwise runs unfused: RoPE (a Triton kernel; Megatron-LM's "
+                            "default --rope-fusion then works without TE), Adam (torch's fused Adam instead of "
+                            "the foreach AdamW) and the gradient norm / clipping / parameter copy (torch _foreach "
+                            "ops instead of per-tensor loops). Same math; what TE or apex provide is kept "
+                            "(megatron_burst.megatron.te_free)")
     group.add_argument("--sparse-attention", type=str, default="none", choices=["none", "vertical_slash"],
                        help="vertical_slash: MTraining's dynamic vertical-slash sparse attention in every "
                             "softmax layer (estimated per step from the last --sparse-last-q queries; ring or "

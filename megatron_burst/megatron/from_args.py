@@ -30,7 +30,8 @@ def options_from_args(args: argparse.Namespace, num_query_groups: Optional[int] 
     count (None: one per attention head)."""
     cp = cp_options_from_args(args)
     return BurstOptions(cp=cp, linear=linear_options_from_args(args, cp, num_query_groups),
-                        fused_lm_loss=bool(getattr(args, "fused_lm_loss", False)))
+                        fused_lm_loss=bool(getattr(args, "fused_lm_loss", False)),
+                        te_free_fusions=bool(getattr(args, "te_free_fusions", False)))
 
 
 def sparse_from_args(args: argparse.Namespace) -> Optional[tuple]:

@@ -79,7 +79,8 @@ def burst_options(args: argparse.Namespace) -> BurstOptions:
                          + ": Megatron-LM's get_batch hands middle pipeline stages no packed_seq_params, which carry "
                          "each batch's balanced plan; use at most 2 pipeline stages without virtual stages, or "
                          "--cp-layout zigzag")
-    options = BurstOptions(cp=opts, linear=linear, fused_lm_loss=fused)
+    options = BurstOptions(cp=opts, linear=linear, fused_lm_loss=fused,
+                           te_free_fusions=bool(getattr(args, "te_free_fusions", False)))
     if options.stock_attention:
         return options
     if getattr(args, "reset_attention_mask", False) and (pp > 2 or (pp > 1 and vpp is not None)):
@@ -110,7 +111,8 @@ def wrap_model_provider(model_provider: Callable[..., Any]) -> Callable[..., Any
     """Wrap Megatron-LM's ``model_provider(model_builder, pre_process, post_process, ...)`` so the
     builder it is given goes through :func:`wrap_gpt_builder`.
 
-    :func:`check_args` runs first (before model_provider builds anything). ModelOpt's builder
+    :func:`check_args` runs first (before model_provider builds anything), then with
+    ``--te-free-fusions`` :func:`megatron_burst.megatron.te_free.install`. ModelOpt's builder
     (``--modelopt-enabled`` and friends) replaces the builder inside model_provider, which would
     silently drop megatron-burst; it is refused instead.
     """
@@ -121,7 +123,10 @@ def wrap_model_provider(model_provider: Callable[..., Any]) -> Callable[..., Any
         args = get_args()
         # Refusals first, before Megatron's model_provider builds a TransformerConfig (whose own
         # assertions, e.g. Gated DeltaNet's "no context parallel", would otherwise speak first).
-        opts = check_args(args)
+        options = burst_options(args)
+        opts = options.cp
+        if options.te_free_fusions:  # before model_provider builds the TransformerConfig (RoPE fusion check)
+            _install_te_free_fusions()
         if getattr(args, "modelopt_enabled", False) and opts.algo != STOCK_ATTENTION:
             raise ValueError("ModelOpt's model builder (--modelopt-enabled) replaces the GPT builder, so "
                              "megatron-burst's attention would silently not be used: pass --cp-algo none with "
@@ -131,6 +136,21 @@ def wrap_model_provider(model_provider: Callable[..., Any]) -> Callable[..., Any
 
     provider.__name__ = getattr(model_provider, "__name__", "model_provider")
     return provider
+
+
+def _install_te_free_fusions() -> None:
+    """--te-free-fusions: :func:`megatron_burst.megatron.te_free.install`, its report printed once
+    (rank 0) under Megatron-LM's other start-up lines."""
+    from megatron_burst.megatron import te_free
+
+    lines = te_free.install()
+    first = not _REPORTED_TE_FREE
+    _REPORTED_TE_FREE.append(True)
+    if first and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        print("> megatron-burst --te-free-fusions:\n" + "\n".join(f">   {line}" for line in lines), flush=True)
+
+
+_REPORTED_TE_FREE: list = []
 
 
 @contextlib.contextmanager

@@ -168,12 +168,14 @@ class BurstOptions:
     (:func:`megatron_burst.megatron.from_args.options_from_args`), then passed down as data.
 
     ``cp`` goes to every softmax core attention (the layer spec's ``cp_options``), ``linear`` says
-    which layers become linear attention (None: none), ``fused_lm_loss`` switches the model's loss.
+    which layers become linear attention (None: none), ``fused_lm_loss`` switches the model's loss,
+    ``te_free_fusions`` installs :mod:`megatron_burst.megatron.te_free` before the model is built.
     """
 
     cp: CPOptions
     linear: Optional[LinearAttentionOptions] = None
     fused_lm_loss: bool = False
+    te_free_fusions: bool = False
 
     @property
     def stock_attention(self) -> bool:

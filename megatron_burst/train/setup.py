@@ -85,7 +85,7 @@ def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
 
 def model_config(args: argparse.Namespace, sizes: ParallelSizes, device: torch.device):
     """The TransformerConfig for these flags (fp32, or with --bf16 bf16 parameters and Megatron's
-    per-token loss reduction; CPU initialization, no fusions)."""
+    per-token loss reduction; CPU initialization, no fusions but --te-free-fusions' RoPE)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import torch.nn.functional as F
@@ -111,7 +111,8 @@ def model_config(args: argparse.Namespace, sizes: ParallelSizes, device: torch.d
         # CPU initialization builds each full weight from the same seed and then takes the TP
         # shard, so initial weights do not depend on TP or CP size (and it works without CUDA).
         use_cpu_initialization=True, perform_initialization=True,
-        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        bias_activation_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=bool(getattr(args, "te_free_fusions", False)),  # megatron_burst.megatron.te_free's RoPE
         gradient_accumulation_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         recompute_granularity=args.recompute_granularity,
         recompute_method=(args.recompute_method or "uniform") if args.recompute_granularity == "full" else None,
@@ -182,7 +183,7 @@ def build_model(args: argparse.Namespace, opts: CPOptions, sizes: ParallelSizes,
 def build_optimizer(args: argparse.Namespace, model: torch.nn.Module, device: Optional[torch.device] = None):
     """AdamW (no weight decay on biases and norms, as Megatron) + OptimizerParamScheduler.
 
-    fp32: torch's AdamW on the model's parameters (gradients reduced and clipped by
+    fp32: torch's AdamW (fused with --te-free-fusions) on the model's parameters (gradients reduced and clipped by
     :mod:`megatron_burst.train.step`). --bf16: megatron.core's ``get_megatron_optimizer``
     (Float16OptimizerWithFloat16Params: fp32 main parameters, the same AdamW and weight-decay groups,
     Megatron's clipping) over the DDP-wrapped model from :func:`build_model`.
@@ -198,10 +199,15 @@ def build_optimizer(args: argparse.Namespace, model: torch.nn.Module, device: Op
         decay, no_decay = [], []
         for name, param in model.named_parameters():
             (no_decay if param.dim() == 1 or name.endswith(".bias") else decay).append(param)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
-            lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-            weight_decay=args.weight_decay)
+        groups = [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}]
+        hyper = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                     weight_decay=args.weight_decay)
+        if getattr(args, "te_free_fusions", False):
+            from megatron_burst.fusions.optimizer import FusedTorchAdam
+
+            optimizer = FusedTorchAdam(groups, adam_w_mode=True, **hyper)
+        else:
+            optimizer = torch.optim.AdamW(groups, **hyper)
     gbs = args.global_batch_size  # Megatron-LM counts the schedule in samples (step(gbs) per iteration),
     # so a resume with another global batch size keeps its place on the schedule
     scheduler = OptimizerParamScheduler(
