@@ -198,11 +198,11 @@ def main() -> dict:
     # positions near 30000 (large arguments to cos / sin)
     for inter in (False, True):
         name = "interleaved" if inter else "halves"
-        out[f"fp32_{name}_r16_d24"] = bshd_case(37, 2, 5, 24, 16, interleaved=inter, rows=41, start=30000.0,
+        out[f"fp32_{name}_r16_d24"] = bshd_case(15, 2, 5, 24, 16, interleaved=inter, rows=19, start=30000.0,
                                                 megatron=True, seed=1 + inter)
         out[f"fp32_{name}_full_d32"] = bshd_case(9, 2, 3, 32, 32, interleaved=inter, megatron=True, seed=3 + inter)
-        out[f"bf16_{name}_r16_d24"] = bshd_case(21, 2, 5, 24, 16, torch.bfloat16, inter, rows=24, seed=5 + inter)
-        out[f"strided_split_{name}"] = strided_case(17, 2, 5, 16, 12, inter, seed=int(inter))
+        out[f"bf16_{name}_r16_d24"] = bshd_case(11, 2, 5, 24, 16, torch.bfloat16, inter, rows=14, seed=5 + inter)
+        out[f"strided_split_{name}"] = strided_case(9, 2, 5, 16, 12, inter, seed=int(inter))
     out["fp16_halves_d20"] = bshd_case(11, 1, 5, 20, 20, torch.float16, rows=12, seed=7)
     out["strided_gqa_split"] = strided_case(13, 2, 4, 16, 16, False, seed=2, gqa=True)
     out["empty_s0"] = bshd_case(0, 2, 3, 16, 16, seed=8)
