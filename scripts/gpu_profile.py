@@ -1,6 +1,6 @@
 """Where the GPU time goes in the cases that miss their bars (one device call, about 40 s).
 
-    python scripts/gpu_profile.py [--out FILE] [--sections loss docs]
+    python scripts/gpu_profile.py [--out FILE] [--sections loss docs fusions]
 
 * ``loss``: fused_linear_cross_entropy fwd+bwd at (N 16384, V 131072, d 4096) bf16, the default
   (d weight in the forward) and weight_grad="backward" (the memory-lean mode), beside the unfused
@@ -8,6 +8,12 @@
 * ``docs``: cp_attention at W = 1 over 64 equal documents of a 32K sequence (GQA 32/8, d 128, bf16)
   beside torch's varlen flash on the same documents: median ms and top kernels, plus the host time of
   one call issued behind a long GPU queue (a host sync in the call shows up as the queue's length).
+
+* ``fusions``: what ``--te-free-fusions`` replaces, at the e2e model's sizes (1.17B GPT, 16K tokens):
+  the Triton RoPE kernel vs megatron.core's unfused RoPE on q and k of one layer (fwd+bwd, q a
+  strided view of the fused QKV projection), torch's fused Adam vs the foreach AdamW on the model's
+  1.17B fp32 parameters, and the foreach gradient norm / fp32 -> bf16 parameter copy vs
+  megatron.core's per-tensor loops; ms per call and per training step (x 24 layers for RoPE).
 
 Writes a text report (kernel tables) to --out as it goes; nothing here is a test.
 """
@@ -106,10 +112,102 @@ def section_docs(report) -> None:
             report(f"## docs: {name}: {type(e).__name__}: {e}")
 
 
+def _median_ms(fn, repeats: int = 5) -> float:
+    """Median ms of ``fn()`` after one warm-up call: CUDA events on a GPU, the wall clock on CPU
+    (the CPU smoke test)."""
+    cuda = torch.cuda.is_available()
+    fn()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def e2e_param_shapes(layers: int = 24, h: int = 2048, heads: int = 16, groups: int = 8, d: int = 128,
+                     ffn: int = 5440, vocab: int = 32128) -> list:
+    """The parameter shapes of examples/e2e_gpt_1b.py's model (1,170,049,024 values)."""
+    per_layer = [((heads + 2 * groups) * d, h), (h, heads * d), (2 * ffn, h), (h, ffn), (h,), (h,)]
+    return per_layer * layers + [(vocab, h), (h,)]
+
+
+def section_fusions(report, dev: torch.device = torch.device("cuda"), S: int = 16384, layers: int = 24,
+                    shapes: list = None) -> None:
+    """See the module docstring; ``dev``, ``S``, ``layers`` and the optimizer's parameter ``shapes``
+    (default: the e2e model's) shrink it for the CPU smoke test (tests/test_gpu_profile_smoke.py)."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.utils import local_multi_tensor_l2_norm, local_multi_tensor_scale
+
+    from megatron_burst.fusions import FusedTorchAdam, apply_rope, multi_tensor_l2norm, multi_tensor_scale
+    from megatron_burst.train.mixed_precision import cuda_calls_on_cpu
+
+    dt = torch.bfloat16
+    heads, groups, D = 16, 8, 128
+    g = torch.Generator(device=dev).manual_seed(0)
+    qkv = torch.randn(S, 1, groups, (heads // groups + 2) * D, generator=g, device=dev).to(dt)
+    q = qkv[..., : heads // groups * D].reshape(S, 1, heads, D)  # Megatron's split: views of the projection
+    k = qkv[..., heads // groups * D: (heads // groups + 1) * D]
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device=dev, dtype=torch.float32) / D))
+    f = torch.outer(torch.arange(S, device=dev, dtype=torch.float32), inv)
+    freqs = torch.cat((f, f), -1)[:, None, None, :]
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+
+    def rope_step(fn):
+        def step():
+            x, y = q.detach().requires_grad_(), k.detach().requires_grad_()
+            torch.autograd.backward([fn(x, freqs), fn(y, freqs)], [dq, dk])
+        return step
+
+    fused_ms = _median_ms(rope_step(apply_rope))
+    unfused_ms = _median_ms(rope_step(rope_utils._apply_rotary_pos_emb_bshd))
+    report(f"## fusions: RoPE q+k fwd+bwd, one layer (s {S}, {heads}/{groups} heads of {D}): Triton "
+           f"{fused_ms:.3f} ms, megatron.core unfused {unfused_ms:.3f} ms; x {layers} layers: "
+           f"{fused_ms * layers:.1f} vs {unfused_ms * layers:.1f} ms per step"
+           + ("\n" + _kernels(rope_step(apply_rope), rows=6) if dev.type == "cuda" else ""))
+
+    shapes = shapes or e2e_param_shapes(layers=layers)
+    params = [torch.randn(s, generator=g, device=dev) * 0.02 for s in shapes]
+    grads = [torch.randn(s, generator=g, device=dev) * 1e-3 for s in shapes]
+    n = sum(p.numel() for p in params)
+    for name, make in (("torch AdamW (foreach, megatron.core's TE-free fallback)",
+                        lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, foreach=True)),
+                       ("FusedTorchAdam (torch fused Adam)",
+                        lambda ps: FusedTorchAdam(ps, lr=1e-4, weight_decay=0.1, adam_w_mode=True))):
+        ps = [p.clone().requires_grad_() for p in params]
+        for p, gr in zip(ps, grads):
+            p.grad = gr
+        opt = make(ps)
+        ms = _median_ms(opt.step)
+        peak = torch.cuda.max_memory_allocated() / 2 ** 30
+        report(f"## fusions: optimizer step on {n:,} fp32 parameters ({len(ps)} tensors): {name}: {ms:.1f} ms "
+               f"(peak allocated so far {peak:.1f} GiB)")
+        del opt, ps
+        torch.cuda.empty_cache()
+    noop = torch.zeros(1, dtype=torch.int, device=dev)
+    bf16 = [torch.empty_like(p, dtype=dt) for p in params]
+    for name, norm, scale in (("megatron.core local loops", local_multi_tensor_l2_norm, local_multi_tensor_scale),
+                              ("torch _foreach (ours)", multi_tensor_l2norm, multi_tensor_scale)):
+        with cuda_calls_on_cpu(dev):  # megatron.core's loops allocate on 'cuda' (a no-op on a GPU)
+            norm_ms = _median_ms(lambda: norm(2048 * 32, noop, [grads], False)[0].item())
+            copy_ms = _median_ms(lambda: scale(2048 * 32, noop, [params, bf16], 1.0))
+        report(f"## fusions: {name}: gradient norm (to the host, as clip_grads reads it) {norm_ms:.1f} ms, "
+               f"fp32 main -> bf16 model copy {copy_ms:.1f} ms")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None)
-    p.add_argument("--sections", nargs="+", default=["docs", "loss"], choices=["docs", "loss"])
+    p.add_argument("--sections", nargs="+", default=["docs", "loss"], choices=["docs", "loss", "fusions"])
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_profile: needs CUDA", file=sys.stderr)
@@ -124,7 +222,7 @@ def main(argv=None) -> int:
     report(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
     for s in args.sections:
         try:
-            {"docs": section_docs, "loss": section_loss}[s](report)
+            {"docs": section_docs, "loss": section_loss, "fusions": section_fusions}[s](report)
         except Exception as e:  # noqa: BLE001
             report(f"## {s}: {type(e).__name__}: {e}")
         torch.cuda.empty_cache()

@@ -11,7 +11,7 @@
 #    fused loss (examples/e2e_gpt_1b.py mlm_burst; needs .mlm from scripts/mlm_bundle.sh, carried)
 # 3. the whole GPU suite (tests/gpu: attention, sparse, fused loss, linear), xdist workers when installed
 # Shares of the budget: ATTN_BENCH_SHARE 23, LOSS_BENCH_SHARE 15, LINEAR_BENCH_SHARE 14, E2E_SHARE 15, SUITE_SHARE 33,
-# PROBE_S 40 (seconds for scripts/gpu_probe_cudnn.py; 0 skips it), PROFILE_S 0 (seconds for scripts/gpu_profile.py: kernel tables of the loss and 64-document cases, profile.txt), TUNE_SHARE 0 (scripts/gpu_tune_masked.py: Triton masked kernel launch configs) (percent; 0 skips a part); GPU_BENCH_ARGS, LINEAR_BENCH_ARGS, GPU_TEST_ARGS, GPU_MULTI_ARGS override each part's arguments.
+# PROBE_S 40 (seconds for scripts/gpu_probe_cudnn.py; 0 skips it), PROFILE_S 0 (seconds for scripts/gpu_profile.py: kernel tables of the loss and 64-document cases, profile.txt; PROFILE_ARGS="--sections fusions" times what --te-free-fusions replaces), TUNE_SHARE 0 (scripts/gpu_tune_masked.py: Triton masked kernel launch configs) (percent; 0 skips a part); GPU_BENCH_ARGS, LINEAR_BENCH_ARGS, GPU_TEST_ARGS, GPU_MULTI_ARGS override each part's arguments.
 # Carry `.whl`, `.mlm` and `.triton` (git-ignored). .whl: fla_core, flash_linear_attention, einops (I3);
 # liger_kernel, cut_cross_entropy (the loss bench's peers), megatron_core and pydantic (+ its needs:
 # scripts/mlm_bundle.sh, which also writes .mlm, Megatron-LM's patched training side). .triton:
@@ -94,7 +94,7 @@ $PY -c "import pydantic" 2>/dev/null || { ls .whl/typing_extensions-*.whl >/dev/
 part cudnn-probe ${PROBE_S:-40} bash -o pipefail -c "$PY scripts/gpu_probe_cudnn.py 2>&1 | tee -a '$OUT_DIR/session.log'"
 part attention-bench $(share ${ATTN_BENCH_SHARE:-23}) bash -o pipefail -c "$PY -m megatron_burst.bench gpu --out '$OUT_DIR/bench_gpu.jsonl' \
   ${GPU_BENCH_ARGS:---sections sparse documents rank_block dense --seqs 32768 --doc-seqs 32768 --no-flex --repeats 5 --max-seconds 2} 2>&1 | tee '$OUT_DIR/bench_gpu.log'"
-part profile ${PROFILE_S:-0} bash -o pipefail -c "$PY scripts/gpu_profile.py --out '$OUT_DIR/profile.txt' 2>&1 | tail -3"
+part profile ${PROFILE_S:-0} bash -o pipefail -c "$PY scripts/gpu_profile.py --out '$OUT_DIR/profile.txt' ${PROFILE_ARGS:-} 2>&1 | tail -3"
 part loss-bench $(share ${LOSS_BENCH_SHARE:-15}) bash -o pipefail -c "$PY -m megatron_burst.bench loss --quick --plot '' \
   --out '$OUT_DIR/bench_loss.jsonl' ${LOSS_BENCH_ARGS:-} 2>&1 | tee '$OUT_DIR/bench_loss.log'"
 part masked-tune $(share ${TUNE_SHARE:-0}) bash -o pipefail -c "$PY scripts/gpu_tune_masked.py --out '$OUT_DIR/tune_masked.jsonl' 2>&1 | tail -3"
