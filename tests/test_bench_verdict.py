@@ -142,6 +142,13 @@ def test_e2e_mfu_bar(tmp_path):
     assert e2e(0.5, device="cpu") == [vd.MISSING]
     assert e2e(0.5, smoke=True) == [vd.MISSING]  # a tiny model's MFU is not the bar's
     assert e2e(0.5, returncode=1) == [vd.MISSING]
+    # the run without --te-free-fusions is shown beside mlm_burst's figure, not judged against the bar
+    (tmp_path / "e2e" / "e2e_results.json").write_text(json.dumps(
+        {"env": {"device": "NVIDIA H100 80GB HBM3"}, "smoke": False,
+         "results": [{"variant": "mlm_burst", "mfu": 0.46, "tokens_per_s": 30000, "returncode": 0},
+                     {"variant": "mlm_burst_unfused", "mfu": 0.406, "returncode": 0}]}))
+    rows = rows_of(tmp_path, bar="MFU")
+    assert [r.status for r in rows] == [vd.MET] and "without --te-free-fusions: MFU 40.6 %" in rows[0].figure
 
 
 def test_failed_and_skipped_bars_are_listed_as_missing(tmp_path):

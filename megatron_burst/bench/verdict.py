@@ -250,9 +250,13 @@ def _loss_rows(records: list[dict], e2e: Optional[dict]) -> list[Row]:
             and isinstance(r.get("mfu"), (int, float))]
     if not ours:
         rows.append(Row("I2", bar, "no MFU of mlm_burst or burst in e2e/e2e_results.json", MISSING))
+    unfused = next((r for r in (e2e or {}).get("results", []) if r.get("variant") == "mlm_burst_unfused"
+                    and isinstance(r.get("mfu"), (int, float))), None)
     for r in ours:
         figure = (f"{r['variant']}: MFU {r['mfu'] * 100:.1f} %, {r.get('tokens_per_s', float('nan')):.0f} tokens/s, "
                   f"peak {r.get('peak_memory_gib', float('nan'))} GiB")
+        if r["variant"] == "mlm_burst" and unfused is not None:  # the same run without --te-free-fusions
+            figure += f" (mlm_burst_unfused, without --te-free-fusions: MFU {unfused['mfu'] * 100:.1f} %)"
         gpu = (e2e or {}).get("env", {}).get("device", "cpu") != "cpu"
         unfit = ("not on a GPU" if not gpu else "a --smoke run" if (e2e or {}).get("smoke")
                  else f"return code {r.get('returncode')}" if r.get("returncode") not in (0, None) else None)
