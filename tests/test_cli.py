@@ -1,4 +1,5 @@
 """Command-line front doors answer --help with exit status 0 and refuse bad input with a message."""
+import os
 import subprocess
 import sys
 
@@ -55,3 +56,25 @@ def test_bench_attention_runs_the_sequence_asked_for_or_refuses(argv, needle, ca
         attention.main(argv)
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_train_alone_needs_no_port(tmp_path):
+    """``python -m megatron_burst.train`` without a launcher makes a world of one whose store lives in
+    the process: it binds no rendezvous port, so another process taking a port it picked cannot fail
+    it (the old start picked one with world.free_port(); here every port it could pick is taken)."""
+    code = (
+        "import socket, sys\n"
+        "import megatron_burst.world as world\n"
+        "taken = socket.socket(); taken.bind(('127.0.0.1', 0)); taken.listen()\n"
+        "world.free_port = lambda host='127.0.0.1': taken.getsockname()[1]\n"
+        "import megatron_burst.train.__main__ as m\n"
+        "m.free_port = world.free_port\n"
+        "m.main(sys.argv[1:])\n")
+    argv = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+            "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+            "--data-cache-path", str(tmp_path / "data"), "--corpus-max-bytes", "65536"]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "iteration        1/       1" in proc.stdout

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megatron_burst.train.args import build_parser, validate_args
 from megatron_burst.train.loop import run
-from megatron_burst.world import exit_rank, free_port
+from megatron_burst.world import exit_rank
 
 
 def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
@@ -27,9 +27,11 @@ def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
     :func:`megatron_burst.world.exit_rank` (status 0 after a final barrier, 1 if training
     raised), which skips gloo's teardown: it can abort a finished rank (see that module).
     """
-    if "RANK" not in os.environ:  # plain `python -m megatron_burst.train`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+    # plain `python -m megatron_burst.train`: a world of one, its store in this process (no port to
+    # pick, so none another process can take between picking and binding it)
+    alone = "RANK" not in os.environ
+    if alone:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     parser = build_parser()
     args = parser.parse_args(argv)
     # Validate flags before creating the world, so a bad combination fails fast on every rank.
@@ -44,7 +46,10 @@ def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
         warnings.filterwarnings("ignore")  # as Megatron-LM: one copy of library warnings
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     try:
-        dist.init_process_group(backend, timeout=timeout)
+        if alone:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
         run(argv)
     except Exception as exc:
         traceback.print_exc()
