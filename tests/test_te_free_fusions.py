@@ -271,3 +271,17 @@ def test_megatron_lm_provider_installs_before_model_provider(monkeypatch):
     seen.clear()
     megatron_lm.wrap_model_provider(model_provider)(lambda *a, **k: None, True, True)
     assert seen == [None]
+
+
+@needs_te_free
+def test_unfused_paths_are_named_at_start_up_on_cuda_only():
+    """Without the flag, a CUDA machine lacking TE and apex is told what runs unfused and which flag
+    changes it; on CPU nothing is said (not the cost there), nor once the fusions are installed."""
+    line = te_free.unfused_here(torch.device("cuda", 0))
+    assert line and "--te-free-fusions" in line and "foreach AdamW" in line and "--no-rope-fusion" in line
+    assert te_free.unfused_here(torch.device("cpu")) is None
+    try:
+        te_free.install()
+        assert te_free.unfused_here(torch.device("cuda", 0)) is None
+    finally:
+        te_free.uninstall()

@@ -127,6 +127,8 @@ def wrap_model_provider(model_provider: Callable[..., Any]) -> Callable[..., Any
         opts = options.cp
         if options.te_free_fusions:  # before model_provider builds the TransformerConfig (RoPE fusion check)
             _install_te_free_fusions()
+        else:
+            _say_what_runs_unfused()
         if getattr(args, "modelopt_enabled", False) and opts.algo != STOCK_ATTENTION:
             raise ValueError("ModelOpt's model builder (--modelopt-enabled) replaces the GPT builder, so "
                              "megatron-burst's attention would silently not be used: pass --cp-algo none with "
@@ -148,6 +150,18 @@ def _install_te_free_fusions() -> None:
     _REPORTED_TE_FREE.append(True)
     if first and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         print("> megatron-burst --te-free-fusions:\n" + "\n".join(f">   {line}" for line in lines), flush=True)
+
+
+def _say_what_runs_unfused() -> None:
+    """Without --te-free-fusions on a CUDA machine lacking TE and apex: one start-up line (rank 0)
+    naming what megatron.core runs unfused and the flag (a slow path is never silent)."""
+    from megatron_burst.megatron import te_free
+
+    line = te_free.unfused_here()
+    first = not _REPORTED_TE_FREE
+    _REPORTED_TE_FREE.append(True)
+    if line and first and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        print(f"> {line}", flush=True)
 
 
 _REPORTED_TE_FREE: list = []

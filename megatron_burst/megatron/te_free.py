@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["install", "uninstall", "fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd"]
+__all__ = ["install", "uninstall", "unfused_here", "fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd"]
 
 # (module, attribute) -> the value megatron.core had before install()
 _ORIGINALS: Dict[Tuple[str, str], Any] = {}
@@ -113,6 +113,21 @@ def install() -> List[str]:
         else:
             lines.append(f"{label}: left as it is ({_origin(current)})")
     return lines
+
+
+def unfused_here(device: Optional[torch.device] = None) -> Optional[str]:
+    """Without ``--te-free-fusions``: the start-up line saying what megatron.core runs unfused on
+    this CUDA machine for want of TE and apex, and the flag that changes it (None on CPU, where
+    these are not the cost, or where TE / apex or the fusions are in place)."""
+    device = device or _device()
+    if device.type != "cuda":
+        return None
+    opt_pkg = importlib.import_module("megatron.core.optimizer")
+    if not getattr(opt_pkg, "USING_PYTORCH_OPTIMIZER", False):
+        return None
+    return ("megatron-burst: neither TransformerEngine nor apex is installed, so megatron.core runs RoPE unfused "
+            "(--no-rope-fusion), torch's foreach AdamW and per-tensor gradient-norm / copy loops; "
+            "--te-free-fusions gives it fused kernels for these (same math)")
 
 
 def uninstall() -> None:

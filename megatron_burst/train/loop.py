@@ -112,11 +112,13 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                                sizes.tp)
     seed_everything(args.seed, device)
-    if getattr(args, "te_free_fusions", False):  # before the TransformerConfig and the optimizer exist
-        from megatron_burst.megatron import te_free
+    from megatron_burst.megatron import te_free
 
+    if getattr(args, "te_free_fusions", False):  # before the TransformerConfig and the optimizer exist
         for line in te_free.install():
             print_rank_0(f"megatron-burst train: --te-free-fusions: {line}")
+    elif te_free.unfused_here(device):  # a CUDA machine without TE / apex: say what runs unfused
+        print_rank_0(str(te_free.unfused_here(device)))
     model = build_model(args, opts, sizes, groups, device)  # --bf16: DDP(Float16Module(model))
     optimizer, scheduler = build_optimizer(args, model, device)
     start, consumed = load_checkpoint(args.load, model, optimizer, scheduler, args, groups) if args.load else (0, 0)
