@@ -38,7 +38,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Optional
 
 __all__ = ["run_ranks", "run_ranks_on_one_gpu", "shutdown_pools", "worker_pids", "RankFailure", "ERROR_GRACE_S"]
 
@@ -502,3 +502,23 @@ def shutdown_pools(stop_forkserver: bool = False) -> None:
 
 
 atexit.register(shutdown_pools, stop_forkserver=True)
+
+
+def run_interpreted(script: str, *args: str, code: Optional[str] = None, drop_env: tuple = (),
+                    timeout: float = 600) -> dict:
+    """Run ``tests/<script> args`` (or ``python -c code``) in a fresh python with TRITON_INTERPRET=1
+    (Triton reads it when first imported, so a test process that already imported triton cannot
+    set it), tests/ and the repository on PYTHONPATH, ``drop_env`` variables removed; the run must
+    exit 0. Returns the JSON of its last stdout line (the *_cases.py scripts print their results so)."""
+    import json
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    for name in drop_env:
+        env.pop(name, None)
+    cmd = [sys.executable, "-c", code, *args] if code is not None else [sys.executable, os.path.join(here, script), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -20,17 +20,14 @@ in tiles of 16.
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import fused_loss_cases as cases
-from harness import run_ranks
+from harness import run_interpreted, run_ranks
 from megatron_burst.loss import (FusedLossRecomputeWarning, backward_paths, fused_linear_cross_entropy,
                                  recompute_linear_cross_entropy)
 
@@ -381,13 +378,7 @@ def test_triton_kernels_under_interpreter():
     ignored labels and loss masks, main_grad accumulation, tied embeddings; no N x V storage; and
     impl="auto" choosing it after its self-check ran the interpreted kernel. 39 tokens in chunks
     of 8, 50 vocabulary rows in tiles of 16 (TP = 2: 25 per rank)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.join(here, "fused_loss_cases.py"), "triton"], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = run_interpreted("fused_loss_cases.py", "triton")
     for kind in ("binary", "mismatch"):
         r = results[f"float32-{kind}"]
         for src in ("torch", "reference"):

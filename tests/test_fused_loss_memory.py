@@ -8,16 +8,12 @@ and so is every tensor saved for the backward (saved_tensors_hooks).
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import fused_loss_cases as cases
-from harness import run_ranks
+from harness import run_interpreted, run_ranks
 from megatron_burst.loss import fused_linear_cross_entropy, reference_linear_cross_entropy
 from megatron_burst.loss import vocab_pass
 
@@ -146,13 +142,7 @@ def test_bf16_gradients_no_less_accurate_than_unfused():
     d hidden and d weight against an fp64 reference are <= the unfused bf16 path's on the same
     inputs, in both weight_grad modes (here: d hidden 4.0e-3, d weight 3.8e-3 / 3.9e-3, unfused
     4.5e-3 / 4.6e-3). The scale c is applied to the bf16 d hidden in fp32 (see autograd._scale_in_place)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", PRECISION_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    errs = json.loads(proc.stdout.strip().splitlines()[-1])
+    errs = run_interpreted("", code=PRECISION_SCRIPT, timeout=300)
     for mode in ("forward", "backward", "backward_in_result"):
         for i, q in enumerate(("dh", "dw")):
             assert errs[mode][i] <= errs["unfused"][i], (mode, q, errs)

@@ -14,15 +14,13 @@ saved for the backward beyond hidden and weight. "auto" never picks it (not yet 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import fused_loss_cases as cases
+from harness import run_interpreted
 from megatron_burst.loss import fused_linear_cross_entropy
 
 FP32_TOL = 1e-5
@@ -40,13 +38,7 @@ def _bf16_within_unfused(r):
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_onchip_variant_under_interpreter():
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.join(here, "onchip_loss_cases.py")], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_interpreted("onchip_loss_cases.py")
     assert res["launch"] == {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_D": 16, "UPCAST": True}
     r = res["fp32"]
     for q in cases.QUANTITIES:

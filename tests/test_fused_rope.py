@@ -11,15 +11,12 @@ only with MEGATRON_BURST_ALLOW_SLOW_KERNELS=1), and an ahead-of-time compile for
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
 import torch
 
+from harness import run_interpreted
 from megatron_burst.fusions import rope
 from megatron_burst.kernels import triton_env
 from megatron_burst.kernels.choice import KernelSelfCheckError, SlowKernelError, SlowKernelWarning
@@ -37,13 +34,7 @@ THD_CASES = {"thd_cp1": 1, "thd_cp1_interleaved": 1, "thd_cp2": 2, "thd_cp3": 3,
 def interpreted():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed (pip install triton): the Triton RoPE kernel is untested")
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.join(here, "rope_cases.py")], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted("rope_cases.py")
 
 
 @pytest.fixture(autouse=True)

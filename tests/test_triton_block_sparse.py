@@ -6,15 +6,12 @@ nothing, plans of a real vertical-slash pattern, bf16 input, strided inputs, and
 sparse_cp_attention on 2 gloo ranks equal to the torch kernel. Then, in this process: the packed
 plan and its cache, and the kernel choice (select_sparse)."""
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
 import torch
 
+from harness import run_interpreted
 from megatron_burst import kernels
 from megatron_burst.kernels import block_sparse, triton_block_sparse as tbs
 from megatron_burst.masks.vertical_slash import SparseTile
@@ -27,14 +24,7 @@ TOL = 1e-5  # relative to the reference's largest magnitude; every case runs fp3
 def interpreted():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed (pip install triton): the Triton kernel is untested")
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
-    env.pop("MEGATRON_BURST_SPARSE_KERNEL", None)
-    proc = subprocess.run([sys.executable, os.path.join(here, "triton_sparse_cases.py")], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted("triton_sparse_cases.py", drop_env=("MEGATRON_BURST_SPARSE_KERNEL",))
 
 
 def _check_case(r, what):

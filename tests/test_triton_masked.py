@@ -8,14 +8,11 @@ kernels.tiled; strided (sbhd) inputs; rows that see nothing; tiles no row sees a
 Then, in this process: the tile ranges against brute force, the mask data, supports(), launch
 options, errors, and an ahead-of-time compile of the GPU kernels for sm_90."""
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from harness import run_interpreted
 from megatron_burst.kernels import triton_masked as tm
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -38,13 +35,7 @@ LOW_CASES = ["bf16_causal_gqa", "bf16_window_docs_sbhd", "fp16_full_d24"]
 def interpreted():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed (pip install triton): the Triton masked kernel is untested")
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.join(here, "triton_masked_cases.py")], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted("triton_masked_cases.py")
 
 
 def _common(r, what):
