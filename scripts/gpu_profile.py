@@ -26,12 +26,12 @@ import time
 import torch
 
 
-def _timed(step) -> dict:
-    """The bench's timing of ``step()`` (fwd and bwd in one closure): median ms and peak MiB above
-    what was allocated before."""
+def _timed(step, device: torch.device = torch.device("cuda")) -> dict:
+    """The bench's timing of ``step()`` (fwd and bwd in one closure): median ms and, on CUDA, peak
+    MiB above what was allocated before (the wall clock on CPU: the smoke test)."""
     from megatron_burst.bench.gpu import time_fwd_bwd
 
-    return time_fwd_bwd(step, lambda _: None, torch.device("cuda"), warmup=2, repeats=5, max_seconds=3.0)
+    return time_fwd_bwd(step, lambda _: None, device, warmup=2, repeats=5, max_seconds=3.0)
 
 
 def _kernels(step, rows: int = 14) -> str:
@@ -112,28 +112,6 @@ def section_docs(report) -> None:
             report(f"## docs: {name}: {type(e).__name__}: {e}")
 
 
-def _median_ms(fn, repeats: int = 5) -> float:
-    """Median ms of ``fn()`` after one warm-up call: CUDA events on a GPU, the wall clock on CPU
-    (the CPU smoke test)."""
-    cuda = torch.cuda.is_available()
-    fn()
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def e2e_param_shapes(layers: int = 24, h: int = 2048, heads: int = 16, groups: int = 8, d: int = 128,
                      ffn: int = 5440, vocab: int = 32128) -> list:
     """The parameter shapes of examples/e2e_gpt_1b.py's model (1,170,049,024 values)."""
@@ -168,8 +146,8 @@ def section_fusions(report, dev: torch.device = torch.device("cuda"), S: int = 1
             torch.autograd.backward([fn(x, freqs), fn(y, freqs)], [dq, dk])
         return step
 
-    fused_ms = _median_ms(rope_step(apply_rope))
-    unfused_ms = _median_ms(rope_step(rope_utils._apply_rotary_pos_emb_bshd))
+    fused_ms = _timed(rope_step(apply_rope), dev)["ms"]
+    unfused_ms = _timed(rope_step(rope_utils._apply_rotary_pos_emb_bshd), dev)["ms"]
     report(f"## fusions: RoPE q+k fwd+bwd, one layer (s {S}, {heads}/{groups} heads of {D}): Triton "
            f"{fused_ms:.3f} ms, megatron.core unfused {unfused_ms:.3f} ms; x {layers} layers: "
            f"{fused_ms * layers:.1f} vs {unfused_ms * layers:.1f} ms per step"
@@ -187,10 +165,12 @@ def section_fusions(report, dev: torch.device = torch.device("cuda"), S: int = 1
         for p, gr in zip(ps, grads):
             p.grad = gr
         opt = make(ps)
-        ms = _median_ms(opt.step)
-        peak = torch.cuda.max_memory_allocated() / 2 ** 30
-        report(f"## fusions: optimizer step on {n:,} fp32 parameters ({len(ps)} tensors): {name}: {ms:.1f} ms "
-               f"(peak allocated so far {peak:.1f} GiB)")
+        t = _timed(opt.step, dev)
+        # on CUDA: the first (warm-up) step creates the two moments; foreach adds its temporaries
+        extra = f", peak {t['peak_extra_mib'] / 1024:.1f} GiB above the parameters and gradients" \
+            if t.get("peak_extra_mib") is not None else ""
+        report(f"## fusions: optimizer step on {n:,} fp32 parameters ({len(ps)} tensors): {name}: {t['ms']:.1f} ms"
+               + extra)
         del opt, ps
         torch.cuda.empty_cache()
     noop = torch.zeros(1, dtype=torch.int, device=dev)
@@ -198,8 +178,8 @@ def section_fusions(report, dev: torch.device = torch.device("cuda"), S: int = 1
     for name, norm, scale in (("megatron.core local loops", local_multi_tensor_l2_norm, local_multi_tensor_scale),
                               ("torch _foreach (ours)", multi_tensor_l2norm, multi_tensor_scale)):
         with cuda_calls_on_cpu(dev):  # megatron.core's loops allocate on 'cuda' (a no-op on a GPU)
-            norm_ms = _median_ms(lambda: norm(2048 * 32, noop, [grads], False)[0].item())
-            copy_ms = _median_ms(lambda: scale(2048 * 32, noop, [params, bf16], 1.0))
+            norm_ms = _timed(lambda: norm(2048 * 32, noop, [grads], False)[0].item(), dev)["ms"]
+            copy_ms = _timed(lambda: scale(2048 * 32, noop, [params, bf16], 1.0), dev)["ms"]
         report(f"## fusions: {name}: gradient norm (to the host, as clip_grads reads it) {norm_ms:.1f} ms, "
                f"fp32 main -> bf16 model copy {copy_ms:.1f} ms")
 

@@ -37,15 +37,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from megatron_burst.kernels import triton_env
-from megatron_burst.kernels.choice import (KernelPolicy, KernelSelfCheckError, SlowKernelError, SlowKernelWarning,
-                                           remembered)
+from megatron_burst.kernels import choice as kernel_choice
+from megatron_burst.kernels.choice import KernelPolicy, KernelSelfCheckError, SlowKernelError, remembered
 
 __all__ = ["rope_reference", "apply_rope", "apply_rope_thd", "thd_positions", "describe", "KERNEL_NAME",
            "KERNEL_DTYPES"]
@@ -88,6 +87,11 @@ def rope_reference(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tenso
     computed in fp32 (float64 for float64 t) and rounded once, columns R.. passed through.
     """
     _validate(t, freqs)
+    return _reference(t, freqs, interleaved)
+
+
+def _reference(t: Tensor, freqs: Tensor, interleaved: bool) -> Tensor:
+    """:func:`rope_reference` on validated inputs."""
     S, R = t.shape[0], freqs.shape[-1]
     math_dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
     f = freqs[:S].to(math_dtype)
@@ -205,7 +209,6 @@ _TRITON, _REFERENCE = "triton", "reference"
 _VERDICTS: dict[tuple[str, torch.dtype], object] = {}
 # (device, dtype, path) -> the description logged
 _LOGGED: dict[tuple[str, torch.dtype], str] = {}
-_WARNED: set = set()
 
 
 def _fix_hint() -> str:
@@ -218,22 +221,23 @@ def _choose(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
     if dtype not in KERNEL_DTYPES:
         return _REFERENCE, f"{str(dtype).replace('torch.', '')}: the kernel covers fp16 / bf16 / fp32"
     if device.type in FUSED_DEVICE_TYPES:
-        policy = KernelPolicy.from_env()
+        # the policy (environment) is read only on the way to a fallback: a passed self-check is a
+        # dictionary lookup per call
         if not triton_env.AVAILABLE:
             message = (f"megatron-burst: the {KERNEL_NAME} RoPE kernel cannot run on {device} / {dtype}: triton is "
                        "not installed. Fix: pip install triton")
-            if not policy.allow_slow:
+            if not KernelPolicy.from_env().allow_slow:
                 raise SlowKernelError(message + ", or set MEGATRON_BURST_ALLOW_SLOW_KERNELS=1 to run the unfused "
                                                 "torch RoPE with a warning")
-            _warn_once(("no-triton", device.type, dtype), message + " -- MEGATRON_BURST_ALLOW_SLOW_KERNELS=1, so the "
-                                                                     "torch reference runs instead")
+            kernel_choice._warn_once(("no-triton", "rope", device.type, dtype),
+                       message + " -- MEGATRON_BURST_ALLOW_SLOW_KERNELS=1, so the torch reference runs instead")
             return _REFERENCE, "slow fallback: triton is not installed"
         try:
             remembered(_VERDICTS, (str(device), dtype), lambda: self_check(device, dtype), KernelSelfCheckError)
         except KernelSelfCheckError as e:
-            if not policy.allow_slow:
+            if not KernelPolicy.from_env().allow_slow:
                 raise
-            _warn_once(("failed", str(device), dtype),
+            kernel_choice._warn_once(("failed", "rope", str(device), dtype),
                        f"megatron-burst: {e} -- MEGATRON_BURST_ALLOW_SLOW_KERNELS=1, so the torch reference runs "
                        "instead")
             return _REFERENCE, f"slow fallback: {KERNEL_NAME} failed its self-check"
@@ -241,13 +245,6 @@ def _choose(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
     if device.type == "cpu" and triton_env.AVAILABLE and triton_env.interpreting():
         return _TRITON, "Triton's CPU interpreter"
     return _REFERENCE, ""
-
-
-def _warn_once(key: tuple, message: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, SlowKernelWarning, stacklevel=5)
-        logger.warning(message)
 
 
 def describe(device: torch.device | str, dtype: torch.dtype) -> str:
@@ -341,8 +338,9 @@ def self_check(device: torch.device, dtype: torch.dtype) -> None:
 def reset() -> None:
     """Forget every self-check verdict, warning and log line of this process (tests)."""
     _VERDICTS.clear()
-    _WARNED.clear()
     _LOGGED.clear()
+    for key in [k for k in kernel_choice._WARNED if len(k) > 1 and k[1] == "rope"]:
+        kernel_choice._WARNED.discard(key)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,7 +359,7 @@ def apply_rope(t: Tensor, freqs: Tensor, interleaved: bool = False) -> Tensor:
     _log_once(t.device, t.dtype, path, why)
     if path == _TRITON:
         return _RopeFunction.apply(t, freqs, bool(interleaved))
-    return rope_reference(t, freqs, interleaved)
+    return _reference(t, freqs, interleaved)
 
 
 def thd_positions(cu_seqlens: Tensor, total: int, cp_size: int = 1, cp_rank: int = 0) -> Tensor:

@@ -125,10 +125,8 @@ def wrap_model_provider(model_provider: Callable[..., Any]) -> Callable[..., Any
         # assertions, e.g. Gated DeltaNet's "no context parallel", would otherwise speak first).
         options = burst_options(args)
         opts = options.cp
-        if options.te_free_fusions:  # before model_provider builds the TransformerConfig (RoPE fusion check)
-            _install_te_free_fusions()
-        else:
-            _say_what_runs_unfused()
+        # before model_provider builds the TransformerConfig (its RoPE-fusion check) and the optimizer
+        _te_free_start_up(options.te_free_fusions)
         if getattr(args, "modelopt_enabled", False) and opts.algo != STOCK_ATTENTION:
             raise ValueError("ModelOpt's model builder (--modelopt-enabled) replaces the GPT builder, so "
                              "megatron-burst's attention would silently not be used: pass --cp-algo none with "
@@ -140,28 +138,20 @@ def wrap_model_provider(model_provider: Callable[..., Any]) -> Callable[..., Any
     return provider
 
 
-def _install_te_free_fusions() -> None:
-    """--te-free-fusions: :func:`megatron_burst.megatron.te_free.install`, its report printed once
-    (rank 0) under Megatron-LM's other start-up lines."""
+def _te_free_start_up(install: bool) -> None:
+    """With --te-free-fusions, :func:`megatron_burst.megatron.te_free.install` (every model chunk's
+    provider call; idempotent); without it, on a CUDA machine lacking TE and apex, the line naming
+    what megatron.core runs unfused (a slow path is never silent). Printed once, by rank 0, under
+    Megatron-LM's other start-up lines."""
     from megatron_burst.megatron import te_free
 
-    lines = te_free.install()
-    first = not _REPORTED_TE_FREE
+    if install:
+        text = "megatron-burst --te-free-fusions:\n" + "\n".join(f">   {line}" for line in te_free.install())
+    else:
+        text = te_free.unfused_here()
+    if text and not _REPORTED_TE_FREE and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        print(f"> {text}", flush=True)
     _REPORTED_TE_FREE.append(True)
-    if first and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-        print("> megatron-burst --te-free-fusions:\n" + "\n".join(f">   {line}" for line in lines), flush=True)
-
-
-def _say_what_runs_unfused() -> None:
-    """Without --te-free-fusions on a CUDA machine lacking TE and apex: one start-up line (rank 0)
-    naming what megatron.core runs unfused and the flag (a slow path is never silent)."""
-    from megatron_burst.megatron import te_free
-
-    line = te_free.unfused_here()
-    first = not _REPORTED_TE_FREE
-    _REPORTED_TE_FREE.append(True)
-    if line and first and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-        print(f"> {line}", flush=True)
 
 
 _REPORTED_TE_FREE: list = []

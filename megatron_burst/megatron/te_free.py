@@ -74,12 +74,13 @@ def install() -> List[str]:
 
     lines: List[str] = []
     rope = importlib.import_module("megatron.core.models.common.embeddings.rope_utils")
+    ours_line = f"megatron-burst's ({describe_rope(_device(), torch.bfloat16)})"
     for name, ours in (("fused_apply_rotary_pos_emb", fused_apply_rotary_pos_emb),
                        ("fused_apply_rotary_pos_emb_thd", fused_apply_rotary_pos_emb_thd)):
         current = getattr(rope, name, None)
         if current is None or current is ours:
             _set(rope.__name__, name, ours)
-            lines.append(f"{name}: megatron-burst's ({describe_rope(_device(), torch.bfloat16)})")
+            lines.append(f"{name}: {ours_line}")
         else:
             lines.append(f"{name}: left as it is ({_origin(current)})")
 

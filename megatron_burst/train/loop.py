@@ -117,8 +117,10 @@ def _train(args, opts: CPOptions, sizes: ParallelSizes, groups: Groups,
     if getattr(args, "te_free_fusions", False):  # before the TransformerConfig and the optimizer exist
         for line in te_free.install():
             print_rank_0(f"megatron-burst train: --te-free-fusions: {line}")
-    elif te_free.unfused_here(device):  # a CUDA machine without TE / apex: say what runs unfused
-        print_rank_0(str(te_free.unfused_here(device)))
+    else:  # a CUDA machine without TE / apex: say what runs unfused
+        hint = te_free.unfused_here(device)
+        if hint:
+            print_rank_0(hint)
     model = build_model(args, opts, sizes, groups, device)  # --bf16: DDP(Float16Module(model))
     optimizer, scheduler = build_optimizer(args, model, device)
     start, consumed = load_checkpoint(args.load, model, optimizer, scheduler, args, groups) if args.load else (0, 0)
