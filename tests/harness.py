@@ -508,7 +508,8 @@ def run_interpreted(script: str, *args: str, code: Optional[str] = None, drop_en
                     timeout: float = 600) -> dict:
     """Run ``tests/<script> args`` (or ``python -c code``) in a fresh python with TRITON_INTERPRET=1
     (Triton reads it when first imported, so a test process that already imported triton cannot
-    set it), tests/ and the repository on PYTHONPATH, ``drop_env`` variables removed; the run must
+    set it), tests/ and the repository on PYTHONPATH, ``drop_env`` variables removed, started by
+    tests/interpreted.py (the interpreter without its redundant re-patching); the run must
     exit 0. Returns the JSON of its last stdout line (the *_cases.py scripts print their results so)."""
     import json
     import subprocess
@@ -518,7 +519,9 @@ def run_interpreted(script: str, *args: str, code: Optional[str] = None, drop_en
                PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
     for name in drop_env:
         env.pop(name, None)
-    cmd = [sys.executable, "-c", code, *args] if code is not None else [sys.executable, os.path.join(here, script), *args]
+    # tests/interpreted.py starts it: the interpreter without its per-helper-call re-patching (same results)
+    launcher = [sys.executable, os.path.join(here, "interpreted.py")]
+    cmd = launcher + (["-c", code, *args] if code is not None else [os.path.join(here, script), *args])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

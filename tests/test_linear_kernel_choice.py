@@ -157,6 +157,36 @@ def test_gdn_maps_come_from_one_wide_fla_call(monkeypatch, cuda_path, layout, st
     assert torch.equal(init, torch.cat([torch.zeros(nseg * b, h, dk, dv), eye], -1))
 
 
+@pytest.mark.parametrize("op,form", [("lasp2", "none"), ("lasp2", "head"), ("lasp2", "token"), ("lasp2", "channel"),
+                                     ("gdn", None)])
+def test_one_global_segment_is_one_fla_call_without_a_final_state(monkeypatch, cuda_path, op, form):
+    """W = 1, contiguous: the op is fla's own call -- one call per step, asking for no final state (a
+    state nobody reads would cost fla a write forward and a zero-gradient read backward)."""
+    import functools
+    import sys
+
+    fla_standin.install(monkeypatch)
+    if op == "lasp2":
+        inputs, run = lasp2_inputs(form, 90), lambda: run_lasp2(*inputs, form)
+    else:
+        inputs, run = gdn_inputs(90), lambda: run_gdn(*inputs)
+    want = run_lasp2(*inputs, form, kernel="torch") if op == "lasp2" else run_gdn(*inputs, kernel="torch")
+    run()  # the first call self-checks (asking fla for states)
+    name = {"gdn": "chunk_gated_delta_rule", "channel": "chunk_gla"}.get(op if op == "gdn" else form, "chunk_simple_gla")
+    module = sys.modules[{"chunk_gated_delta_rule": "fla.ops.gated_delta_rule", "chunk_gla": "fla.ops.gla"}.get(
+        name, "fla.ops.simple_gla")]
+    standin, asked = getattr(module, name), []
+
+    @functools.wraps(standin)
+    def recording(*a, **kw):
+        asked.append(kw.get("output_final_state", False))
+        return standin(*a, **kw)
+
+    monkeypatch.setattr(module, name, recording)
+    assert_same(run(), want, f"{op} {form} one segment")
+    assert asked == [False], f"{name} was called {len(asked)} time(s) asking for final states {asked}"
+
+
 # ------------------------------------------------------------------------------------------ loud failures
 @pytest.mark.parametrize("fault,expect", [("scale2", "out is off"), ("exclusive", "out is off"),
                                           ("no_state", "no final state"), ("raise", "expected int32")])

@@ -143,7 +143,8 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     pieces = None if fla_fn is None else fla_adapter.row_pieces(documents, b, smap.order[rank], smap.total, q.device)
     if fla_fn is not None and world_size * per_rank == 1:  # one global segment, entered by a zero state
         o_rows, _ = fla_adapter.lasp2_segments(fla_fn, form, *(fla_adapter.to_rows(t, 1, sbhd) for t in (q, k, v)), g,
-                                               fla_adapter.decay_rows(g, form, 1, b, L, sbhd), scale, pieces)
+                                               fla_adapter.decay_rows(g, form, 1, b, L, sbhd), scale, pieces,
+                                               final_state=False)
         return fla_adapter.rows_to_local(o_rows, 1, sbhd).to(q.dtype).contiguous()
     # the entering state's masks and the exchange's reset flags: the same for both local kernels
     sd = segment_documents(documents, b, smap.order[rank], smap.total, q.device)

@@ -223,9 +223,11 @@ def decay_rows(g: Optional[torch.Tensor], form: str, nseg: int, b: int, L: int, 
 
 def lasp2_segments(fla_fn: Callable, form: str, q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
                    g: Optional[torch.Tensor], g_rows: Optional[torch.Tensor], scale: float,
-                   pieces: Optional[RowPieces] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   pieces: Optional[RowPieces] = None, final_state: bool = True
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(o, M) of every segment by fla: o [N, L, h, dv] (q's dtype) the output from a zero entering
-    state, M [N, h, dk, dv] (fp32) the state the segment leaves. ``fla_fn``: ``chunk_simple_gla``
+    state, M [N, h, dk, dv] (fp32) the state the segment leaves (None with ``final_state=False``: fla
+    then neither writes the states nor reads their zero gradient back). ``fla_fn``: ``chunk_simple_gla``
     for forms none / head / token, ``chunk_gla`` for "channel"; ``g`` our decay as given (used for
     the per-head ``g_gamma``), ``g_rows`` from :func:`decay_rows`. ``pieces`` (documents): the rows
     run as their pieces, each from a zero state; M is then each row's last piece's final state."""
@@ -235,14 +237,18 @@ def lasp2_segments(fla_fn: Callable, form: str, q_rows: torch.Tensor, k_rows: to
         g_rows = None if g_rows is None else flatten_rows(g_rows)
     varlen = _varlen(pieces)
     if form == "channel":
-        o, M = fla_fn(q_rows, k_rows, v_rows, g_rows, scale=scale, initial_state=None, output_final_state=True,
+        o, M = fla_fn(q_rows, k_rows, v_rows, g_rows, scale=scale, initial_state=None, output_final_state=final_state,
                       **varlen)
     elif form == "head" and g_rows is None:
         o, M = fla_fn(q_rows, k_rows, v_rows, g=None, g_gamma=g.float(), scale=scale, initial_state=None,
-                      output_final_state=True, **varlen)
+                      output_final_state=final_state, **varlen)
     else:
-        o, M = fla_fn(q_rows, k_rows, v_rows, g=g_rows, scale=scale, initial_state=None, output_final_state=True,
-                      **varlen)
+        o, M = fla_fn(q_rows, k_rows, v_rows, g=g_rows, scale=scale, initial_state=None,
+                      output_final_state=final_state, **varlen)
+    if pieces is not None:
+        o = o.reshape((N, L) + tuple(o.shape[2:]))
+    if not final_state:
+        return o, None
     if M is None:
         raise RuntimeError(f"{_fla_name(fla_fn)} returned no final state with output_final_state=True: LASP needs "
                            "each segment's state")
@@ -250,7 +256,6 @@ def lasp2_segments(fla_fn: Callable, form: str, q_rows: torch.Tensor, k_rows: to
         if M.shape[0] != pieces.count:
             raise RuntimeError(f"{_fla_name(fla_fn)} returned {M.shape[0]} final states for {pieces.count} sequences "
                                "(cu_seqlens): its varlen mode does not work as fla 0.6 documents it")
-        o = o.reshape((N, L) + tuple(o.shape[2:]))
         M = M[pieces.last]  # the state a segment leaves keeps its last document: its last piece's
     return o, M.to(STATE_DTYPE)
 
