@@ -10,6 +10,7 @@ import pytest
 
 import fla_standin
 from megatron_burst.bench import linear_gpu
+from megatron_burst.bench import verdict as vd
 from megatron_burst.kernels import choice as attention_choice
 from megatron_burst.linear import kernel_choice
 
@@ -19,7 +20,7 @@ def _lines(path) -> list[dict]:
 
 
 def test_smoke_runs_every_section_and_records_errors_vs_fp32(tmp_path, capsys):
-    out = tmp_path / "linear.jsonl"
+    out = tmp_path / "bench_linear.jsonl"  # the name scripts/gpu_session.sh gives it (the verdict reads it)
     linear_gpu.main(["--gpu", "--smoke", "--out", str(out)])
     lines = _lines(out)
     assert not [l for l in lines if "error" in l], [l["error"] for l in lines if "error" in l]
@@ -33,6 +34,10 @@ def test_smoke_runs_every_section_and_records_errors_vs_fp32(tmp_path, capsys):
     for l in multi:
         assert l["sent_bytes_per_rank"] > 0 and max(l["rel_diff_vs_w1"].values()) <= 1e-5, l
     assert "| local | gdn | torch |" in capsys.readouterr().out
+    rows, _ = vd.verdict(str(tmp_path))  # every I3 bar found; CPU torch figures: "missing"
+    local = [r for r in rows if r.issue == "I3"]
+    assert {r.bar.split(",")[0] for r in local} == {"lasp2_none", "lasp2_head", "lasp2_token", "lasp2_channel", "gdn"}
+    assert {r.status for r in rows} == {vd.MISSING}
 
 
 def _local_with_stand_in(tmp_path, monkeypatch) -> list[dict]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_burst.bench import loss as bench
+from megatron_burst.bench import verdict as vd
 
 
 def test_peers_are_skipped_lines_on_cpu(capsys, tmp_path):
@@ -40,7 +41,7 @@ def test_quick_is_for_a_gpu():
 def test_tiny_run_prints_rows_with_errors(capsys, tmp_path):
     bench.main(["--device", "cpu", "--tokens", "96", "--vocab", "256", "--hidden", "16", "--variants", "unfused",
                 "fused", "--fast-chunks", "32", "--repeats", "1", "--errors", "--plot", "",
-                "--out", str(tmp_path / "loss.jsonl")])
+                "--out", str(tmp_path / "bench_loss.jsonl")])  # as scripts/gpu_session.sh names it
     out = capsys.readouterr().out
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| 96 |")]
     assert [r[4].strip() for r in rows] == ["unfused", "fused", "fused@32"], out
@@ -50,13 +51,16 @@ def test_tiny_run_prints_rows_with_errors(capsys, tmp_path):
         assert all(float(x) < 1e-5 for x in (r[13], r[14], r[15])), r
     assert float(by["fused@32"][12]) < 1.0 and float(by["unfused"][12]) >= 1.0  # largest / NxV
     # the JSON lines carry what the table shows (the verdict reads them: megatron_burst.bench.verdict)
-    lines = {r["variant"]: r for r in map(json.loads, (tmp_path / "loss.jsonl").read_text().splitlines())}
+    lines = {r["variant"]: r for r in map(json.loads, (tmp_path / "bench_loss.jsonl").read_text().splitlines())}
     assert list(lines) == ["unfused", "fused", "fused@32"]
     for name, r in lines.items():
         assert (r["tokens"], r["vocab"], r["hidden"], r["tp"], r["dtype"]) == (96, 256, 16, 1, "float32")
         assert f"{r['time_s'] * 1e3:.1f}" == by[name][7].strip()
         assert f"{r['peak_bytes'] / 2 ** 20:.0f}" == by[name][9].strip()
         assert f"{r['errors']['dh']:.1e}" == by[name][14].strip()
+    rows, _ = vd.verdict(str(tmp_path))  # the verdict reads it: no CCE (and a tiny shape) here
+    loss = [r for r in rows if r.bar.startswith("fused loss")]
+    assert "lacks" in loss[0].figure and {r.status for r in rows} == {vd.MISSING}, loss
 
 
 def test_reference_errors_of_an_exact_gradient_are_zero():

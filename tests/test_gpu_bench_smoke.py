@@ -1,7 +1,7 @@
 """``python -m megatron_burst.bench gpu --smoke`` runs every section end to end on this machine (tiny
 sizes; on a CPU in fp32, GPU-only baselines recorded as explicit skips): each section produces
 measurement lines with timings or a skip reason, every line carries the environment and the kernel
-choice, the JSON lines on stdout match ``--out``, and the markdown table is printed."""
+choice, the JSON lines on stdout match ``--out``, and the markdown table is printed; ``bench verdict`` reads the file as a GPU session leaves it."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,8 @@ import subprocess
 import sys
 
 import torch
+
+from megatron_burst.bench import verdict as vd
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("dense", "rank_block", "documents", "sparse", "multi_rank")
@@ -22,7 +24,7 @@ SUMMARY_PREFIXES = ("ratio", "speedup")
 
 
 def test_gpu_bench_smoke(tmp_path):
-    out = tmp_path / "gpu.jsonl"
+    out = tmp_path / "bench_gpu.jsonl"  # the name scripts/gpu_session.sh gives it (the verdict reads it)
     proc = subprocess.run([sys.executable, "-m", "megatron_burst.bench", "gpu", "--smoke", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -71,3 +73,11 @@ def test_gpu_bench_smoke(tmp_path):
     assert "| section | name | variant |" in table
     rows = [r for r in table.splitlines() if r.startswith("| ") and not r.startswith("| section")]
     assert len(rows) == len([l for l in lines if l["variant"] != "done"])
+    if not on_cuda:  # the verdict finds every attention bar in this file: CPU figures are "missing", shown
+        rows, machines = vd.verdict(str(tmp_path))
+        assert machines and all("cpu" in m for m in machines)
+        rank = [r for r in rows if r.bar.startswith("rank block")]
+        assert len(rank) == 3 and all("(not on a GPU)" in r.figure for r in rank), rank
+        dense = [r for r in rows if r.bar.startswith("dense")]
+        assert dense[0].status == vd.MISSING and "no timing of" in dense[0].figure  # the smoke size is not 32K
+        assert {r.status for r in rows} == {vd.MISSING}
