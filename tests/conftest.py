@@ -21,14 +21,16 @@ if importlib.util.find_spec("megatron_burst") is None:
 import harness  # noqa: E402  (needs the sys.path entry above)
 
 
-# Modules whose tests take the longest in all, longest first (one 2-core run, 2026-11-26). make test
-# runs the suite in pytest-xdist workers, which take tests in collection order: starting these first
-# lets the workers finish together instead of one running a long test alone at the end (392 s
-# against 428 s in collection order). Order only: nothing is skipped.
-LONGEST_FIRST = ("test_functional_tests", "test_triton_masked", "test_megatron_train", "test_fused_loss",
-                 "test_e2e_smoke", "test_world", "test_linear_documents", "test_sparse", "test_nccl_schedule",
-                 "test_gpu_suite_dry_run", "test_triton_block_sparse", "test_bench_loss", "test_megatron_model",
-                 "test_cp_allgather_ulysses_usp", "test_gpu_bench_smoke", "test_window", "test_fused_loss_onchip")
+# Modules whose tests take the longest in all, longest first (--durations=0, one 2-core run, 2026-11-27:
+# 1091 s of tests in 565 s). make test runs the suite in pytest-xdist workers, which take tests in
+# collection order: starting these first lets the workers finish together instead of one running a
+# long test alone at the end (392 s against 428 s in collection order, 2026-11-26). Order only:
+# nothing is skipped.
+LONGEST_FIRST = ("test_functional_tests", "test_megatron_train", "test_e2e_smoke", "test_sparse_masks",
+                 "test_gpu_suite_dry_run", "test_fused_loss", "test_world", "test_triton_masked", "test_nccl_schedule",
+                 "test_linear_documents", "test_fused_loss_memory", "test_sparse", "test_gpu_bench_smoke",
+                 "test_linear_hybrid_gpt", "test_triton_block_sparse", "test_linear_attention", "test_bench_loss",
+                 "test_linear_hybrid_documents")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
