@@ -176,16 +176,18 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     else:  # LASP-1 computes the inter-segment term inside its chain, as the paper's Algorithm 6
         q_in = entering_rows(qs, G, reach, acc)
         inter = Lasp1Chain.apply(q_in, M, a, scale, smap, keep)
-    o = o + inter if causal else inter
-    o = o.permute(1, 2, 0, 3, 4).reshape(b, h, s, dv)  # segments back in local order
-    out = o.permute(2, 0, 1, 3) if sbhd else o.permute(0, 2, 1, 3)
-    return out.to(q.dtype).contiguous()
+    o = o + inter if causal else inter  # fp32 (fla's o in q's dtype promotes: the same sum as in fp32)
+    # segments back in local order, rounded to q's dtype in the same pass: one copy of the output
+    o = o.permute(0, 3, 1, 2, 4) if sbhd else o.permute(1, 0, 3, 2, 4)  # [nseg, L, b, h] / [b, nseg, L, h]
+    out = o.to(q.dtype, memory_format=torch.contiguous_format)
+    return out.reshape((s, b, h, dv) if sbhd else (b, s, h, dv))
 
 
 def _fla_local(fla_fn, form, q, k, v, g, nseg, b, h, s, dk, dv, L, sbhd, scale, acc, segments, to_bhsd,
                pieces=None):
     """This rank's local work by fla: (o, M, a, G, qs) as the torch path forms them -- o [nseg, b, h,
-    L, dv] the zero-start outputs and M [nseg, b, h, dk, dv] the states the segments leave, from fla;
+    L, dv] the zero-start outputs (q's dtype, a view of fla's; adding the fp32 entering term promotes
+    them without an fp32 copy) and M [nseg, b, h, dk, dv] the states the segments leave, from fla;
     a [nseg, b, h, 1 or dk] and G [nseg, b, h, L, 1 or dk] (the segments' total and cumulative
     decays; None without decay) in torch, and qs (the queries as segments, a view of q in its
     dtype) for the entering state's term.
@@ -201,7 +203,7 @@ def _fla_local(fla_fn, form, q, k, v, g, nseg, b, h, s, dk, dv, L, sbhd, scale, 
     if g is not None:
         g_sbhd = g if (sbhd or g.dim() == 1) else g.transpose(0, 1)
         a, G = _decays(segments(expand_log_decay(g_sbhd, b, h, s, dk).to(acc)))
-    return o.to(acc), M, a, G, segments(to_bhsd(q))
+    return o, M, a, G, segments(to_bhsd(q))
 
 
 def _lasp2_runs(q, k, v, g, documents: Documents, pg, rank: int, world_size: int, sbhd: bool, scale: float, acc,
@@ -238,7 +240,7 @@ def _lasp2_runs(q, k, v, g, documents: Documents, pg, rank: int, world_size: int
         o_flat, M = fla_adapter.lasp2_segments(fla_fn, form, *flat, g, fla_adapter.decay_flat(
             g, form, lambda t: lay.to_flat(t, sbhd), b * s), scale, pieces)
         M = M.view(len(lengths), b, h, dk, dv).to(acc)
-        o_fla = lay.from_flat(o_flat, b, False).permute(0, 2, 1, 3).to(acc)  # [b, h, s, dv]
+        o_fla = lay.from_flat(o_flat, b, False).permute(0, 2, 1, 3)  # [b, h, s, dv] in q's dtype (the sum promotes)
         maps = [(None,) + _decays(gg) for gg in gs]
     a = None if g is None else lay.in_run_order([m[1] for m in maps])
     gathered, pending = post_state_gather(M, a, smap)  # overlaps with the runs' own outputs
@@ -256,7 +258,7 @@ def _lasp2_runs(q, k, v, g, documents: Documents, pg, rank: int, world_size: int
     if fla_fn is not None:
         o = o_fla + o
     out = o.permute(2, 0, 1, 3) if sbhd else o.permute(0, 2, 1, 3)
-    return out.to(q.dtype).contiguous()
+    return out.to(q.dtype, memory_format=torch.contiguous_format)  # rounded and laid out in one pass
 
 
 def _decays(g: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:

@@ -273,9 +273,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         o = o + scale * (q_in @ Lasp2Exchange.apply(B, A, gathered, smap, True, resets))
     elif per_rank > 1:  # the local segments are the global ones: no exchange
         o = o + scale * (q_in @ local_entering_states(B, A, matrix=True, keep=resets))
-    o = o.permute(1, 2, 0, 3, 4).reshape(b, h, s, dv)  # segments back in local order
-    out = o.permute(2, 0, 1, 3) if sbhd else o.permute(0, 2, 1, 3)
-    return out.to(q.dtype).contiguous()
+    # segments back in local order, rounded to q's dtype in the same pass: one copy of the output
+    o = o.permute(0, 3, 1, 2, 4) if sbhd else o.permute(1, 0, 3, 2, 4)  # [nseg, L, b, h] / [b, nseg, L, h]
+    out = o.to(q.dtype, memory_format=torch.contiguous_format)
+    return out.reshape((s, b, h, dv) if sbhd else (b, s, h, dv))
 
 
 def _fla_outputs(fla, q, k, v, g, beta, nseg: int, smap: SegmentMap, sbhd: bool, scale: float,
@@ -297,7 +298,7 @@ def _fla_outputs(fla, q, k, v, g, beta, nseg: int, smap: SegmentMap, sbhd: bool,
     else:  # one rank, several segments (zigzag at W = 1): its segments are the global ones
         S_in = local_entering_states(B, A, matrix=True, keep=resets)
     o = fla_adapter.add_entering(terms, S_in.reshape(N, h, dk, dv))
-    return fla_adapter.rows_to_local(o, nseg, sbhd).to(q.dtype).contiguous()
+    return fla_adapter.rows_to_local(o, nseg, sbhd).to(q.dtype, memory_format=torch.contiguous_format)
 
 
 def _gdn_runs(fla, q, k, v, g, beta, documents: Documents, pg, rank: int, world_size: int, sbhd: bool,
@@ -332,7 +333,7 @@ def _gdn_runs(fla, q, k, v, g, beta, documents: Documents, pg, rank: int, world_
     S_in = Lasp2Exchange.apply(B, A, gathered, smap, True, rd.resets)
     if fla is not None:  # o0 + o_in @ S_in, the runs' rows stacked by chunk count for the product
         o_in = lay.stack(bhsd(lay.from_flat(terms.o_in, b, sbhd)), 2)  # gathered copies, in o_in's dtype
-        o = bhsd(lay.from_flat(terms.o0, b, sbhd)).float() + lay.unstack(
+        o = bhsd(lay.from_flat(terms.o0, b, sbhd)) + lay.unstack(  # fp32: the fp32 terms promote o0
             [entering_term(x, S_in.index_select(0, rows)) for x, rows in zip(o_in, lay.rows)], 2)
     else:
         outs = []
@@ -341,4 +342,4 @@ def _gdn_runs(fla, q, k, v, g, beta, documents: Documents, pg, rank: int, world_
             outs.append(o0 + scale * (q_in @ S_in.index_select(0, rows)))
         o = lay.unstack(outs, 2)  # [b, h, s, dv]
     out = o.permute(2, 0, 1, 3) if sbhd else o.permute(0, 2, 1, 3)
-    return out.to(q.dtype).contiguous()
+    return out.to(q.dtype, memory_format=torch.contiguous_format)  # rounded and laid out in one pass

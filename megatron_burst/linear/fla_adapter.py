@@ -323,4 +323,4 @@ def add_entering(terms: GdnTerms, S_in: torch.Tensor) -> torch.Tensor:
     """The outputs [N, L, h, dv] (fp32) of rows entering with S_in [N, h, dk, dv] (fp32):
     o0 + o_in @ S_in, token by token."""
     corr = entering_term(terms.o_in.transpose(1, 2), S_in)  # [N, h, L, dv]; keeps a copy of o_in, not the wide output
-    return terms.o0.float() + corr.transpose(1, 2)
+    return terms.o0 + corr.transpose(1, 2)  # fp32: the fp32 term promotes o0 (no fp32 copy of it)
