@@ -76,13 +76,15 @@ share() { echo $(( BUDGET * $1 / 100 )); }
 
 # the figures first, on a quiet GPU (bench timings), then the correctness suites (pytest-xdist workers
 # share the GPU when installed: first Triton compiles and rank spawns dominate, not GPU time)
-XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-8} --dist loadgroup")
+# (GPU_TEST_WORKERS=0: one process)
+XDIST=$( (( ${GPU_TEST_WORKERS:-8} > 0 )) && $PY -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-8} --dist loadgroup")
 # the multi-rank tests: one xdist worker per world size (W = 2, 3, 4 pools side by side; conftest.py groups them)
 MULTI_XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 3 --dist loadgroup")
 TIMEOUT=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout=240")  # the GPU image has pytest-timeout
 for pkg in liger_kernel:liger_kernel cut_cross_entropy:cut_cross_entropy megatron.core:megatron_core fla:fla_core fla:flash_linear_attention einops:einops \
            annotated_types:annotated_types typing_inspection:typing_inspection pydantic_core:pydantic_core pydantic:pydantic; do
-  if ! $PY -c "import ${pkg%%:*}" 2>/dev/null && ls .whl/${pkg##*:}-*.whl >/dev/null 2>&1; then
+  # a carried wheel is installed where its package does not import (asked only where there is a wheel)
+  if ls .whl/${pkg##*:}-*.whl >/dev/null 2>&1 && ! $PY -c "import ${pkg%%:*}" 2>/dev/null; then
     $PY -m pip install --quiet --no-deps .whl/${pkg##*:}-*.whl 2>&1 | tail -2
   fi
 done

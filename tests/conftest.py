@@ -29,7 +29,7 @@ import harness  # noqa: E402  (needs the sys.path entry above)
 LONGEST_FIRST = ("test_functional_tests", "test_megatron_train", "test_e2e_smoke", "test_sparse_masks",
                  "test_gpu_suite_dry_run", "test_fused_loss", "test_world", "test_triton_masked", "test_nccl_schedule",
                  "test_linear_documents", "test_fused_loss_memory", "test_sparse", "test_gpu_bench_smoke",
-                 "test_linear_hybrid_gpt", "test_triton_block_sparse", "test_linear_attention", "test_bench_loss",
+                 "test_linear_hybrid_gpt", "test_gpu_session_dry_run", "test_triton_block_sparse", "test_linear_attention", "test_bench_loss",
                  "test_linear_hybrid_documents")
 
 
