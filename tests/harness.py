@@ -519,7 +519,6 @@ def run_interpreted(script: str, *args: str, code: Optional[str] = None, drop_en
                PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
     for name in drop_env:
         env.pop(name, None)
-    # tests/interpreted.py starts it: the interpreter without its per-helper-call re-patching (same results)
     launcher = [sys.executable, os.path.join(here, "interpreted.py")]
     cmd = launcher + (["-c", code, *args] if code is not None else [os.path.join(here, script), *args])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -12,12 +12,15 @@ whose changes it then drops (the launch's undo restores the same attributes). Ou
 helpers per tile, so that walk was about a third of the interpreter's time (cProfile of
 tests/triton_masked_cases.py, Triton 3.9). Inside a launch the language is already patched:
 :func:`skip_nested_repatching` makes the helpers' calls skip it. The kernels compute the same
-thing: ``tests/test_interpreted.py`` checks that a case file prints identical JSON with and
-without it. When Triton's internals differ (another version), nothing is changed and the reason
-goes to stderr -- the runs are then only slower.
+thing: ``tests/test_interpreted.py`` runs the masked-attention kernels forward and backward with
+and without it and compares every output bit for bit (the JSON of tests/triton_masked_cases.py was
+identical too, 2026-11-27). When Triton's internals differ (another version), nothing is changed and the reason
+goes to stderr -- the runs are then only slower. ``MEGATRON_BURST_INTERPRETER_REPATCH=1`` keeps
+Triton's own behaviour (the comparison test installs the change itself).
 """
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 
@@ -66,8 +69,6 @@ def skip_nested_repatching() -> bool:
 def main(argv: list[str]) -> None:
     if len(argv) < 2:
         sys.exit("usage: TRITON_INTERPRET=1 python tests/interpreted.py SCRIPT [ARGS...] | -c CODE [ARGS...]")
-    import os
-
     if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("MEGATRON_BURST_INTERPRETER_REPATCH") != "1":
         skip_nested_repatching()
     if argv[1] == "-c":

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from megatron_burst.masks.documents import CuSeqlens, Documents
 from megatron_burst.linear.checks import MIN_STRIPE, check_qkv, segment_order, segments_per_rank
-from megatron_burst.linear.chunked import CHUNK, entering_rows, entering_term, segment_output, segment_state
+from megatron_burst.linear.chunked import (CHUNK, entering_rows, entering_term, segment_output, segment_state,
+                                            segments_to_local)
 from megatron_burst.linear.docs import check_documents, segment_documents, unplaced
 from megatron_burst.linear import fla_adapter, kernel_choice
 from megatron_burst.linear.exchange import (Lasp1Chain, Lasp2Exchange, SegmentMap, local_entering_states,
@@ -177,10 +178,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         q_in = entering_rows(qs, G, reach, acc)
         inter = Lasp1Chain.apply(q_in, M, a, scale, smap, keep)
     o = o + inter if causal else inter  # fp32 (fla's o in q's dtype promotes: the same sum as in fp32)
-    # segments back in local order, rounded to q's dtype in the same pass: one copy of the output
-    o = o.permute(0, 3, 1, 2, 4) if sbhd else o.permute(1, 0, 3, 2, 4)  # [nseg, L, b, h] / [b, nseg, L, h]
-    out = o.to(q.dtype, memory_format=torch.contiguous_format)
-    return out.reshape((s, b, h, dv) if sbhd else (b, s, h, dv))
+    return segments_to_local(o, sbhd, q.dtype)
 
 
 def _fla_local(fla_fn, form, q, k, v, g, nseg, b, h, s, dk, dv, L, sbhd, scale, acc, segments, to_bhsd,

@@ -170,6 +170,16 @@ def affine_prefix(a: torch.Tensor, b: torch.Tensor, matrix: bool = False) -> tup
     return interleave(even_a, odd_a), interleave(even_b, odd_b)
 
 
+def segments_to_local(o: torch.Tensor, sbhd: bool, dtype: torch.dtype) -> torch.Tensor:
+    """A rank's segment outputs o [nseg, b, h, L, dv] (segment i holds local tokens i * L ... (i + 1) * L - 1)
+    -> [s, b, h, dv] (``sbhd``) or [b, s, h, dv] in ``dtype``, s = nseg * L: reordered and rounded in one
+    copy (rounding is elementwise, so before or after the reorder gives the same values)."""
+    nseg, b, h, L, dv = o.shape
+    o = o.permute(0, 3, 1, 2, 4) if sbhd else o.permute(1, 0, 3, 2, 4)  # [nseg, L, b, h] / [b, nseg, L, h]
+    out = o.to(dtype, memory_format=torch.contiguous_format)
+    return out.reshape((nseg * L, b, h, dv) if sbhd else (b, nseg * L, h, dv))
+
+
 def entering_rows(a: torch.Tensor, G: Optional[torch.Tensor], mask: Optional[torch.Tensor],
                   acc: torch.dtype) -> torch.Tensor:
     """a * exp(G) * mask in ``acc`` (shapes as :func:`entering_term` takes them): the rows the state

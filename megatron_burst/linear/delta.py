@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from megatron_burst.masks.documents import CuSeqlens, Documents
 from megatron_burst.linear.checks import check_qkv, segment_order, segments_per_rank
-from megatron_burst.linear.chunked import CHUNK, affine_prefix, entering_term
+from megatron_burst.linear.chunked import CHUNK, affine_prefix, entering_term, segments_to_local
 from megatron_burst.linear import fla_adapter, kernel_choice
 from megatron_burst.linear.docs import check_documents, segment_documents, unplaced
 from megatron_burst.linear.exchange import Lasp2Exchange, Resets, SegmentMap, local_entering_states, post_state_gather
@@ -235,7 +235,6 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     fla = _choose_kernel(kernel, q, v.shape[-1], documents is not None)
     sbhd = qkv_format == "sbhd"
     s, b, h, dk = q.shape if sbhd else (q.shape[1], q.shape[0], q.shape[2], q.shape[3])
-    dv = v.shape[-1]
     scale = dk ** -0.5 if scale is None else scale
     acc = torch.promote_types(q.dtype, torch.float32)
     if layout in RUN_LAYOUTS:
@@ -273,10 +272,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         o = o + scale * (q_in @ Lasp2Exchange.apply(B, A, gathered, smap, True, resets))
     elif per_rank > 1:  # the local segments are the global ones: no exchange
         o = o + scale * (q_in @ local_entering_states(B, A, matrix=True, keep=resets))
-    # segments back in local order, rounded to q's dtype in the same pass: one copy of the output
-    o = o.permute(0, 3, 1, 2, 4) if sbhd else o.permute(1, 0, 3, 2, 4)  # [nseg, L, b, h] / [b, nseg, L, h]
-    out = o.to(q.dtype, memory_format=torch.contiguous_format)
-    return out.reshape((s, b, h, dv) if sbhd else (b, s, h, dv))
+    return segments_to_local(o, sbhd, q.dtype)
 
 
 def _fla_outputs(fla, q, k, v, g, beta, nseg: int, smap: SegmentMap, sbhd: bool, scale: float,
