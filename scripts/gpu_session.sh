@@ -80,6 +80,9 @@ share() { echo $(( BUDGET * $1 / 100 )); }
 XDIST=$( (( ${GPU_TEST_WORKERS:-8} > 0 )) && $PY -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-8} --dist loadgroup")
 # the multi-rank tests: one xdist worker per world size (W = 2, 3, 4 pools side by side; conftest.py groups them)
 MULTI_XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 3 --dist loadgroup")
+# the linear tests in their own workers: first-use compiles of fla's kernels (one process compiled for
+# > 240 s on 2026-11-27) spread over the cores (GPU_LINEAR_WORKERS=0: one process)
+LINEAR_XDIST=$( (( ${GPU_LINEAR_WORKERS:-4} > 0 )) && $PY -c "import xdist" 2>/dev/null && echo "-n ${GPU_LINEAR_WORKERS:-4} --dist loadgroup")
 TIMEOUT=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout=240")  # the GPU image has pytest-timeout
 for pkg in liger_kernel:liger_kernel cut_cross_entropy:cut_cross_entropy megatron.core:megatron_core fla:fla_core fla:flash_linear_attention einops:einops \
            annotated_types:annotated_types typing_inspection:typing_inspection pydantic_core:pydantic_core pydantic:pydantic; do
@@ -123,7 +126,7 @@ part gpu-suite $(share ${SUITE_SHARE:-33}) bash -o pipefail -c "export GPU_TEST_
   multi=0 linear=0
   [ -n '${GPU_MULTI_ARGS-tests/gpu/test_gpu_cp_multi.py}' ] && { $PY -m pytest -q -p no:cacheprovider $TIMEOUT $MULTI_XDIST --durations=20 \
     ${GPU_MULTI_ARGS-tests/gpu/test_gpu_cp_multi.py} > '$OUT_DIR/gpu_test_multi.log' 2>&1 & multi=\$!; }
-  [ -n '$FLA_TRITON' ] && { PYTHONPATH='$LINEAR_PP' $PY -m pytest -q -p no:cacheprovider $TIMEOUT \
+  [ -n '$FLA_TRITON' ] && { PYTHONPATH='$LINEAR_PP' $PY -m pytest -q -p no:cacheprovider $TIMEOUT $LINEAR_XDIST \
     tests/gpu/test_gpu_linear.py > '$OUT_DIR/gpu_test_linear.log' 2>&1 & linear=\$!; }
   single=0
   if [ '${GPU_SINGLE:-1}' = 1 ]; then
