@@ -96,6 +96,22 @@ $PY -c "import pydantic" 2>/dev/null || { ls .whl/typing_extensions-*.whl >/dev/
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'triton', triton.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee -a "$OUT_DIR/session.log"
+# the linear parts with a carried newer Triton first on PYTHONPATH when there is one (.triton: fla's gated
+# backward kernels need Triton >= 3.7.1 on Hopper; scripts/triton_bundle.sh): the bench here, its GPU tests
+# (tests/gpu/test_gpu_linear.py) beside the suite below (or, LINEAR_TESTS_EARLY=1,
+# from the start, beside the benches: its first-use compiles are CPU work), in their own process with that Triton
+. scripts/carried_triton.sh
+FLA_TRITON=$(carried_triton_path "$PY")
+LINEAR_PP="${FLA_TRITON:+$FLA_TRITON:}$PYTHONPATH"
+PYTHONPATH="$LINEAR_PP" $PY -c "import triton; print('linear parts: triton', triton.__version__, triton.__file__)" 2>&1 | tee -a "$OUT_DIR/session.log"
+LINEAR_TESTS="PYTHONPATH='$LINEAR_PP' $PY -m pytest -q -p no:cacheprovider $TIMEOUT $LINEAR_XDIST tests/gpu/test_gpu_linear.py"
+EARLY_LINEAR=0
+if [ -n "$FLA_TRITON" ] && [ "${LINEAR_TESTS_EARLY:-0}" = 1 ]; then
+  echo "linear-tests: start early, beside the parts below" | tee -a "$OUT_DIR/session.log"
+  LINEAR_T0=$(date +%s)
+  bash -c "$LINEAR_TESTS" > "$OUT_DIR/gpu_test_linear.log" 2>&1 &
+  EARLY_LINEAR=$!
+fi
 part cudnn-probe ${PROBE_S:-40} bash -o pipefail -c "$PY scripts/gpu_probe_cudnn.py 2>&1 | tee -a '$OUT_DIR/session.log'"
 part attention-bench $(share ${ATTN_BENCH_SHARE:-23}) bash -o pipefail -c "$PY -m megatron_burst.bench gpu --out '$OUT_DIR/bench_gpu.jsonl' \
   ${GPU_BENCH_ARGS:---sections sparse documents rank_block dense --seqs 32768 --doc-seqs 32768 --no-flex --repeats 5 --max-seconds 2} 2>&1 | tee '$OUT_DIR/bench_gpu.log'"
@@ -103,13 +119,6 @@ part profile ${PROFILE_S:-0} bash -o pipefail -c "$PY scripts/gpu_profile.py --o
 part loss-bench $(share ${LOSS_BENCH_SHARE:-15}) bash -o pipefail -c "$PY -m megatron_burst.bench loss --quick --plot '' \
   --out '$OUT_DIR/bench_loss.jsonl' ${LOSS_BENCH_ARGS:-} 2>&1 | tee '$OUT_DIR/bench_loss.log'"
 part masked-tune $(share ${TUNE_SHARE:-0}) bash -o pipefail -c "$PY scripts/gpu_tune_masked.py --out '$OUT_DIR/tune_masked.jsonl' 2>&1 | tail -3"
-# the linear parts with a carried newer Triton first on PYTHONPATH when there is one (.triton: fla's gated
-# backward kernels need Triton >= 3.7.1 on Hopper; scripts/triton_bundle.sh): the bench here, its GPU tests
-# (tests/gpu/test_gpu_linear.py) beside the suite below, in their own process with that Triton
-. scripts/carried_triton.sh
-FLA_TRITON=$(carried_triton_path "$PY")
-LINEAR_PP="${FLA_TRITON:+$FLA_TRITON:}$PYTHONPATH"
-PYTHONPATH="$LINEAR_PP" $PY -c "import triton; print('linear parts: triton', triton.__version__, triton.__file__)" 2>&1 | tee -a "$OUT_DIR/session.log"
 LINEAR_S=$(share ${LINEAR_BENCH_SHARE:-14})
 # traced.py: every thread's stack each TRACE_S seconds on stderr (fla's autotuning and compiles print nothing)
 part linear-bench $LINEAR_S bash -o pipefail -c "PYTHONPATH='$LINEAR_PP' $PY scripts/traced.py ${TRACE_S:-30} -m megatron_burst.bench linear --gpu --out '$OUT_DIR/bench_linear.jsonl' \
@@ -126,8 +135,7 @@ part gpu-suite $(share ${SUITE_SHARE:-33}) bash -o pipefail -c "export GPU_TEST_
   multi=0 linear=0
   [ -n '${GPU_MULTI_ARGS-tests/gpu/test_gpu_cp_multi.py}' ] && { $PY -m pytest -q -p no:cacheprovider $TIMEOUT $MULTI_XDIST --durations=20 \
     ${GPU_MULTI_ARGS-tests/gpu/test_gpu_cp_multi.py} > '$OUT_DIR/gpu_test_multi.log' 2>&1 & multi=\$!; }
-  [ -n '$FLA_TRITON' ] && { PYTHONPATH='$LINEAR_PP' $PY -m pytest -q -p no:cacheprovider $TIMEOUT $LINEAR_XDIST \
-    tests/gpu/test_gpu_linear.py > '$OUT_DIR/gpu_test_linear.log' 2>&1 & linear=\$!; }
+  [ -n '$FLA_TRITON' ] && [ $EARLY_LINEAR = 0 ] && { $LINEAR_TESTS > '$OUT_DIR/gpu_test_linear.log' 2>&1 & linear=\$!; }
   single=0
   if [ '${GPU_SINGLE:-1}' = 1 ]; then
     $PY -m pytest -q -p no:cacheprovider $XDIST $TIMEOUT --durations=15 ${GPU_TEST_ARGS:-} tests/gpu --ignore=tests/gpu/test_gpu_cp_multi.py \
@@ -136,6 +144,11 @@ part gpu-suite $(share ${SUITE_SHARE:-33}) bash -o pipefail -c "export GPU_TEST_
   fi
   if (( multi )); then wait \$multi; multi=\$?; fi; if (( linear )); then wait \$linear; linear=\$?; fi
   exit \$(( single ? single : (multi ? multi : linear) ))"
+if (( EARLY_LINEAR )); then  # the early linear tests: waited for within the budget, then stopped
+  while kill -0 $EARLY_LINEAR 2>/dev/null && (( $(left) > 0 )); do sleep 2; done
+  kill -0 $EARLY_LINEAR 2>/dev/null && { pkill -TERM -P $EARLY_LINEAR; kill $EARLY_LINEAR; } 2>/dev/null
+  wait $EARLY_LINEAR; echo "linear-tests: exit $? after $(( $(date +%s) - LINEAR_T0 ))s" | tee -a "$OUT_DIR/session.log"
+fi
 echo "session: $(( $(date +%s) - START ))s of ${BUDGET}s" | tee -a "$OUT_DIR/session.log"
 # the figures against the issues' bars (reads the files above; no GPU work, about a second)
 $PY -m megatron_burst.bench verdict "$OUT_DIR" --out "$OUT_DIR/verdict.md" 2>&1 | tail -n +3 | head -60

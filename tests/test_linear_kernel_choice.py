@@ -123,10 +123,12 @@ def test_gdn_through_fla_equals_the_torch_path(monkeypatch, cuda_path, layout, s
 
 
 @pytest.mark.parametrize("layout,stripe,s", LAYOUTS[1:])
-def test_gdn_maps_come_from_one_wide_fla_call(monkeypatch, cuda_path, layout, stripe, s):
-    """Several segments per rank: the zero-start outputs, the rows the entering state multiplies and
-    every segment's map (A, B) come from one fla call per layer at value width dv + dk, entering
-    with [0 | I]; none of our chunked algebra runs (delta_segment_maps would raise)."""
+def test_one_rank_runs_any_layout_as_one_plain_fla_call(monkeypatch, cuda_path, layout, stripe, s):
+    """At W = 1 a rank holds the whole sequence in order whatever the layout (zigzag's two segments,
+    the stripes, are consecutive): the gated delta rule is one fla call over [b, s] rows from a zero
+    state with no final state and no maps (the wide call with [0 | I] entering states, which zigzag
+    and striped took here before, is for W > 1: test_fla_kernel_path_matches_the_recurrence); none
+    of our chunked algebra runs."""
     import functools
 
     from megatron_burst.linear import delta
@@ -142,35 +144,34 @@ def test_gdn_maps_come_from_one_wide_fla_call(monkeypatch, cuda_path, layout, st
 
     @functools.wraps(standin)
     def recording(q, k, v, g, beta, **kw):
-        seen.append((tuple(v.shape), None if kw["initial_state"] is None else kw["initial_state"].clone()))
+        seen.append((tuple(v.shape), kw["initial_state"], kw["output_final_state"]))
         return standin(q, k, v, g, beta, **kw)
 
     monkeypatch.setattr(module, "chunk_gated_delta_rule", recording)
     monkeypatch.setattr(delta, "delta_segment_maps", lambda *a, **k: pytest.fail("torch maps on the fla path"))
     got = run_gdn(*inputs, layout=layout, stripe=stripe)
     assert_same(got, want, f"gdn {layout}")
-    assert len(seen) == 1, [shape for shape, _ in seen]
-    (shape, init), (_, b, h, dk), dv = seen[0], inputs[0].shape, inputs[2].shape[-1]
-    nseg = {"zigzag": 2, "striped": 3}[layout]  # at W = 1
-    assert shape == (nseg * b, s // nseg, h, dv + dk)
-    eye = torch.eye(dk).expand(nseg * b, h, dk, dk)
-    assert torch.equal(init, torch.cat([torch.zeros(nseg * b, h, dk, dv), eye], -1))
+    (_, b, h, _), dv = inputs[0].shape, inputs[2].shape[-1]
+    assert seen == [((b, s, h, dv), None, False)]
 
 
 @pytest.mark.parametrize("op,form", [("lasp2", "none"), ("lasp2", "head"), ("lasp2", "token"), ("lasp2", "channel"),
                                      ("gdn", None)])
-def test_one_global_segment_is_one_fla_call_without_a_final_state(monkeypatch, cuda_path, op, form):
-    """W = 1, contiguous: the op is fla's own call -- one call per step, asking for no final state (a
-    state nobody reads would cost fla a write forward and a zero-gradient read backward)."""
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_one_global_segment_is_one_fla_call_without_a_final_state(monkeypatch, cuda_path, op, form, layout):
+    """W = 1 (contiguous, or zigzag: its two segments are consecutive on one rank): the op is fla's
+    own call -- one call per step, asking for no final state (a state nobody reads would cost fla a
+    write forward and a zero-gradient read backward)."""
     import functools
     import sys
 
     fla_standin.install(monkeypatch)
     if op == "lasp2":
-        inputs, run = lasp2_inputs(form, 90), lambda: run_lasp2(*inputs, form)
+        inputs, run = lasp2_inputs(form, 90), lambda: run_lasp2(*inputs, form, layout=layout)
     else:
-        inputs, run = gdn_inputs(90), lambda: run_gdn(*inputs)
-    want = run_lasp2(*inputs, form, kernel="torch") if op == "lasp2" else run_gdn(*inputs, kernel="torch")
+        inputs, run = gdn_inputs(90), lambda: run_gdn(*inputs, layout=layout)
+    want = (run_lasp2(*inputs, form, kernel="torch", layout=layout) if op == "lasp2" else
+            run_gdn(*inputs, kernel="torch", layout=layout))
     run()  # the first call self-checks (asking fla for states)
     name = {"gdn": "chunk_gated_delta_rule", "channel": "chunk_gla"}.get(op if op == "gdn" else form, "chunk_simple_gla")
     module = sys.modules[{"chunk_gated_delta_rule": "fla.ops.gated_delta_rule", "chunk_gla": "fla.ops.gla"}.get(

@@ -175,9 +175,22 @@ def time_fwd_bwd(fwd: Callable[[], Any], bwd: Callable[[Any], None], device: tor
     ``zero`` runs before every iteration, outside the timed region (gradients reset). The first
     ``warmup`` iterations are not counted; the repeats are cut so they take about ``max_seconds``.
     """
+    timing = time_interleaved({"": (fwd, bwd, zero)}, device, warmup, repeats, max_seconds)[""]
+    if isinstance(timing, Exception):
+        raise timing
+    return timing
+
+
+def time_interleaved(cases: dict[str, tuple[Callable[[], Any], Callable[[Any], None], Optional[Callable[[], None]]]],
+                     device: torch.device, warmup: int, repeats: int, max_seconds: float) -> dict[str, dict]:
+    """:func:`time_fwd_bwd` of several ``name -> (fwd, bwd, zero)`` cases compared with each other:
+    each case's warm-up runs on its own (its peak memory measured there), then the timed repeats go
+    round-robin (a, b, a, b, ...), so that clock drift and other work on the device fall on every
+    case alike. The repeats are cut so all cases together take about ``max_seconds``. A case that
+    raises in its warm-up maps to that exception (the others are still timed)."""
     cuda = device.type == "cuda"
 
-    def once() -> tuple[float, float]:
+    def once(fwd, bwd, zero) -> tuple[float, float]:
         if zero is not None:
             zero()
         if cuda:
@@ -197,28 +210,38 @@ def time_fwd_bwd(fwd: Callable[[], Any], bwd: Callable[[Any], None], device: tor
         t2 = time.perf_counter()
         return (t1 - t0) * 1e3, (t2 - t0) * 1e3
 
-    _sync(device)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device) if cuda else 0
-    last = None
-    for _ in range(max(warmup, 1)):
-        last = once()
-    n = max(1, min(repeats, int(max_seconds * 1e3 / max(last[1], 1e-3))))
-    fwd_ms, tot_ms = [], []
+    out: dict[str, Any] = {}
+    live, round_ms = [], 0.0
+    for name, case in cases.items():
+        try:
+            _sync(device)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device) if cuda else 0
+            last = None
+            for _ in range(max(warmup, 1)):
+                last = once(*case)
+        except Exception as e:  # noqa: BLE001  this case's result is its exception
+            out[name] = e
+            continue
+        if cuda:
+            peak = torch.cuda.max_memory_allocated(device)
+            out[name] = {"peak_mib": peak / 2**20, "peak_extra_mib": (peak - base) / 2**20}
+        else:
+            out[name] = {"peak_mib": None, "peak_extra_mib": None}
+        live.append(name)
+        round_ms += last[1]
+    n = max(1, min(repeats, int(max_seconds * 1e3 / max(round_ms, 1e-3))))
+    samples: dict[str, list] = {name: [] for name in live}
     for _ in range(n):
-        f, t = once()
-        fwd_ms.append(f)
-        tot_ms.append(t)
-    res = {"ms": statistics.median(tot_ms), "fwd_ms": statistics.median(fwd_ms),
-           "bwd_ms": statistics.median(t - f for f, t in zip(fwd_ms, tot_ms)), "repeats": n,
-           "spread_ms": [min(tot_ms), max(tot_ms)]}
-    if cuda:
-        peak = torch.cuda.max_memory_allocated(device)
-        res.update(peak_mib=peak / 2**20, peak_extra_mib=(peak - base) / 2**20)
-    else:
-        res.update(peak_mib=None, peak_extra_mib=None)
-    return res
+        for name in live:
+            samples[name].append(once(*cases[name]))
+    for name in live:
+        fwd_ms, tot_ms = [f for f, _ in samples[name]], [t for _, t in samples[name]]
+        out[name] = {"ms": statistics.median(tot_ms), "fwd_ms": statistics.median(fwd_ms),
+                     "bwd_ms": statistics.median(t - f for f, t in zip(fwd_ms, tot_ms)), "repeats": n,
+                     "spread_ms": [min(tot_ms), max(tot_ms)], **out[name]}
+    return out
 
 
 def tflops(fwd_flops: float, timing: dict) -> dict:

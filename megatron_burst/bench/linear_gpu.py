@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from megatron_burst.bench import apply_defaults
 from megatron_burst.bench.gpu import Recorder, environment, free_memory, tensors_from_bytes, tensors_to_bytes, \
-    time_between_barriers, time_fwd_bwd
+    time_between_barriers, time_interleaved
 
 FORMS = ("none", "head", "token", "channel")
 SMOKE = dict(seq=128, heads=2, head_dim=16, ref_heads=2, worlds=[2], repeats=2, warmup=1, max_seconds=1.0)
@@ -153,33 +153,38 @@ def errors(op: str, got: list[torch.Tensor], ref: list[torch.Tensor], heads: int
 
 
 # ------------------------------------------------------------------------------------------ local (W = 1)
-def measure(rec: Recorder, args, device, name: str, variant: str, op: str, form: str, x: dict,
-            forward: Callable[[list], torch.Tensor], ref: Optional[list], shape: dict) -> None:
-    """Time fwd+bwd of ``forward(leaves)`` and record it with its errors against ``ref``."""
-    try:
-        leaves = leaves_of(op, form, x)
+def measure(rec: Recorder, args, device, name: str, op: str, form: str, x: dict,
+            forwards: dict[str, Callable[[list], torch.Tensor]], ref: Optional[list], shape: dict) -> None:
+    """Time fwd+bwd of each ``variant -> forward(leaves)``, the variants' repeats interleaved
+    (:func:`~megatron_burst.bench.gpu.time_interleaved`: ours and fla's own call see the same GPU),
+    and record each with its errors against ``ref``; a variant that fails is recorded as such."""
+    cases, leaves = {}, {}
+    for variant, forward in forwards.items():
+        leaves[variant] = ls = leaves_of(op, form, x)
 
-        def fwd():
-            return forward(leaves)
-
-        def bwd(o):
-            o.backward(x["dout"])
-
-        def zero():
-            for t in leaves:
+        def zero(ls=ls):
+            for t in ls:
                 t.grad = None
-
-        timing = time_fwd_bwd(fwd, bwd, device, args.warmup, args.repeats, args.max_seconds, zero)
-        zero()
-        o = forward(leaves)
-        o.backward(x["dout"])
-        errs = errors(op, [o.detach()] + [t.grad for t in leaves], ref, args.ref_heads) if ref else None
-        rec.emit("local", name, variant, dtype=str(x["q"].dtype).replace("torch.", ""), shape=shape, **timing,
-                 errors=errs, error_heads=args.ref_heads, linear_kernels=kernel_lines())
+        cases[variant] = ((lambda forward=forward, ls=ls: forward(ls)), (lambda o: o.backward(x["dout"])), zero)
+    try:
+        timings = time_interleaved(cases, device, args.warmup, args.repeats, args.max_seconds)
     except Exception as e:  # noqa: BLE001  recorded, and the run goes on
-        rec.error("local", name, variant, e, shape=shape)
-    finally:
-        free_memory(device)
+        timings = {variant: e for variant in forwards}
+    for variant, timing in timings.items():
+        try:
+            if isinstance(timing, Exception):
+                raise timing
+            fwd, bwd, zero = cases[variant]
+            zero()
+            o = fwd()
+            bwd(o)
+            errs = errors(op, [o.detach()] + [t.grad for t in leaves[variant]], ref, args.ref_heads) if ref else None
+            rec.emit("local", name, variant, dtype=str(x["q"].dtype).replace("torch.", ""), shape=shape, **timing,
+                     errors=errs, error_heads=args.ref_heads, linear_kernels=kernel_lines())
+        except Exception as e:  # noqa: BLE001  recorded, and the run goes on
+            rec.error("local", name, variant, e, shape=shape)
+    del cases, leaves
+    free_memory(device)
 
 
 def section_local(rec: Recorder, args, device: torch.device, dtype: torch.dtype) -> None:
@@ -195,23 +200,37 @@ def section_local(rec: Recorder, args, device: torch.device, dtype: torch.dtype)
         except Exception as e:  # noqa: BLE001
             rec.error("local", name, "fp32_reference", e, shape=shape)
         refused = _fla_refusal(op, form)
+        forwards: dict[str, Callable[[list], torch.Tensor]] = {}
         for kernel in args.kernels:
             if kernel == "fla" and refused:  # fla raises in the backward, after its forward's compiles
                 rec.skip("local", name, kernel, refused, shape=shape)
                 continue
-            measure(rec, args, device, name, kernel, op, form, x,
-                    lambda leaves, kernel=kernel: run_ours(op, form, kernel, x, leaves), ref, shape)
+            forwards[kernel] = lambda leaves, kernel=kernel: run_ours(op, form, kernel, x, leaves)
         if "fla" in args.kernels and refused:
             rec.skip("local", name, "fla_direct", refused, shape=shape)
         elif "fla" in args.kernels:  # fla's own kernel, the bar, whenever ours runs with fla
             try:
                 direct = fla_direct_fn(op, form)
+                forwards["fla_direct"] = lambda leaves: direct(x, leaves)
             except Exception as e:  # noqa: BLE001
                 rec.error("local", name, "fla_direct", e, shape=shape)
-                continue
-            measure(rec, args, device, name, "fla_direct", op, form, x, lambda leaves: direct(x, leaves), ref, shape)
+        if "fla" in forwards and "fla_direct" in forwards:
+            _warm_both(forwards["fla"], forwards["fla_direct"], op, form, x)
+        measure(rec, args, device, name, op, form, x, forwards, ref, shape)
         del x, ref
         free_memory(device)
+
+
+def _warm_both(ours: Callable, direct: Callable, op: str, form: str, x: dict) -> None:
+    """One untimed fwd+bwd of ours on fla and of fla's own call before either is measured: the
+    first use compiles, autotunes (timing launch configs on scratch copies) and self-checks, and
+    neither the time nor the memory of that should land on whichever variant happens to come first.
+    A failure is left to the measurement, which records it."""
+    try:
+        for forward in (ours, direct):
+            forward(leaves_of(op, form, x)).backward(x["dout"])
+    except Exception:  # noqa: BLE001  measure() records it
+        pass
 
 
 def _fla_refusal(op: str, form: str) -> Optional[str]:

@@ -127,26 +127,29 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         if world_size > 1:
             return _lasp2_runs(q, k, v, g, documents, pg, rank, world_size, sbhd, scale, acc, kernel, to_bhsd)
         layout, documents = "contiguous", unplaced(documents)  # one rank holds the sequence in order
+    fla_fn = None
+    form = kernel_choice.decay_form(g)
+    if causal:  # bidirectional: the local work is one matmul per segment, always torch
+        _, fla_fn = kernel_choice.choose("lasp2", form, q.device, q.dtype, dk, dv, kernel,
+                                         documents=documents is not None)
+    if fla_fn is not None and world_size == 1:
+        # one rank holds the whole sequence in order, whatever the layout (zigzag's and the stripes'
+        # segments are consecutive at W = 1): one fla call from a zero state, as fla's own user calls it
+        pieces = fla_adapter.row_pieces(documents, b, (0,), 1, q.device)
+        o_rows, _ = fla_adapter.lasp2_segments(fla_fn, form, *(fla_adapter.to_rows(t, 1, sbhd) for t in (q, k, v)), g,
+                                               fla_adapter.decay_rows(g, form, 1, b, s, sbhd), scale, pieces,
+                                               final_state=False)
+        return fla_adapter.rows_to_local(o_rows, 1, sbhd).to(q.dtype).contiguous()
     per_rank = segments_per_rank(layout, s, stripe)
     L = s // per_rank
 
     def segments(t: torch.Tensor) -> torch.Tensor:  # [b, h, s, d] -> [nseg, b, h, L, d]
         return t.reshape(b, h, per_rank, L, t.shape[-1]).permute(2, 0, 1, 3, 4)
 
-    fla_fn = None
-    form = kernel_choice.decay_form(g)
-    if causal:  # bidirectional: the local work is one matmul per segment, always torch
-        _, fla_fn = kernel_choice.choose("lasp2", form, q.device, q.dtype, dk, dv, kernel,
-                                         documents=documents is not None)
     smap = SegmentMap(pg, rank, world_size, tuple(segment_order(layout, world_size, r, per_rank)
                                                    for r in range(world_size)), causal)
     # fla runs documents as pieces (rows cut at document starts, fla_adapter.row_pieces)
     pieces = None if fla_fn is None else fla_adapter.row_pieces(documents, b, smap.order[rank], smap.total, q.device)
-    if fla_fn is not None and world_size * per_rank == 1:  # one global segment, entered by a zero state
-        o_rows, _ = fla_adapter.lasp2_segments(fla_fn, form, *(fla_adapter.to_rows(t, 1, sbhd) for t in (q, k, v)), g,
-                                               fla_adapter.decay_rows(g, form, 1, b, L, sbhd), scale, pieces,
-                                               final_state=False)
-        return fla_adapter.rows_to_local(o_rows, 1, sbhd).to(q.dtype).contiguous()
     # the entering state's masks and the exchange's reset flags: the same for both local kernels
     sd = segment_documents(documents, b, smap.order[rank], smap.total, q.device)
     doc, keep = (None, None) if sd is None else (sd.doc, sd.resets)

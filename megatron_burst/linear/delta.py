@@ -241,6 +241,12 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         if world_size > 1:
             return _gdn_runs(fla, q, k, v, g, beta, documents, pg, rank, world_size, sbhd, scale, acc)
         layout, documents = "contiguous", unplaced(documents)  # one rank holds the sequence in order
+    if fla is not None and world_size == 1:
+        # one rank holds the whole sequence in order, whatever the layout (zigzag's and the stripes'
+        # segments are consecutive at W = 1): one fla call from a zero state, no maps
+        pieces = fla_adapter.row_pieces(documents, b, (0,), 1, q.device)
+        o = fla_adapter.gdn_rows(fla, *(fla_adapter.to_rows(t, 1, sbhd) for t in (q, k, v, g, beta)), scale, pieces)
+        return fla_adapter.rows_to_local(o, 1, sbhd).to(q.dtype).contiguous()
     per_rank = segments_per_rank(layout, s, stripe)
     L = s // per_rank
 
@@ -253,9 +259,6 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                                                    for r in range(world_size)), True)
     # fla runs documents as pieces (rows cut at document starts, fla_adapter.row_pieces)
     pieces = None if fla is None else fla_adapter.row_pieces(documents, b, smap.order[rank], smap.total, q.device)
-    if fla is not None and world_size * per_rank == 1:  # one global segment, entered by a zero state: no maps
-        o = fla_adapter.gdn_rows(fla, *(fla_adapter.to_rows(t, 1, sbhd) for t in (q, k, v, g, beta)), scale, pieces)
-        return fla_adapter.rows_to_local(o, 1, sbhd).to(q.dtype).contiguous()
     sd = segment_documents(documents, b, smap.order[rank], smap.total, q.device)
     doc, enter, resets = (None, None, None) if sd is None else (sd.doc, sd.enter, sd.resets)
     if fla is not None:  # outputs and maps (A = 0 where a document starts) by one fla call
@@ -277,7 +280,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 def _fla_outputs(fla, q, k, v, g, beta, nseg: int, smap: SegmentMap, sbhd: bool, scale: float,
                  pieces: Optional[fla_adapter.RowPieces] = None, resets: Optional[Resets] = None) -> torch.Tensor:
-    """The fixed layouts by fla (``nseg`` local segments, more than one global one): each segment a
+    """The fixed layouts by fla at W > 1 (``nseg`` local segments): each segment a
     batch row; one call gives every row's zero-start outputs, its map (A, B) and the rows o_in
     (:func:`fla_adapter.gdn_terms`; with ``pieces``, documents: the rows cut into varlen pieces);
     the exchange gives each row's entering state S_in, which adds o_in @ S_in."""
@@ -287,12 +290,9 @@ def _fla_outputs(fla, q, k, v, g, beta, nseg: int, smap: SegmentMap, sbhd: bool,
     terms = fla_adapter.gdn_terms(fla, rows(q), rows(k), rows(v), rows(g), rows(beta), scale, pieces)
     N, h, dk, dv = terms.B.shape
     A, B = terms.A.reshape(nseg, N // nseg, h, dk, dk), terms.B.reshape(nseg, N // nseg, h, dk, dv)
-    if smap.world_size > 1:
-        gathered, pending = post_state_gather(B, A, smap, label="gdn (A, B) all-gather")
-        pending.wait()
-        S_in = Lasp2Exchange.apply(B, A, gathered, smap, True, resets)
-    else:  # one rank, several segments (zigzag at W = 1): its segments are the global ones
-        S_in = local_entering_states(B, A, matrix=True, keep=resets)
+    gathered, pending = post_state_gather(B, A, smap, label="gdn (A, B) all-gather")
+    pending.wait()
+    S_in = Lasp2Exchange.apply(B, A, gathered, smap, True, resets)
     o = fla_adapter.add_entering(terms, S_in.reshape(N, h, dk, dv))
     return fla_adapter.rows_to_local(o, nseg, sbhd).to(q.dtype, memory_format=torch.contiguous_format)
 

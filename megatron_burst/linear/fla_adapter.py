@@ -188,6 +188,8 @@ def to_rows(t: torch.Tensor, nseg: int, sbhd: bool) -> torch.Tensor:
     """A rank-local tensor [s, b, h, ...] (``sbhd``) or [b, s, h, ...] -> fla rows [nseg * b, L, h, ...]
     (segment-major: row i * b + j is segment i of sample j; L = s / nseg)."""
     t = t.transpose(0, 1) if sbhd else t  # [b, s, ...]
+    if nseg == 1:  # the rows are the samples: no reshapes (each one is an autograd node, host time per layer)
+        return t
     b, s = t.shape[0], t.shape[1]
     rest = tuple(t.shape[2:])
     return t.reshape((b, nseg, s // nseg) + rest).transpose(0, 1).reshape((nseg * b, s // nseg) + rest)
@@ -201,6 +203,8 @@ def rows_to_segments(o: torch.Tensor, nseg: int) -> torch.Tensor:
 
 def rows_to_local(o: torch.Tensor, nseg: int, sbhd: bool) -> torch.Tensor:
     """fla rows [nseg * b, L, h, d] -> the rank-local layout [s, b, h, d] (``sbhd``) or [b, s, h, d]."""
+    if nseg == 1:
+        return o.transpose(0, 1) if sbhd else o
     n, L, h, d = o.shape
     b = n // nseg
     o = o.reshape(nseg, b, L, h, d).transpose(0, 1).reshape(b, nseg * L, h, d)
