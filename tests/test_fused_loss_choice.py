@@ -21,9 +21,10 @@ from megatron_burst.loss import choice, fast, fused_linear_cross_entropy, refere
 from megatron_burst.loss.config import _AGREED_CHUNKS, _agreed_chunk
 
 
-def emulated_ce_rows(z, tgt, stats, *, grad=None, wts=None, compute_stats=True, subtract_target=True):
+def emulated_ce_rows(z, tgt, stats, *, grad=None, wts=None, compute_stats=True, subtract_target=True, col0=0):
     """The contract of triton_kernels.ce_rows in plain torch (subtract_target=False: a wrong kernel
     that forgets the one-hot term of the gradient)."""
+    tgt = tgt - col0
     if compute_stats:
         m = z.max(dim=1).values
         stats[0] = m

@@ -256,12 +256,13 @@ VIEW_OPS = {"view", "t", "slice", "select", "as_strided", "_unsafe_view", "alias
             "unsqueeze", "detach", "_to_copy", "empty", "lift_fresh"}
 
 
-def test_vocab_pass_launches_three_ops_per_piece(monkeypatch):
+def test_vocab_pass_launches_two_ops_per_piece(monkeypatch):
     """The lean mode's backward walks hundreds of (vocabulary tile, token sub-chunk) pieces (358 at
     (16K, 128K, 4096)); on a GPU it was host-bound (164 ms against 115 ms of kernels, H100, torch
-    profiler) with ~12 launches per piece. Per piece now: the logits GEMM, the target-column shift
-    and the d weight GEMM (+ the softmax-gradient kernel, not an aten op) -- per-token targets and
-    statistics are formed once per pass. Counted here with the Triton kernel emulated (fp32, CPU)."""
+    profiler) with ~12 launches per piece. Per piece now: the logits GEMM and the d weight GEMM (+ the
+    softmax-gradient kernel, not an aten op, which also shifts the shard's target columns by the
+    tile's start) -- per-token targets and statistics are formed once per pass. Counted here with the
+    Triton kernel emulated (fp32, CPU)."""
     from megatron_burst.loss import triton_kernels
     from megatron_burst.loss.config import LossConfig
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -276,9 +277,10 @@ def test_vocab_pass_launches_three_ops_per_piece(monkeypatch):
                 counts[name] = counts.get(name, 0) + 1
             return func(*args, **(kwargs or {}))
 
-    def emulated(z, tgt, stats, *, grad=None, wts=None, compute_stats=True):
+    def emulated(z, tgt, stats, *, grad=None, wts=None, compute_stats=True, col0=0):
         inside["kernel"] = True
         try:
+            tgt = tgt - col0
             hit = (tgt >= 0) & (tgt < z.shape[1])
             g = torch.exp(z - stats[0][:, None]) * (wts / stats[1])[:, None]
             g[torch.arange(z.shape[0])[hit], tgt[hit]] -= wts[hit]
@@ -306,4 +308,4 @@ def test_vocab_pass_launches_three_ops_per_piece(monkeypatch):
     p = torch.softmax(z, 1) * gt[:, None]
     p[torch.arange(N)[labels >= 0], labels[labels >= 0]] -= gt[labels >= 0]
     torch.testing.assert_close(dw, p.t() @ h, rtol=1e-5, atol=1e-6)
-    assert pieces >= 10 and sum(counts.values()) <= 3 * pieces + 12, (pieces, counts)
+    assert pieces >= 10 and sum(counts.values()) <= 2 * pieces + 12, (pieces, counts)

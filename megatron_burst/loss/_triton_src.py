@@ -12,9 +12,10 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
-def ce_rows_kernel(Z, G, TGT, WTS, MAX, SUMEXP, ZTGT, V, stride_z, stride_g,
+def ce_rows_kernel(Z, G, TGT, WTS, MAX, SUMEXP, ZTGT, V, COL0, stride_z, stride_g,
                    BLOCK_V: tl.constexpr, STATS: tl.constexpr, GRAD: tl.constexpr):
     """One program per token row of the chunk's logits ``Z`` [T, V] (fp32, row stride stride_z).
+    ``TGT - COL0``: each row's target column among these V.
 
     STATS: walk the row once in BLOCK_V tiles, keeping the running max m and sum exp(z - m) in
     fp32 (one exp per logit: the sum is rescaled once per tile), and read the target's logit;
@@ -27,7 +28,9 @@ def ce_rows_kernel(Z, G, TGT, WTS, MAX, SUMEXP, ZTGT, V, stride_z, stride_g,
     """
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
-    tgt = tl.load(TGT + row)  # local target column; outside [0, V): none in these columns (or ignored)
+    # the target's column in these V columns (TGT's column minus COL0, the columns' first); outside
+    # [0, V): none here (or ignored)
+    tgt = tl.load(TGT + row) - COL0
     cols = tl.arange(0, BLOCK_V)
     if STATS:
         # The target's logit is read first: with G aliasing Z (fp32), another warp may already be

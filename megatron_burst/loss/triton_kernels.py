@@ -66,12 +66,13 @@ def _block_v(V: int) -> int:
 
 
 def ce_rows(z: torch.Tensor, tgt: torch.Tensor, stats: torch.Tensor, *, grad: Optional[torch.Tensor] = None,
-            wts: Optional[torch.Tensor] = None, compute_stats: bool = True) -> None:
+            wts: Optional[torch.Tensor] = None, compute_stats: bool = True, col0: int = 0) -> None:
     """Softmax statistics and / or the weighted logits gradient of the rows of ``z``.
 
     z: [T, V] fp32 logits, unit column stride (any row stride); tgt: [T] int64 local target
-    column, any value outside [0, V) meaning no target among these columns (a vocabulary tile's
-    caller passes global-shard columns minus the tile's start); stats: [3, T] fp32, each row with
+    column, any value outside [0, V) meaning no target among these columns; ``col0``: subtracted from
+    tgt first (a vocabulary tile's caller passes the shard's columns and the tile's start, so the
+    kernel shifts them: no launch per tile for it); stats: [3, T] fp32, each row with
     unit stride (a column slice of a [3, N] tensor works) -- written (max m, sum exp(z - m), target
     logit or 0) when ``compute_stats``, else read (rows 0 and 1: the global m and s). ``grad``: [T, V] in
     the GEMM dtype, unit column stride (may be ``z`` itself for fp32): receives
@@ -90,5 +91,5 @@ def ce_rows(z: torch.Tensor, tgt: torch.Tensor, stats: torch.Tensor, *, grad: Op
     w = stats[0] if wts is None else wts  # unread without GRAD
     block = _block_v(V)
     kwargs = {} if interpreting() else {"num_warps": max(1, min(GPU_NUM_WARPS, block // 256))}
-    kernel[(T,)](z, g, tgt, w, stats[0], stats[1], stats[2], V, z.stride(0), g.stride(0),
+    kernel[(T,)](z, g, tgt, w, stats[0], stats[1], stats[2], V, col0, z.stride(0), g.stride(0),
                  BLOCK_V=block, STATS=compute_stats, GRAD=grad is not None, **kwargs)

@@ -236,14 +236,15 @@ def _logits(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor, G: torch.Tensor
         torch.mm(h.float(), w.float().t(), out=out)
 
 
-def _softmax_grad(z: torch.Tensor, G: torch.Tensor, tgt: torch.Tensor, stats: torch.Tensor, g: torch.Tensor,
-                  impl: str) -> None:
-    """G [tn, vt] <- g_t (exp(z - m_t) / s_t - [v == tgt_t]) in G's dtype. tgt [tn]: the target's
-    column in this tile, any value outside [0, vt) meaning none here; stats [3, tn]: rows m, s (and
-    a free third row), each with unit stride; g [tn] contiguous."""
-    if impl == "triton":
-        triton_kernels.ce_rows(z, tgt, stats, grad=G, wts=g, compute_stats=False)
+def _softmax_grad(z: torch.Tensor, G: torch.Tensor, tgt: torch.Tensor, col0: int, stats: torch.Tensor,
+                  g: torch.Tensor, impl: str) -> None:
+    """G [tn, vt] <- g_t (exp(z - m_t) / s_t - [v == tgt_t - col0]) in G's dtype. tgt [tn]: the
+    target's column in the shard, col0 the tile's first, any tgt - col0 outside [0, vt) meaning none
+    here; stats [3, tn]: rows m, s (and a free third row), each with unit stride; g [tn] contiguous."""
+    if impl == "triton":  # the kernel subtracts col0 (no launch per piece for the shift)
+        triton_kernels.ce_rows(z, tgt, stats, grad=G, wts=g, compute_stats=False, col0=col0)
         return
+    tgt = tgt - col0
     m, s = stats[0], stats[1]
     z.sub_(m[:, None]).exp_().mul_((g / s)[:, None])
     hit = (tgt >= 0) & (tgt < z.shape[1])
@@ -325,7 +326,7 @@ def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: to
     own = torch.empty(own_bytes, dtype=torch.uint8, device=h.device) if own_bytes else None
     result_bytes = out.view(-1).view(torch.uint8) if out is not None else None
     weight = weight.contiguous()
-    # Per token, once for all tiles (a tile then subtracts its start: one launch per piece, not six):
+    # Per token, once for all tiles (the kernel subtracts a tile's start: one launch per piece, not six):
     # the target's column in this shard, -1 - V where none (ignored, or another shard's) so that no
     # tile's shifted column lands in [0, vt); the statistics as [3, N] rows (the kernel reads m, s).
     local = labels - cfg.vocab_start
@@ -356,7 +357,7 @@ def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: to
             z = z_flat[:n].view(t1 - t0, vt)
             G = z if g_flat is None else g_flat[:n].view(t1 - t0, vt)
             _logits(h[t0:t1], w_tile, z, G, cfg.impl)
-            _softmax_grad(z, G, tgt_all[t0:t1] - a, stats_all[:, t0:t1], g[t0:t1], cfg.impl)
+            _softmax_grad(z, G, tgt_all[t0:t1], a, stats_all[:, t0:t1], g[t0:t1], cfg.impl)
             if dest.dtype != torch.float32:
                 # Tokens not split: one GEMM over all of them straight into the 16-bit result (fp32
                 # sums in the GEMM, one rounding). CPU: in fp32, then one rounding, to be sure of it.
