@@ -12,6 +12,8 @@
 # 3. the whole GPU suite (tests/gpu: attention, sparse, fused loss, linear), xdist workers when installed
 # Shares of the budget: ATTN_BENCH_SHARE 23, LOSS_BENCH_SHARE 15, LINEAR_BENCH_SHARE 14, E2E_SHARE 15, SUITE_SHARE 33,
 # PROBE_S 40 (seconds for scripts/gpu_probe_cudnn.py; 0 skips it), PROFILE_S 0 (seconds for scripts/gpu_profile.py: kernel tables of the loss and 64-document cases, profile.txt; PROFILE_ARGS="--sections fusions" times what --te-free-fusions replaces), TUNE_SHARE 0 (scripts/gpu_tune_masked.py: Triton masked kernel launch configs) (percent; 0 skips a part); GPU_BENCH_ARGS, LINEAR_BENCH_ARGS, GPU_TEST_ARGS, GPU_MULTI_ARGS override each part's arguments.
+# LINEAR_TESTS_EARLY=1 starts tests/gpu/test_gpu_linear.py (carried Triton) before the first part, beside the others
+# (mostly fla's compiles: CPU work), and waits for it within the budget at the end; GPU_LINEAR_WORKERS (6) its xdist workers.
 # Carry `.whl`, `.mlm` and `.triton` (git-ignored). .whl: fla_core, flash_linear_attention, einops (I3);
 # liger_kernel, cut_cross_entropy (the loss bench's peers), megatron_core and pydantic (+ its needs:
 # scripts/mlm_bundle.sh, which also writes .mlm, Megatron-LM's patched training side). .triton:
@@ -82,7 +84,7 @@ XDIST=$( (( ${GPU_TEST_WORKERS:-8} > 0 )) && $PY -c "import xdist" 2>/dev/null &
 MULTI_XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 3 --dist loadgroup")
 # the linear tests in their own workers: first-use compiles of fla's kernels (one process compiled for
 # > 240 s on 2026-11-27) spread over the cores (GPU_LINEAR_WORKERS=0: one process)
-LINEAR_XDIST=$( (( ${GPU_LINEAR_WORKERS:-4} > 0 )) && $PY -c "import xdist" 2>/dev/null && echo "-n ${GPU_LINEAR_WORKERS:-4} --dist loadgroup")
+LINEAR_XDIST=$( (( ${GPU_LINEAR_WORKERS:-6} > 0 )) && $PY -c "import xdist" 2>/dev/null && echo "-n ${GPU_LINEAR_WORKERS:-6} --dist loadgroup")
 TIMEOUT=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout=240")  # the GPU image has pytest-timeout
 for pkg in liger_kernel:liger_kernel cut_cross_entropy:cut_cross_entropy megatron.core:megatron_core fla:fla_core fla:flash_linear_attention einops:einops \
            annotated_types:annotated_types typing_inspection:typing_inspection pydantic_core:pydantic_core pydantic:pydantic; do
