@@ -74,3 +74,13 @@ def test_reference_errors_of_an_exact_gradient_are_zero():
     obj.backward()
     errs = bench.reference_errors(h, w, y, mask, n, obj.item(), h.grad, w.grad, chunk=3)
     assert max(errs.values()) < 1e-6, errs
+
+
+def test_quick_takes_the_repeats_asked_for(monkeypatch, capsys):
+    """--quick keeps its one configuration but not a fixed repeat count: --repeats reaches every
+    variant's worker (a close comparison, such as the lean loss against unfused, asks for more)."""
+    specs = []
+    monkeypatch.setattr(bench, "_run", lambda spec, timeout: specs.append(spec) or {"error": "not run"})
+    bench.main(["--quick", "--device", "cpu", "--variants", "fused", "--repeats", "7", "--plot", ""])
+    bench.main(["--quick", "--device", "cpu", "--variants", "fused", "--plot", ""])
+    assert [(s["tokens"], s["dtype"], s["repeats"]) for s in specs] == [(16384, "bfloat16", 7), (16384, "bfloat16", 3)]

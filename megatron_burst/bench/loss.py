@@ -5,7 +5,7 @@
     python -m megatron_burst.bench loss --full               # the grid: N 4K/16K, V 32K/128K, d 1K/4K
     python -m megatron_burst.bench loss --tokens 2048 --vocab 16384 --hidden 512 --dtype bfloat16
 
-``--quick`` measures only N = 16384 tokens, V = 131072, d = 4096 in bf16, median of 3 repeats,
+``--quick`` measures only N = 16384 tokens, V = 131072, d = 4096 in bf16, median of 3 repeats (or --repeats),
 each variant in a fresh process (a few minutes on one H100 / H200, most of it process start-up
 and the fp32 reference); with two or more GPUs it adds TP = 2 for the variants that take a
 tensor-parallel group. ``--fast-chunks 2048 4096`` adds our fast path at those token chunks
@@ -431,7 +431,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m megatron_burst.bench loss", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="only N=16384, V=131072, d=4096, bf16, 3 repeats (+ TP=2 with two GPUs): for a short "
+                   help="only N=16384, V=131072, d=4096, bf16 (+ TP=2 with two GPUs): for a short "
                         "GPU session")
     p.add_argument("--full", action="store_true", help="the issue's grid (needs a large machine or a GPU)")
     p.add_argument("--tokens", type=int, nargs="+", help="N values (with --vocab and --hidden: their product)")
@@ -443,7 +443,7 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default float32 (--quick: bfloat16)")
     p.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, help="default: all that can run here")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=None, help="timed steps per variant, median taken (default 3, --quick too)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes) per run; V is split")
     p.add_argument("--sequence-parallel", action="store_true",
@@ -480,7 +480,7 @@ def main(argv=None) -> None:
         open(args.out, "w").close()
     print(f"# LM head + cross-entropy, {dtype}, {args.device}"
           f"{' (' + torch.cuda.get_device_name() + ')' if args.device.startswith('cuda') else ''}, "
-          f"{'SP, ' if args.sequence_parallel else ''}median of {args.repeats} fwd+bwd; objective sum(loss * mask) / "
+          f"{'SP, ' if args.sequence_parallel else ''}median of {args.repeats or 3} fwd+bwd; objective sum(loss * mask) / "
           f"sum(mask); peak = memory above the inputs (gradients included), saved = kept for backward beyond the "
           f"inputs, largest rank; errors: relative Frobenius against fp32")
     print("| N | V | d | TP | variant | impl | chunk | ms | x unfused | peak MiB | saved MiB | bwd peak MiB "
@@ -510,7 +510,7 @@ def main(argv=None) -> None:
             elif args.tile_elems and base_variant(variant) in ("fused", "fused_torch", "recompute"):
                 chunk = max(1, args.tile_elems // (V // tp))
             spec = dict(variant=variant, tokens=N, vocab=V, hidden=d, dtype=dtype, device=args.device,
-                        repeats=3 if args.quick else args.repeats, threads=args.threads, token_chunk=chunk, tp=tp,
+                        repeats=args.repeats or 3, threads=args.threads, token_chunk=chunk, tp=tp,
                         sequence_parallel=args.sequence_parallel, errors=args.errors)
             res[variant] = _run(spec, args.timeout)
             if args.out:  # as it is taken: a run cut short keeps what finished
