@@ -78,9 +78,12 @@ def test_reference_errors_of_an_exact_gradient_are_zero():
 
 def test_quick_takes_the_repeats_asked_for(monkeypatch, capsys):
     """--quick keeps its one configuration but not a fixed repeat count: --repeats reaches every
-    variant's worker (a close comparison, such as the lean loss against unfused, asks for more)."""
+    variant's worker (a close comparison, such as the lean loss against unfused, asks for more), and
+    so does --logit-std (the weight's scale)."""
     specs = []
     monkeypatch.setattr(bench, "_run", lambda spec, timeout: specs.append(spec) or {"error": "not run"})
-    bench.main(["--quick", "--device", "cpu", "--variants", "fused", "--repeats", "7", "--plot", ""])
+    bench.main(["--quick", "--device", "cpu", "--variants", "fused", "--repeats", "7", "--logit-std", "3",
+                "--plot", ""])
     bench.main(["--quick", "--device", "cpu", "--variants", "fused", "--plot", ""])
-    assert [(s["tokens"], s["dtype"], s["repeats"]) for s in specs] == [(16384, "bfloat16", 7), (16384, "bfloat16", 3)]
+    assert [(s["tokens"], s["dtype"], s["repeats"], s["logit_std"]) for s in specs] == [
+        (16384, "bfloat16", 7, 3.0), (16384, "bfloat16", 3, 1.0)]

@@ -123,6 +123,11 @@ def test_loss_bar_needs_every_part_at_once(tmp_path):
     write(tmp_path, "bench_loss.jsonl", [loss_line("unfused", 100.0, 24576, 8.6e-4, 1.7e-4),
                                          loss_line("fused_bwdw", 90.0, 1000, 5.9e-4, 1.3e-4)])
     assert [r.status for r in rows_of(tmp_path, bar="fused loss")] == [vd.MISSING]  # no CCE: not comparable
+    # the bar is at the bench's default logits (std 1): lines at another --logit-std do not count
+    write(tmp_path, "bench_loss.jsonl", [
+        loss_line("unfused", 115.7, 24576, 8.6e-4, 1.7e-4), loss_line("cce", 103.6, 1154, 1e-2, 4.6e-3),
+        dict(loss_line("fused_bwdw", 103.0, 1153, 5.9e-4, 1.3e-4), logit_std=0.64)])
+    assert [r.status for r in rows_of(tmp_path, bar="fused loss")] == [vd.MISSING]
 
 
 def test_e2e_mfu_bar(tmp_path):

@@ -244,7 +244,9 @@ def _worker(spec: dict) -> dict:
 
     n_local = N // tp if sp else N
     hidden = randn((n_local, 1, d), 1 + rank).requires_grad_()
-    weight = randn((V // tp, d), 1001 + rank, d ** -0.5).requires_grad_()
+    # logits of std logit_std (hidden ~ N(0, 1)): Cut Cross-Entropy skips gradient blocks whose softmax
+    # values are all below its filter, so its time (and error) depends on this scale
+    weight = randn((V // tp, d), 1001 + rank, spec.get("logit_std", 1.0) * d ** -0.5).requires_grad_()
     g = torch.Generator(device="cpu").manual_seed(2001)
     labels = torch.randint(0, V, (N, 1), generator=g).to(device)  # all N tokens, the same on every rank
     mask = (torch.rand(N, 1, generator=torch.Generator().manual_seed(2002)) > 0.1).float().to(device)
@@ -444,6 +446,10 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, help="default: all that can run here")
     p.add_argument("--repeats", type=int, default=None, help="timed steps per variant, median taken (default 3, --quick too)")
+    p.add_argument("--logit-std", type=float, default=1.0,
+                   help="the logits' standard deviation (the weight's scale; hidden states are N(0, 1)); "
+                        "a trained model's are larger. Cut Cross-Entropy's gradient filter makes its time "
+                        "depend on it")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes) per run; V is split")
     p.add_argument("--sequence-parallel", action="store_true",
@@ -511,11 +517,13 @@ def main(argv=None) -> None:
                 chunk = max(1, args.tile_elems // (V // tp))
             spec = dict(variant=variant, tokens=N, vocab=V, hidden=d, dtype=dtype, device=args.device,
                         repeats=args.repeats or 3, threads=args.threads, token_chunk=chunk, tp=tp,
+                        logit_std=args.logit_std,
                         sequence_parallel=args.sequence_parallel, errors=args.errors)
             res[variant] = _run(spec, args.timeout)
             if args.out:  # as it is taken: a run cut short keeps what finished
                 _append_line(args.out, dict(tokens=N, vocab=V, hidden=d, tp=tp, variant=variant, dtype=dtype,
-                                            device=args.device, torch=torch.__version__, **res[variant]))
+                                            device=args.device, torch=torch.__version__, logit_std=args.logit_std,
+                                            **res[variant]))
             if "error" in res[variant]:
                 errors.append(f"{variant} at N={N} V={V} d={d} TP={tp}: {res[variant]['error']}")
                 continue
