@@ -356,17 +356,22 @@ def test_row_kernel_compiles_for_hopper_in_every_mode(grad_dtype):
     """No GPU here: the row kernel compiled for sm_90 down to a cubin with its GPU launch options
     (BLOCK_V 4096, 8 warps), in each mode a call uses -- statistics only (the forward), statistics
     and gradient, gradient from given statistics (the vocabulary pass) -- so a kernel that only the
-    interpreter accepts fails here, not on the GPU."""
+    interpreter accepts fails here, not on the GPU. With G written over the logits' rows the PTX
+    has its barrier."""
     from megatron_burst.loss import triton_kernels
     from triton_masked_cases import aot_compile
 
     fn = triton_kernels._kernel()
     pointers = {"Z": "fp32", "G": grad_dtype, "TGT": "i64", "WTS": "fp32", "MAX": "fp32", "SUMEXP": "fp32",
                 "ZTGT": "fp32"}
-    for stats, grad in ((True, False), (True, True), (False, True)):
-        opts = dict(BLOCK_V=triton_kernels.GPU_BLOCK_V, STATS=stats, GRAD=grad)
+    # the last: the vocabulary pass's 16-bit G written over its fp32 logits rows (a barrier per block)
+    for stats, grad, g_in_z in ((True, False, False), (True, True, False), (False, True, False), (False, True, True)):
+        opts = dict(BLOCK_V=triton_kernels.GPU_BLOCK_V, STATS=stats, GRAD=grad, G_IN_Z=g_in_z)
         compiled = aot_compile(fn, opts, pointers, {"num_warps": triton_kernels.GPU_NUM_WARPS})
-        assert "cubin" in compiled.asm and compiled.metadata.shared <= 227 * 1024, (stats, grad)
+        assert "cubin" in compiled.asm and compiled.metadata.shared <= 227 * 1024, (stats, grad, g_in_z)
+        if not stats:  # no reductions: a barrier in the PTX is the one between load and store
+            assert ("bar.sync" in compiled.asm["ptx"]) == g_in_z, (grad, g_in_z)
+
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -426,5 +431,5 @@ def test_triton_kernels_under_interpreter():
     assert auto["verdicts"] == {"cpu torch.float32": True}  # the interpreted kernel passed its self-check
     assert auto["logged"] == ["megatron-burst: fused LM loss on cpu / float32: triton (cuBLAS GEMMs + one fused "
                               "Triton softmax-gradient pass per token chunk)"]
-    assert auto["walks"] == 3 and auto["paths"] == {"scaled": 1, "recompute": 0}
+    assert auto["walks"] == 4 and auto["paths"] == {"scaled": 1, "recompute": 0}
     assert auto["err"] <= 1e-6

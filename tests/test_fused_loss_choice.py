@@ -102,6 +102,22 @@ def test_self_check_names_the_mismatch(cpu_is_fast):
     assert info.value.__cause__ is None
 
 
+def test_self_check_covers_the_vocabulary_pass(cpu_is_fast):
+    """A kernel wrong only where the vocabulary pass calls it (tiles after the first, whose target
+    columns the kernel shifts: weight_grad="backward") fails the self-check too, naming that mode:
+    the lean path never runs unchecked."""
+    def wrong_in_the_pass(*a, col0=0, **k):  # forgets the shift
+        emulated_ce_rows(*a, **k)
+
+    cpu_is_fast.setattr(triton_kernels, "ce_rows", wrong_in_the_pass)
+    h, w, labels, mask = _problem()
+    with pytest.raises(choice.LossSelfCheckError) as info:
+        fused_linear_cross_entropy(h, w, labels, loss_mask=mask)
+    msg = str(info.value)
+    assert "failed its self-check (scaled backward, weight_grad='backward'" in msg, msg
+    assert "d weight is off the fp32 reference by" in msg, msg
+
+
 def test_allow_slow_kernels_falls_back_to_torch_with_a_warning(cpu_is_fast, caplog):
     cpu_is_fast.setattr(triton_kernels, "ce_rows", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad launch")))
     cpu_is_fast.setenv("MEGATRON_BURST_ALLOW_SLOW_KERNELS", "1")
@@ -130,7 +146,7 @@ def test_auto_runs_the_fast_path_after_a_passing_self_check(cpu_is_fast, caplog)
     h, w, labels, mask = _problem()
     got = _grads(fused_linear_cross_entropy, h, w, labels, mask, loss_mask=mask)
     assert choice._VERDICTS == {("cpu", torch.float32): True}
-    assert walks["n"] == 3  # the self-check's two calls and this one
+    assert walks["n"] == 4  # the self-check's three calls (two weight_grad modes) and this one
     lines = [r.getMessage() for r in caplog.records if r.name == "megatron_burst.loss"]
     assert lines == ["megatron-burst: fused LM loss on cpu / float32: triton (cuBLAS GEMMs + one fused Triton "
                      "softmax-gradient pass per token chunk)"]
@@ -139,7 +155,7 @@ def test_auto_runs_the_fast_path_after_a_passing_self_check(cpu_is_fast, caplog)
     for a, b in zip(got, want):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     _grads(fused_linear_cross_entropy, cases.leaf(h), cases.leaf(w), labels, mask, loss_mask=mask)
-    assert walks["n"] == 4 and len(caplog.records) == 1  # logged once
+    assert walks["n"] == 5 and len(caplog.records) == 1  # logged once
 
 
 def test_self_check_does_not_count_as_a_backward_of_the_caller(cpu_is_fast):

@@ -13,7 +13,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 def ce_rows_kernel(Z, G, TGT, WTS, MAX, SUMEXP, ZTGT, V, COL0, stride_z, stride_g,
-                   BLOCK_V: tl.constexpr, STATS: tl.constexpr, GRAD: tl.constexpr):
+                   BLOCK_V: tl.constexpr, STATS: tl.constexpr, GRAD: tl.constexpr, G_IN_Z: tl.constexpr):
     """One program per token row of the chunk's logits ``Z`` [T, V] (fp32, row stride stride_z).
     ``TGT - COL0``: each row's target column among these V.
 
@@ -25,6 +25,10 @@ def ce_rows_kernel(Z, G, TGT, WTS, MAX, SUMEXP, ZTGT, V, COL0, stride_z, stride_
     GRAD: walk the row again and store the gradient of the per-token loss with respect to the
     logits, weighted by WTS: ``G[t, v] = w_t * (exp(z - m) / s - [v == target])`` in G's dtype
     (bf16 for bf16 inputs, the GEMM operand; G may be Z itself when both are fp32).
+    G_IN_Z: G's row t is the first half of Z's row t (16-bit G written over the fp32 logits, the
+    vocabulary pass's scratch). Block i's stores then land on the fp32 elements below (v0 + BLOCK_V) / 2,
+    all read by the time every warp has loaded block i: a barrier between the load and the store
+    of each block keeps a warp from overwriting elements another warp has not read yet.
     """
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
@@ -62,6 +66,8 @@ def ce_rows_kernel(Z, G, TGT, WTS, MAX, SUMEXP, ZTGT, V, COL0, stride_z, stride_
             offs = v0 + cols
             ok = offs < V
             z = tl.load(z_row + offs, mask=ok, other=0.0)
+            if G_IN_Z:
+                tl.debug_barrier()
             g = tl.exp2((z - m) * LOG2E) * coef
             g = tl.where(offs == tgt, g - w, g)
             tl.store(g_row + offs, g.to(G.dtype.element_ty), mask=ok)

@@ -4,8 +4,9 @@
   after a self-check against the fp32 reference on that device for that dtype (once per process,
   device and dtype; a remembered failure is raised again). The self-check runs the public op on
   a small problem (odd sizes, several chunks and vocabulary tiles, ignored labels, a loss mask),
-  forward and both backward paths (scaled and recompute), and compares the loss, d hidden and d
-  weight with an fp32 autograd computation. An exception raises :class:`LossSelfCheckError`
+  forward and both backward paths (scaled and recompute), and the weight gradient by vocabulary
+  tiles (``weight_grad="backward"``), and compares the loss, d hidden and d weight with an fp32
+  autograd computation. An exception raises :class:`LossSelfCheckError`
   naming the implementation, device and dtype, with the exception's text and the exception
   chained (``__cause__``); a result off the reference raises it naming the quantity, the error
   and the bound.
@@ -127,8 +128,10 @@ SELF_CHECK_TOL = {torch.bfloat16: {"loss": 1e-3, "dh": 2e-2, "dw": 2e-2},
                   torch.float32: {"loss": 1e-3, "dh": 5e-3, "dw": 5e-3}}
 # N tokens in chunks of T (a ragged last one), V vocabulary rows (more than one GPU tile of 4096, a
 # ragged last tile), hidden size d. Under Triton's interpreter (CPU tests) its tiles are 16 wide.
-SELF_CHECK_SHAPE = dict(N=200, V=5003, d=64, T=64)
-INTERPRET_SELF_CHECK_SHAPE = dict(N=40, V=53, d=16, T=16)
+# Vt: vocabulary rows per tile of the weight_grad="backward" pass (None: its default, 2048: three
+# tiles at V = 5003), so that tiles after the first (their columns shifted in the kernel) are checked
+SELF_CHECK_SHAPE = dict(N=200, V=5003, d=64, T=64, Vt=None)
+INTERPRET_SELF_CHECK_SHAPE = dict(N=40, V=53, d=16, T=16, Vt=24)
 
 
 def _shape() -> dict:
@@ -175,14 +178,18 @@ def self_check(device: torch.device, dtype: torch.dtype, fused_linear_cross_entr
     valid = labels != -100
     paths = dict(backward_paths)  # the self-check's backward passes are not the caller's
     try:
-        for kind, r in (("scaled", mask / mask.sum()), ("recompute", other)):
-            where = f"({kind} backward, N={s['N']} V={s['V']} d={s['d']} in chunks of {s['T']})"
+        # weight_grad="backward": d weight by vocabulary tiles, the kernel writing G over its logits' rows
+        for kind, r, weight_grad in (("scaled", mask / mask.sum(), "forward"), ("recompute", other, "forward"),
+                                     ("scaled", mask / mask.sum(), "backward")):
+            where = (f"({kind} backward, weight_grad={weight_grad!r}, N={s['N']} V={s['V']} d={s['d']} in chunks "
+                     f"of {s['T']})")
             try:
                 with torch.enable_grad(), torch.autocast(device.type, enabled=False), warnings.catch_warnings():
                     warnings.simplefilter("ignore", FusedLossRecomputeWarning)
                     h = hidden.detach().clone().requires_grad_()
                     w = weight.detach().clone().requires_grad_()
-                    loss = fused_linear_cross_entropy(h, w, labels, loss_mask=mask, token_chunk=s["T"], impl=impl)
+                    loss = fused_linear_cross_entropy(h, w, labels, loss_mask=mask, token_chunk=s["T"], impl=impl,
+                                                      weight_grad=weight_grad, vocab_chunk=s["Vt"])
                     (loss * r).sum().backward()
                     h32 = hidden.detach().float().requires_grad_()
                     w32 = weight.detach().float().requires_grad_()

@@ -75,7 +75,8 @@ def ce_rows(z: torch.Tensor, tgt: torch.Tensor, stats: torch.Tensor, *, grad: Op
     kernel shifts them: no launch per tile for it); stats: [3, T] fp32, each row with
     unit stride (a column slice of a [3, N] tensor works) -- written (max m, sum exp(z - m), target
     logit or 0) when ``compute_stats``, else read (rows 0 and 1: the global m and s). ``grad``: [T, V] in
-    the GEMM dtype, unit column stride (may be ``z`` itself for fp32): receives
+    the GEMM dtype, unit column stride (may be ``z`` itself for fp32, or for 16-bit the first half of
+    each of z's rows: a view of z's storage whose row stride in bytes is z's): receives
     ``wts[t] * (exp(z - m) / s - [v == tgt[t]])``; ``wts``: [T] fp32. At least one of the two.
     """
     kernel = _kernel()
@@ -88,8 +89,14 @@ def ce_rows(z: torch.Tensor, tgt: torch.Tensor, stats: torch.Tensor, *, grad: Op
     if grad is None and not compute_stats:
         raise ValueError("ce_rows: nothing to do (neither statistics nor a gradient asked for)")
     g = z if grad is None else grad
+    g_in_z = g.dtype != z.dtype and g.data_ptr() == z.data_ptr()
+    if g_in_z and (T > 1 and g.stride(0) * g.element_size() != z.stride(0) * z.element_size()
+                   or g.element_size() > z.element_size()):
+        raise ValueError(f"ce_rows: a {g.dtype} grad in z's storage must lie in the first half of each of z's rows "
+                         f"(row stride {z.stride(0) * z.element_size()} bytes); got row stride "
+                         f"{g.stride(0) * g.element_size()} bytes")
     w = stats[0] if wts is None else wts  # unread without GRAD
     block = _block_v(V)
     kwargs = {} if interpreting() else {"num_warps": max(1, min(GPU_NUM_WARPS, block // 256))}
     kernel[(T,)](z, g, tgt, w, stats[0], stats[1], stats[2], V, col0, z.stride(0), g.stride(0),
-                 BLOCK_V=block, STATS=compute_stats, GRAD=grad is not None, **kwargs)
+                 BLOCK_V=block, STATS=compute_stats, GRAD=grad is not None, G_IN_Z=g_in_z, **kwargs)

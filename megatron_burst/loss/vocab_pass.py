@@ -23,8 +23,9 @@ tiles near the end, fewer launches) but round them before the softmax, and with 
 statistics the normalization no longer matches -- in an emulation at (2K, 16K, 1K) with logits of
 std 5, d weight's error was 1.6e-2 that way against 1.8e-3 here (unfused, all bf16: 9.2e-3).
 
-Scratch: per tile, fp32 logits z and the G tile [tn, vt] (6 B per logit for bf16, 4 B for fp32:
-G overwrites z), the fp32 tile accumulator [vt, d] when the tokens are split into sub-chunks
+Scratch: per tile, fp32 logits z and the G tile [tn, vt] (4 B per logit: G overwrites z in fp32,
+and a 16-bit G is written over the first half of each fp32 row of z by the Triton kernel --
+``G_IN_LOGITS``; the torch path keeps a G of its own, 6 B per logit), the fp32 tile accumulator [vt, d] when the tokens are split into sub-chunks
 (tn < N) and the result is not itself fp32 (plus an fp32 product [vt, d] where torch cannot
 accumulate a bf16 GEMM into fp32 in place), and [3, tn] fp32 statistics.
 
@@ -88,6 +89,10 @@ ROW_ALIGN = 16
 PIECE_COST_BYTES = 256 << 20
 # Whether d weight's own unwritten rows hold the scratch (module switch for tests and benchmarks).
 SCRATCH_IN_RESULT = True
+# Whether the Triton path writes a 16-bit G over the first half of each fp32 logits row instead of a
+# G tile of its own (module switch): 4 B of scratch per logit instead of 6, so the tiles near the
+# end of the pass stay larger -- 126 (tile, token) pieces instead of 201 at (16K, 128K, 4096).
+G_IN_LOGITS = True
 
 
 def _align(n: int) -> int:
@@ -103,22 +108,23 @@ class TileScratch:
     accumulated into fp32 where torch cannot do it in the GEMM)."""
 
     z: int
-    g: Optional[int]
+    g: Optional[int]  # None: G overwrites z (fp32), or lies in the first half of z's rows (g_in_z)
     acc: Optional[int]
     tmp: Optional[int]
     nbytes: int
 
 
 def tile_scratch(vt: int, tn: int, n_tokens: int, d: int, dtype: torch.dtype, dest_fp32: bool,
-                 acc_temp: bool) -> TileScratch:
+                 acc_temp: bool, g_in_z: bool = False) -> TileScratch:
     """The scratch layout of a tile of ``vt`` vocabulary rows walked in sub-chunks of ``tn`` of the
     ``n_tokens`` tokens. ``dest_fp32``: the destination accumulates in fp32 itself (fp32 result or
     Megatron's main_grad); ``acc_temp``: this torch has no in-GEMM fp32 accumulation of 16-bit
-    operands (:func:`megatron_burst.loss.fast._addmm_fp32_works`)."""
+    operands (:func:`megatron_burst.loss.fast._addmm_fp32_works`); ``g_in_z``: a 16-bit G lies in
+    the first half of each fp32 row of z (the Triton kernel writes it there), no G piece."""
     wide = dtype == torch.float32
     off = _align(4 * tn * vt)
     g = None
-    if not wide:
+    if not wide and not g_in_z:
         g, off = off, _align(off + 2 * tn * vt)
     acc = tmp = None
     if not wide and tn < n_tokens and not dest_fp32:
@@ -139,9 +145,9 @@ class VocabTile:
     offset: Optional[int]
 
 
-def _own_tile(cap: int, n_tokens: int, dtype: torch.dtype) -> tuple[int, int]:
+def _own_tile(cap: int, n_tokens: int, dtype: torch.dtype, g_in_z: bool = False) -> tuple[int, int]:
     """(vt, tn) of the own-buffer plan: vt = cap rows, tn tokens from TILE_BYTES."""
-    per_elem = 4 if dtype == torch.float32 else 6
+    per_elem = 4 if dtype == torch.float32 or g_in_z else 6
     tn = max(1, min(n_tokens, TILE_BYTES // (per_elem * cap)))
     if 256 <= tn < n_tokens:
         tn -= tn % 128  # whole GEMM tiles
@@ -156,33 +162,33 @@ def _bytes_per_row(vt: int, tn: int, n_tokens: int, d: int, elt: int) -> float:
     return (2 * n_tokens * d * elt + (subchunks - 1) * 8 * vt * d + subchunks * PIECE_COST_BYTES) / vt
 
 
-def _token_options(n_tokens: int, vt: int, dtype: torch.dtype) -> list[int]:
-    own = _own_tile(vt, n_tokens, dtype)[1]
+def _token_options(n_tokens: int, vt: int, dtype: torch.dtype, g_in_z: bool) -> list[int]:
+    own = _own_tile(vt, n_tokens, dtype, g_in_z)[1]
     return sorted({n_tokens, own} | {t for t in SPLIT_TOKENS if t < n_tokens}, reverse=True)
 
 
 def plan_vocab_tiles(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, vocab_chunk: int, *,
-                     in_result: bool, dest_fp32: bool, acc_temp: bool) -> tuple[VocabTile, ...]:
+                     in_result: bool, dest_fp32: bool, acc_temp: bool, g_in_z: bool = False) -> tuple[VocabTile, ...]:
     """The tiles of one pass over ``v_local`` vocabulary rows (see the module docstring).
 
     ``in_result``: the scratch may live in the result's storage ([v_local, d] in ``dtype``, not yet
     written) past each tile's rows; else every tile uses the own buffer. ``dest_fp32`` /
-    ``acc_temp``: as :func:`tile_scratch`. Host arithmetic only, cached per shape (and per value
-    of the module's tiling constants).
+    ``acc_temp`` / ``g_in_z``: as :func:`tile_scratch`. Host arithmetic only, cached per shape (and
+    per value of the module's tiling constants).
     """
     constants = (VOCAB_TILE, TILE_BYTES, MIN_TILE_ROWS, TAIL_BYTES, SPLIT_TOKENS, ALIGN, ROW_ALIGN, PIECE_COST_BYTES)
-    return _plan(n_tokens, v_local, d, dtype, vocab_chunk, in_result, dest_fp32, acc_temp, constants)
+    return _plan(n_tokens, v_local, d, dtype, vocab_chunk, in_result, dest_fp32, acc_temp, g_in_z, constants)
 
 
 @functools.lru_cache(maxsize=256)
 def _plan(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, vocab_chunk: int, in_result: bool,
-          dest_fp32: bool, acc_temp: bool, constants: tuple) -> tuple[VocabTile, ...]:
+          dest_fp32: bool, acc_temp: bool, g_in_z: bool, constants: tuple) -> tuple[VocabTile, ...]:
     cap = max(1, min(vocab_chunk, VOCAB_TILE, v_local))
 
     def scratch(vt: int, tn: int) -> int:
-        return tile_scratch(vt, tn, n_tokens, d, dtype, dest_fp32, acc_temp).nbytes
+        return tile_scratch(vt, tn, n_tokens, d, dtype, dest_fp32, acc_temp, g_in_z).nbytes
 
-    vt, tn = _own_tile(cap, n_tokens, dtype)
+    vt, tn = _own_tile(cap, n_tokens, dtype, g_in_z)
     if not in_result or scratch(vt, tn) <= TAIL_BYTES:  # small shapes: nothing worth borrowing
         return tuple(VocabTile(a, min(a + vt, v_local), tn, None) for a in range(0, v_local, vt))
     elt = torch.finfo(dtype).bits // 8
@@ -197,7 +203,7 @@ def _plan(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, vocab_chunk: 
         sizes = sorted({_aligned_rows(top), *range(MIN_TILE_ROWS, top + 1, MIN_TILE_ROWS)}, reverse=True)
         for vt in (x for x in sizes if x >= min(MIN_TILE_ROWS, cap)):
             offset = _align((a + vt) * row_bytes)
-            for tn in _token_options(n_tokens, vt, dtype):
+            for tn in _token_options(n_tokens, vt, dtype, g_in_z):
                 if scratch(vt, tn) <= total - offset:
                     key = (_bytes_per_row(vt, tn, n_tokens, d, elt), -vt)
                     if best is None or key < best[0]:
@@ -211,7 +217,7 @@ def _plan(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, vocab_chunk: 
     if a < v_local:  # the last rows: an own buffer of at most TAIL_BYTES where some shape fits
         rem = v_local - a
         heights = {min(cap, rem), *range(ROW_ALIGN, min(cap, rem) + 1, ROW_ALIGN)}  # the whole rest in one, or aligned
-        options = [(vt, tn) for vt in sorted(heights, reverse=True) for tn in _token_options(n_tokens, vt, dtype)]
+        options = [(vt, tn) for vt in sorted(heights, reverse=True) for tn in _token_options(n_tokens, vt, dtype, g_in_z)]
         fits = [(_bytes_per_row(vt, tn, n_tokens, d, elt), vt, tn) for vt, tn in options if scratch(vt, tn) <= TAIL_BYTES]
         if fits:
             _, vt, tn = min(fits)
@@ -321,11 +327,14 @@ def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: to
     if h.is_cuda and h.dtype != torch.float32:
         from megatron_burst.loss.fast import _addmm_fp32_works
         acc_temp = not _addmm_fp32_works(h.device)
+    # the Triton kernel writes a 16-bit G over the first half of each fp32 logits row (the torch path's
+    # in-place ops cannot: it keeps a G of its own)
+    g_in_z = G_IN_LOGITS and cfg.impl == "triton" and h.dtype != torch.float32
     tiles = plan_vocab_tiles(N, V, d, h.dtype, cfg.vocab_chunk, in_result=out is not None and SCRATCH_IN_RESULT,
-                             dest_fp32=dest_fp32, acc_temp=acc_temp)
+                             dest_fp32=dest_fp32, acc_temp=acc_temp, g_in_z=g_in_z)
 
     def layout(t: VocabTile) -> TileScratch:
-        return tile_scratch(t.stop - t.start, t.tokens, N, d, h.dtype, dest_fp32, acc_temp)
+        return tile_scratch(t.stop - t.start, t.tokens, N, d, h.dtype, dest_fp32, acc_temp, g_in_z)
 
     own_bytes = max((layout(t).nbytes for t in tiles if t.offset is None), default=0)
     own = torch.empty(own_bytes, dtype=torch.uint8, device=h.device) if own_bytes else None
@@ -360,7 +369,12 @@ def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: to
             t1 = min(t0 + tn, N)
             n = (t1 - t0) * vt
             z = z_flat[:n].view(t1 - t0, vt)
-            G = z if g_flat is None else g_flat[:n].view(t1 - t0, vt)
+            if g_flat is not None:
+                G = g_flat[:n].view(t1 - t0, vt)
+            elif g_in_z:  # row t of G: the first half of z's row t (the kernel orders its writes after its reads)
+                G = z_flat[:n].view(h.dtype).view(t1 - t0, 2 * vt)[:, :vt]
+            else:
+                G = z
             _logits(h[t0:t1], w_tile, z, G, cfg.impl)
             _softmax_grad(z, G, tgt_all[t0:t1], a, stats_all[:, t0:t1], g[t0:t1], cfg.impl)
             if dest.dtype != torch.float32:
