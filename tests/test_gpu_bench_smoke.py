@@ -81,3 +81,31 @@ def test_gpu_bench_smoke(tmp_path):
         dense = [r for r in rows if r.bar.startswith("dense")]
         assert dense[0].status == vd.MISSING and "no timing of" in dense[0].figure  # the smoke size is not 32K
         assert {r.status for r in rows} == {vd.MISSING}
+
+
+def test_time_interleaved_warms_every_case_first_and_goes_round_robin():
+    """Several cases: one untimed call of each first (first-use work lands on none of them), then
+    each case's own warm-up, then the repeats in turns; a case failing early maps to its exception
+    while the others are still timed. One case: no extra call (time_fwd_bwd as before)."""
+    import torch
+
+    from megatron_burst.bench.gpu import time_fwd_bwd, time_interleaved
+
+    calls = []
+
+    def case(name, fail=False):
+        def fwd():
+            calls.append(name)
+            if fail:
+                raise RuntimeError(f"{name} broke")
+            return name
+        return fwd, (lambda state: None), None
+
+    cpu = torch.device("cpu")
+    got = time_interleaved({"a": case("a"), "b": case("b"), "c": case("c", fail=True)}, cpu, warmup=2, repeats=3,
+                           max_seconds=60)
+    assert calls == ["a", "b", "c"] + ["a", "a"] + ["b", "b"] + ["a", "b"] * 3, calls
+    assert got["a"]["repeats"] == got["b"]["repeats"] == 3 and isinstance(got["c"], RuntimeError)
+    calls.clear()
+    time_fwd_bwd(*case("a")[:2], cpu, warmup=2, repeats=3, max_seconds=60)
+    assert calls == ["a"] * 5

@@ -183,11 +183,13 @@ def time_fwd_bwd(fwd: Callable[[], Any], bwd: Callable[[Any], None], device: tor
 
 def time_interleaved(cases: dict[str, tuple[Callable[[], Any], Callable[[Any], None], Optional[Callable[[], None]]]],
                      device: torch.device, warmup: int, repeats: int, max_seconds: float) -> dict[str, dict]:
-    """:func:`time_fwd_bwd` of several ``name -> (fwd, bwd, zero)`` cases compared with each other:
-    each case's warm-up runs on its own (its peak memory measured there), then the timed repeats go
-    round-robin (a, b, a, b, ...), so that clock drift and other work on the device fall on every
-    case alike. The repeats are cut so all cases together take about ``max_seconds``. A case that
-    raises in its warm-up maps to that exception (the others are still timed)."""
+    """:func:`time_fwd_bwd` of several ``name -> (fwd, bwd, zero)`` cases compared with each other.
+    With more than one case, every case first runs once untimed (first-use compiles, autotuning and
+    self-checks, which may share work between the cases, land on none of them); then each case's
+    warm-up runs on its own (its peak memory measured there), and the timed repeats go round-robin
+    (a, b, a, b, ...), so that clock drift and other work on the device fall on every case alike.
+    The repeats are cut so all cases together take about ``max_seconds``. A case that raises before
+    its repeats maps to that exception (the others are still timed)."""
     cuda = device.type == "cuda"
 
     def once(fwd, bwd, zero) -> tuple[float, float]:
@@ -211,8 +213,16 @@ def time_interleaved(cases: dict[str, tuple[Callable[[], Any], Callable[[Any], N
         return (t1 - t0) * 1e3, (t2 - t0) * 1e3
 
     out: dict[str, Any] = {}
+    if len(cases) > 1:
+        for name, case in cases.items():
+            try:
+                once(*case)
+            except Exception as e:  # noqa: BLE001  this case's result is its exception
+                out[name] = e
     live, round_ms = [], 0.0
     for name, case in cases.items():
+        if name in out:
+            continue
         try:
             _sync(device)
             if cuda:

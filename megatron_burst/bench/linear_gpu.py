@@ -155,9 +155,10 @@ def errors(op: str, got: list[torch.Tensor], ref: list[torch.Tensor], heads: int
 # ------------------------------------------------------------------------------------------ local (W = 1)
 def measure(rec: Recorder, args, device, name: str, op: str, form: str, x: dict,
             forwards: dict[str, Callable[[list], torch.Tensor]], ref: Optional[list], shape: dict) -> None:
-    """Time fwd+bwd of each ``variant -> forward(leaves)``, the variants' repeats interleaved
-    (:func:`~megatron_burst.bench.gpu.time_interleaved`: ours and fla's own call see the same GPU),
-    and record each with its errors against ``ref``; a variant that fails is recorded as such."""
+    """Time fwd+bwd of each ``variant -> forward(leaves)``, warmed alike and their repeats interleaved
+    (:func:`~megatron_burst.bench.gpu.time_interleaved`: ours and fla's own call see the same GPU, and
+    fla's first-use autotuning lands on neither), and record each with its errors against ``ref``; a
+    variant that fails is recorded as such."""
     cases, leaves = {}, {}
     for variant, forward in forwards.items():
         leaves[variant] = ls = leaves_of(op, form, x)
@@ -214,23 +215,9 @@ def section_local(rec: Recorder, args, device: torch.device, dtype: torch.dtype)
                 forwards["fla_direct"] = lambda leaves: direct(x, leaves)
             except Exception as e:  # noqa: BLE001
                 rec.error("local", name, "fla_direct", e, shape=shape)
-        if "fla" in forwards and "fla_direct" in forwards:
-            _warm_both(forwards["fla"], forwards["fla_direct"], op, form, x)
         measure(rec, args, device, name, op, form, x, forwards, ref, shape)
         del x, ref
         free_memory(device)
-
-
-def _warm_both(ours: Callable, direct: Callable, op: str, form: str, x: dict) -> None:
-    """One untimed fwd+bwd of ours on fla and of fla's own call before either is measured: the
-    first use compiles, autotunes (timing launch configs on scratch copies) and self-checks, and
-    neither the time nor the memory of that should land on whichever variant happens to come first.
-    A failure is left to the measurement, which records it."""
-    try:
-        for forward in (ours, direct):
-            forward(leaves_of(op, form, x)).backward(x["dout"])
-    except Exception:  # noqa: BLE001  measure() records it
-        pass
 
 
 def _fla_refusal(op: str, form: str) -> Optional[str]:

@@ -132,14 +132,10 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if causal:  # bidirectional: the local work is one matmul per segment, always torch
         _, fla_fn = kernel_choice.choose("lasp2", form, q.device, q.dtype, dk, dv, kernel,
                                          documents=documents is not None)
-    if fla_fn is not None and world_size == 1:
-        # one rank holds the whole sequence in order, whatever the layout (zigzag's and the stripes'
-        # segments are consecutive at W = 1): one fla call from a zero state, as fla's own user calls it
-        pieces = fla_adapter.row_pieces(documents, b, (0,), 1, q.device)
-        o_rows, _ = fla_adapter.lasp2_segments(fla_fn, form, *(fla_adapter.to_rows(t, 1, sbhd) for t in (q, k, v)), g,
-                                               fla_adapter.decay_rows(g, form, 1, b, s, sbhd), scale, pieces,
-                                               final_state=False)
-        return fla_adapter.rows_to_local(o_rows, 1, sbhd).to(q.dtype).contiguous()
+    if fla_fn is not None and world_size == 1:  # one fla call, no final state
+        g_rows = fla_adapter.decay_rows(g, form, 1, b, s, sbhd)
+        return fla_adapter.one_rank(lambda rows, pieces: fla_adapter.lasp2_segments(
+            fla_fn, form, *rows, g, g_rows, scale, pieces, final_state=False)[0], (q, k, v), documents, sbhd)
     per_rank = segments_per_rank(layout, s, stripe)
     L = s // per_rank
 

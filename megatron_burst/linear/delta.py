@@ -241,12 +241,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         if world_size > 1:
             return _gdn_runs(fla, q, k, v, g, beta, documents, pg, rank, world_size, sbhd, scale, acc)
         layout, documents = "contiguous", unplaced(documents)  # one rank holds the sequence in order
-    if fla is not None and world_size == 1:
-        # one rank holds the whole sequence in order, whatever the layout (zigzag's and the stripes'
-        # segments are consecutive at W = 1): one fla call from a zero state, no maps
-        pieces = fla_adapter.row_pieces(documents, b, (0,), 1, q.device)
-        o = fla_adapter.gdn_rows(fla, *(fla_adapter.to_rows(t, 1, sbhd) for t in (q, k, v, g, beta)), scale, pieces)
-        return fla_adapter.rows_to_local(o, 1, sbhd).to(q.dtype).contiguous()
+    if fla is not None and world_size == 1:  # one fla call, no maps
+        return fla_adapter.one_rank(lambda rows, pieces: fla_adapter.gdn_rows(fla, *rows, scale, pieces),
+                                    (q, k, v, g, beta), documents, sbhd)
     per_rank = segments_per_rank(layout, s, stripe)
     L = s // per_rank
 

@@ -211,6 +211,20 @@ def rows_to_local(o: torch.Tensor, nseg: int, sbhd: bool) -> torch.Tensor:
     return o.transpose(0, 1) if sbhd else o
 
 
+def one_rank(run: Callable[[list, Optional[RowPieces]], torch.Tensor], tensors: tuple, documents: Optional[Documents],
+             sbhd: bool) -> torch.Tensor:
+    """The op at W = 1 by one fla call: a rank of a world of one holds the whole sequence in order
+    whatever the layout (zigzag's two segments and the stripes are consecutive there), so it runs
+    from a zero state exactly as fla's own user calls it. ``tensors`` (q first) in the rank-local
+    layout [s, b, h, ...] (``sbhd``) or [b, s, h, ...]; ``run(rows, pieces)`` gets them as rows
+    [b, s, h, ...] (views) and the documents' pieces (None without) and returns fla's output rows
+    [b, s, h, dv]; returned in the local layout, in q's dtype."""
+    q = tensors[0]
+    pieces = row_pieces(documents, q.shape[1] if sbhd else q.shape[0], (0,), 1, q.device)
+    o = run([to_rows(t, 1, sbhd) for t in tensors], pieces)
+    return rows_to_local(o, 1, sbhd).to(q.dtype).contiguous()
+
+
 def decay_rows(g: Optional[torch.Tensor], form: str, nseg: int, b: int, L: int, sbhd: bool) -> Optional[torch.Tensor]:
     """Our log-decay in ``form`` -> what fla's ``g`` argument takes (fp32): None for "none" and for a
     per-head decay passed as ``g_gamma``; [N, L, h] for "token" (and "head" needing a gradient);
