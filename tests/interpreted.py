@@ -17,6 +17,15 @@ and without it and compares every output bit for bit (the JSON of tests/triton_m
 identical too, 2026-11-27). When Triton's internals differ (another version), nothing is changed and the reason
 goes to stderr -- the runs are then only slower. ``MEGATRON_BURST_INTERPRETER_REPATCH=1`` keeps
 Triton's own behaviour (the comparison test installs the change itself).
+
+Second, rounding (:func:`round_downcasts_to_nearest`): the interpreter turns fp32 into bf16 by
+truncating the mantissa (and its explicit round-to-nearest mode drops the carry into the exponent),
+while a GPU's ``x.to(tl.bfloat16)`` rounds to nearest even. Truncation is biased -- every value
+shrinks by half an ulp on average -- so precision comparisons under the interpreter (a kernel's
+bf16 gradient against torch's unfused bf16 path, which rounds to nearest) would measure the
+interpreter, not the kernel. fp32 -> bf16 / fp16 downcasts (but an explicit round-toward-zero)
+round to nearest even here, as the GPU does (``tests/test_interpreted.py`` checks them against
+torch's bit for bit). ``MEGATRON_BURST_INTERPRETER_TRUNCATE=1`` keeps Triton's own rounding.
 """
 from __future__ import annotations
 
@@ -66,11 +75,47 @@ def skip_nested_repatching() -> bool:
     return True
 
 
+def round_downcasts_to_nearest() -> bool:
+    """Make the interpreter's fp32 -> bf16 / fp16 conversions round to nearest even (the GPU's)
+    instead of truncating; an explicit round-toward-zero keeps Triton's conversion. numpy only (no
+    torch tensor: tests count the tensors an op creates). Returns whether the change was made
+    (False, with a line on stderr, on an unknown Triton)."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter as it
+
+        convert, rtz = it._convert_float, it._ir.ROUNDING_MODE.RTZ
+    except (ImportError, AttributeError) as exc:
+        print(f"tests/interpreted.py: Triton's interpreter differs ({exc!r}): fp32 -> bf16 truncates as before",
+              file=sys.stderr)
+        return False
+
+    def to_nearest(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype != tl.float32 or rounding_mode == rtz or output_dtype not in (tl.bfloat16, tl.float16):
+            return convert(input, input_dtype, output_dtype, rounding_mode)
+        x = np.ascontiguousarray(input, dtype=np.float32)
+        if output_dtype == tl.float16:
+            return x.astype(np.float16).view(np.uint16).reshape(np.shape(input))
+        u = x.view(np.uint32).astype(np.uint64)
+        # add half an ulp of bf16 minus one, plus the kept part's lowest bit (ties to even): the carry
+        # runs into the exponent as it should (up to inf); NaN stays a quiet NaN
+        rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+        nan = np.isnan(x)
+        rounded[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+        return rounded.reshape(np.shape(input))
+
+    it._convert_float = to_nearest
+    return True
+
+
 def main(argv: list[str]) -> None:
     if len(argv) < 2:
         sys.exit("usage: TRITON_INTERPRET=1 python tests/interpreted.py SCRIPT [ARGS...] | -c CODE [ARGS...]")
     if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("MEGATRON_BURST_INTERPRETER_REPATCH") != "1":
         skip_nested_repatching()
+    if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("MEGATRON_BURST_INTERPRETER_TRUNCATE") != "1":
+        round_downcasts_to_nearest()
     if argv[1] == "-c":
         sys.argv = ["-c"] + argv[3:]
         exec(compile(argv[2], "<string>", "exec"), {"__name__": "__main__"})

@@ -357,21 +357,125 @@ def test_row_kernel_compiles_for_hopper_in_every_mode(grad_dtype):
     (BLOCK_V 4096, 8 warps), in each mode a call uses -- statistics only (the forward), statistics
     and gradient, gradient from given statistics (the vocabulary pass) -- so a kernel that only the
     interpreter accepts fails here, not on the GPU. With G written over the logits' rows the PTX
-    has its barrier."""
+    has its barrier. And the one-read forward's mode (``unnormalized``, its data-dependent second
+    walk included)."""
     from megatron_burst.loss import triton_kernels
     from triton_masked_cases import aot_compile
 
     fn = triton_kernels._kernel()
     pointers = {"Z": "fp32", "G": grad_dtype, "TGT": "i64", "WTS": "fp32", "MAX": "fp32", "SUMEXP": "fp32",
-                "ZTGT": "fp32"}
-    # the last: the vocabulary pass's 16-bit G written over its fp32 logits rows (a barrier per block)
-    for stats, grad, g_in_z in ((True, False, False), (True, True, False), (False, True, False), (False, True, True)):
-        opts = dict(BLOCK_V=triton_kernels.GPU_BLOCK_V, STATS=stats, GRAD=grad, G_IN_Z=g_in_z)
+                "ZTGT": "fp32", "TOP": "fp32", "TOPIDX": "fp32"}
+    # the 4th: the vocabulary pass's 16-bit G written over its fp32 logits rows (a barrier per block);
+    # the last: the one-read forward (unnormalized G, a row walked again past REF_SPAN)
+    for stats, grad, g_in_z, unnorm in ((True, False, False, False), (True, True, False, False),
+                                        (False, True, False, False), (False, True, True, False),
+                                        (False, False, False, True)):
+        opts = dict(BLOCK_V=triton_kernels.GPU_BLOCK_V, STATS=stats, GRAD=grad, G_IN_Z=g_in_z, UNNORM=unnorm,
+                    REF_SPAN=triton_kernels.REF_SPAN)
         compiled = aot_compile(fn, opts, pointers, {"num_warps": triton_kernels.GPU_NUM_WARPS})
-        assert "cubin" in compiled.asm and compiled.metadata.shared <= 227 * 1024, (stats, grad, g_in_z)
-        if not stats:  # no reductions: a barrier in the PTX is the one between load and store
+        assert "cubin" in compiled.asm and compiled.metadata.shared <= 227 * 1024, (stats, grad, g_in_z, unnorm)
+        if not stats and not unnorm:  # no reductions: a barrier in the PTX is the one between load and store
             assert ("bar.sync" in compiled.asm["ptx"]) == g_in_z, (grad, g_in_z)
 
+
+
+ONE_READ_SCRIPT = r"""
+import json, math, torch
+from megatron_burst.loss import fast, fused_linear_cross_entropy, triton_kernels
+out = {}
+# The kernel alone (tiles of 16 here): 6 rows x 70 columns; row 1 has a logit 50 above its first
+# tile's max in its last tile (past REF_SPAN = 40: walked again), row 2 one 30 above (not), row 4
+# its max in the first tile; the targets of rows 0-3 inside, row 4's outside.
+g = torch.Generator().manual_seed(3)
+z = torch.randn(6, 70, generator=g) * 3
+z[1, 66] = z[1, :16].max() + 50
+z[2, 40] = z[2, :16].max() + 30
+z[4, 5] = 60.0
+tgt = torch.tensor([3, 66, 17, 69, 200, 0])
+z[5, 0] = z[5].max() + 1  # row 5: its max at its target
+st = torch.full((5, 6), float("nan"))
+E = torch.full((6, 70), float("nan"), dtype=torch.bfloat16)
+triton_kernels.ce_rows(z, tgt, st, grad=E, unnormalized=True)
+first = z[:, :16].max(dim=1).values
+top, top_col = z.max(dim=1)
+want_ref = torch.where(torch.arange(6) == 1, top, first)
+want_s = torch.exp(z - want_ref[:, None]).sum(dim=1)
+want_zt = torch.where(tgt < 70, z.gather(1, tgt.clamp(max=69)[:, None])[:, 0], 0.0)
+cols = torch.arange(70)[None, :]
+cleared = (cols == tgt[:, None]) | (cols == top_col[:, None])
+want_E = torch.exp(z - want_ref[:, None])
+out["kernel"] = {"ref_err": (st[0] - want_ref).abs().max().item(),
+                 "s_rel_err": ((st[1] - want_s).abs() / want_s).max().item(),
+                 "zt_err": (st[2] - want_zt).abs().max().item(),
+                 "top_err": (st[3] - top).abs().max().item(), "top_col": st[4].tolist(),
+                 "want_top_col": top_col.float().tolist(),
+                 "E_rel_err": ((E.float() - want_E).abs() / want_E)[~cleared].max().item(),
+                 "E_cleared": E.float()[cleared].tolist(), "n_cleared": int(cleared.sum()),
+                 "lse_err": (st[0] + st[1].log() - torch.logsumexp(z, dim=1)).abs().max().item()}
+# The op, bf16, weight_grad="backward" (its forward forms d hidden alone): tokens whose logit against
+# one late vocabulary row is far above the rest (the second walk) among ordinary ones, against an
+# fp64 reference and against the two-read forward.
+N, d, V = 70, 24, 150
+h = torch.randn(N, d, generator=g).bfloat16()
+W = (torch.randn(V, d, generator=g) * 0.6).bfloat16()
+for t, row in ((3, 140), (40, 97)):
+    W[row] = (h[t].float() * 120 / h[t].float().norm() ** 2).bfloat16()
+y = torch.randint(0, V, (N,), generator=g)
+y[::9] = -100
+y[40] = 97
+mask = (torch.rand(N, generator=g) > 0.2).float()
+def run(fn, dtype=None, **kw):
+    hh = h.to(dtype or h.dtype).clone().requires_grad_()
+    ww = W.to(dtype or W.dtype).clone().requires_grad_()
+    loss = fn(hh, ww, y, **kw)
+    ((loss * mask).sum() / mask.sum()).backward()
+    return loss.detach().double(), hh.grad.double(), ww.grad.double()
+def ref(hh, ww, yy):
+    return torch.nn.functional.cross_entropy(hh @ ww.t(), yy, ignore_index=-100, reduction="none")
+R = run(ref, torch.float64)
+def errs(got):
+    valid = y != -100
+    got = (got[0][valid],) + got[1:]
+    R2 = (R[0][valid],) + R[1:]
+    return [((a - b).norm() / b.norm()).item() for a, b in zip(got, R2)]
+kw = dict(loss_mask=mask, token_chunk=32, vocab_chunk=48, impl="triton", weight_grad="backward")
+out["one_read"] = errs(run(fused_linear_cross_entropy, **kw))
+fast.ONE_READ_FORWARD = False
+out["two_reads"] = errs(run(fused_linear_cross_entropy, **kw))
+fast.ONE_READ_FORWARD = True
+triton_kernels.REF_SPAN = float("inf")  # no second walk: exp(z - r) overflows on the far tokens
+got = run(fused_linear_cross_entropy, **kw)
+out["no_second_walk_finite"] = all(bool(torch.isfinite(t).all()) for t in got)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (pip install triton): the Triton kernels are untested")
+def test_one_read_forward_reference_and_second_walk():
+    """The forward that forms d hidden alone (weight_grad="backward") reads each fp32 logit once:
+    the kernel stores exp(z - r) with r the row's first tile's max (0 at the target's column and at
+    the row's max's), and the statistics (r, sum exp(z - r), the max and its column); G W is
+    normalized per row after the GEMM and the two columns' terms added in fp32. The kernel's reference is its first
+    tile's max except where a later logit exceeds it by more than REF_SPAN (walked again from the
+    true max); log-sum-exp exact to fp32. The op with logits ~120 above the rest on a late row for
+    some tokens: loss and gradients as accurate as the two-read forward (both against fp64); with
+    the second walk disabled the same inputs give inf / NaN (so these inputs need it)."""
+    res = run_interpreted("", code=ONE_READ_SCRIPT, timeout=300)
+    k = res["kernel"]
+    assert k["ref_err"] == 0.0 and k["zt_err"] == 0.0, k
+    assert k["s_rel_err"] <= 1e-5 and k["lse_err"] <= 1e-5, k
+    assert k["E_rel_err"] <= 2 ** -8, k  # exp(z - r) rounded once to bf16, to nearest (tests/interpreted.py)
+    assert k["top_err"] == 0.0 and k["top_col"] == k["want_top_col"], k
+    # the target's and the max's columns hold 0 (one column in rows 1 and 5, where the max is the
+    # target; row 4's target is elsewhere): their terms are added in fp32 by the caller
+    assert k["n_cleared"] == 9 and k["E_cleared"] == [0.0] * 9, k
+    one, two = res["one_read"], res["two_reads"]
+    assert one[0] <= 1e-6 and two[0] <= 1e-6, res  # fp32 statistics: the loss as exact as fp32
+    # d hidden, d weight: bf16 roundings only. d hidden: the target's and the max's terms exact make
+    # up for G's rounding at another scale (without the max's term: 1.15x the two-read error here)
+    assert one[1] <= 1.05 * two[1] and one[2] <= 1.05 * two[2], res
+    assert res["no_second_walk_finite"] is False, res
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -431,5 +535,5 @@ def test_triton_kernels_under_interpreter():
     assert auto["verdicts"] == {"cpu torch.float32": True}  # the interpreted kernel passed its self-check
     assert auto["logged"] == ["megatron-burst: fused LM loss on cpu / float32: triton (cuBLAS GEMMs + one fused "
                               "Triton softmax-gradient pass per token chunk)"]
-    assert auto["walks"] == 4 and auto["paths"] == {"scaled": 1, "recompute": 0}
+    assert auto["walks"] == 5 and auto["paths"] == {"scaled": 1, "recompute": 0}
     assert auto["err"] <= 1e-6

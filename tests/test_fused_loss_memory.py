@@ -151,15 +151,20 @@ print(json.dumps(out))
 
 
 def test_bf16_gradients_no_less_accurate_than_unfused():
-    """bf16 on the fast path (Triton interpreted, a fresh process): relative Frobenius errors of
-    d hidden and d weight against an fp64 reference are <= the unfused bf16 path's on the same
-    inputs, in both weight_grad modes (here: d hidden 4.0e-3, d weight 3.8e-3 / 3.9e-3, unfused
-    4.5e-3 / 4.6e-3), and at most 0.7 of them with logits of std ~7. The scale c is applied to the
-    bf16 d hidden in fp32 (see autograd._scale_in_place)."""
+    """bf16 on the fast path (Triton interpreted, a fresh process, its bf16 casts rounding to
+    nearest as on the GPU: tests/interpreted.py): relative Frobenius errors of d hidden and d weight
+    against an fp64 reference are <= the unfused bf16 path's on the same inputs, in both weight_grad
+    modes (here: d hidden 2.4e-3 / 2.3e-3, d weight 1.9e-3 in both, unfused 4.5e-3 / 4.6e-3), and at
+    most 0.7 of them with logits of std ~7. The scale c is applied to the bf16 d hidden in fp32 (see
+    autograd._scale_in_place). weight_grad="backward" rounds its G at the loss weights' scale and
+    applies c in the GEMM, as the default mode does: the same d weight error (it was 3.4e-3 with G
+    rounded after scaling by c = 1/120: the target entries, ~ -1, lost their short mantissa)."""
     errs = run_interpreted("", code=PRECISION_SCRIPT, timeout=300)
     for mode in ("forward", "backward", "backward_in_result"):
         for i, q in enumerate(("dh", "dw")):
             assert errs[mode][i] <= errs["unfused"][i], (mode, q, errs)
+    for mode in ("backward", "backward_in_result"):
+        assert errs[mode][1] <= 1.05 * errs["forward"][1], (mode, errs)
     # the Triton kernel's 16-bit G written over its fp32 logits rows (vocab_pass.G_IN_LOGITS), every
     # kind of tile, against a G tile of its own: d hidden identical, d weight within one bf16 rounding
     assert errs["g_in_z_kinds"] == ["all", "own", "split"], errs["g_in_z_kinds"]

@@ -50,3 +50,44 @@ def test_skipping_the_re_patching_changes_no_bit(monkeypatch):
     launches = 3  # forward, dq, dk/dv
     assert r["fast_patches"] < r["stock_patches"], r
     assert r["fast_patches"] <= 2 * launches, r  # each launch: its own patch and tl.core's once
+
+
+ROUNDING_CODE = r"""
+import json, torch, triton, triton.language as tl
+
+@triton.jit
+def down(X, Y16, Yh, Yz, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(X + offs, mask=ok)
+    tl.store(Y16 + offs, x.to(tl.bfloat16), mask=ok)
+    tl.store(Yh + offs, x.to(tl.float16), mask=ok)
+    tl.store(Yz + offs, x.to(tl.bfloat16, fp_downcast_rounding="rtz"), mask=ok)
+
+g = torch.Generator().manual_seed(0)
+x = torch.cat([torch.randn(3000, generator=g) * 10.0 ** torch.randint(-40, 38, (3000,), generator=g),
+               # ties, carries into the exponent (mantissa all ones), the largest finite, subnormals, specials
+               torch.tensor([1.00390625, 1.01171875, -1.00390625, 1.9999999, 3.4e38, -3.39e38, 1e-39, -2e-41, 0.0,
+                             -0.0, float("inf"), float("-inf")])])
+n = x.numel()
+y16, yh, yz = (torch.empty(n, dtype=dt) for dt in (torch.bfloat16, torch.float16, torch.bfloat16))
+down[(1,)](x, y16, yh, yz, n, BLOCK=4096)
+trunc = (x.view(torch.int32) >> 16).to(torch.int16)
+normal = torch.isfinite(x) & (x.abs() >= torch.finfo(torch.float32).tiny)  # (Triton's own subnormal handling aside)
+print(json.dumps({"bf16": bool(torch.equal(y16.view(torch.int16), x.bfloat16().view(torch.int16))),
+                  "fp16": bool(torch.equal(yh.view(torch.int16), x.half().view(torch.int16))),
+                  "rtz_truncates": bool(torch.equal(yz.view(torch.int16)[normal], trunc[normal])),
+                  "any_differs_from_truncation": bool((y16.view(torch.int16) != trunc).any())}))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_downcasts_round_to_nearest_even_as_on_the_gpu(monkeypatch):
+    """The launcher makes fp32 -> bf16 / fp16 casts round to nearest even -- torch's (and the GPU's)
+    bits exactly, over random magnitudes, ties, carries into the exponent, subnormals and specials
+    -- where Triton's interpreter truncates; an explicit round-toward-zero still truncates. With
+    MEGATRON_BURST_INTERPRETER_TRUNCATE=1 (Triton's own rounding) the bf16 bits differ."""
+    r = run_interpreted("", code=ROUNDING_CODE)
+    assert r == {"bf16": True, "fp16": True, "rtz_truncates": True, "any_differs_from_truncation": True}, r
+    monkeypatch.setenv("MEGATRON_BURST_INTERPRETER_TRUNCATE", "1")
+    assert run_interpreted("", code=ROUNDING_CODE)["bf16"] is False

@@ -22,6 +22,8 @@ and their "mean" reduction -- the same number):
   fused          megatron_burst.fused_linear_cross_entropy(loss_mask=mask), impl="auto", the op's default chunk
                  (on CUDA: the fast path after its self-check; on CPU: the torch path)
   fused_bwdw     fused, weight_grad="backward" (d weight per vocabulary tile in the backward: no fp32 [V, d] accumulator)
+  fused_bwdw_2read  the same with the forward's two reads of each logit (loss.fast.ONE_READ_FORWARD = False):
+                 the one-read forward's A/B
   fused_recompute  fused, impl="triton_recompute" (opt-in, not yet run on a GPU: logits recomputed tile by tile
                  in Triton kernels and never stored; d hidden and d weight in the backward; CUDA only)
   fused_torch    the same with impl="torch" (its default chunk: a 2^26-logit fp32 tile)
@@ -76,13 +78,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_burst.bench import plotting
 from megatron_burst.world import free_port, port_taken
 
-VARIANTS = ("unfused", "unfused_torch", "fused", "fused_bwdw", "fused_recompute", "fused_torch", "recompute", "liger",
-            "cce")
+VARIANTS = ("unfused", "unfused_torch", "fused", "fused_bwdw", "fused_bwdw_2read", "fused_recompute", "fused_torch",
+            "recompute", "liger", "cce")
 CPU_VARIANTS = ("unfused", "fused", "recompute", "liger", "cce")  # liger / cce: reported as skipped on CPU
 # --quick's order: what the criteria read first (a GPU call may end before the last variant)
 QUICK_VARIANTS = ("fused", "fused_bwdw", "cce", "unfused", "liger", "fused_recompute", "unfused_torch", "fused_torch")
 # the ones that take a TP group
-TP_VARIANTS = ("unfused", "fused", "fused_bwdw", "fused_recompute", "fused_torch", "recompute")
+TP_VARIANTS = ("unfused", "fused", "fused_bwdw", "fused_bwdw_2read", "fused_recompute", "fused_torch", "recompute")
+OURS_FUSED = ("fused", "fused_bwdw", "fused_bwdw_2read", "fused_recompute", "fused_torch")  # fused_linear_cross_entropy
+LEAN = ("fused_bwdw", "fused_bwdw_2read")  # weight_grad="backward"
 PEERS = {"liger": ("liger_kernel", "pip install liger-kernel"), "cce": ("cut_cross_entropy",
                                                                        "pip install cut-cross-entropy")}
 DEFAULT_CONFIGS = [(4096, 32768, 1024), (4096, 131072, 1024), (16384, 32768, 1024)]  # (N, V, d)
@@ -265,7 +269,10 @@ def _worker(spec: dict) -> dict:
         from cut_cross_entropy import linear_cross_entropy
     impl = {"fused_torch": "torch", "fused_recompute": "triton_recompute"}.get(base, "auto")
     info = {}
-    if base in ("fused", "fused_bwdw", "fused_recompute", "fused_torch", "recompute"):
+    if base == "fused_bwdw_2read":  # (each variant runs in processes of its own)
+        from megatron_burst.loss import fast
+        fast.ONE_READ_FORWARD = False
+    if base in OURS_FUSED + ("recompute",):
         lc = make_loss_config(hidden, weight, labels, mask, group, IGNORE, sp, chunk, None,
                               resolve_impl(impl, hidden, fused_linear_cross_entropy))
         info = {"impl": lc.impl, "chunk": lc.token_chunk}
@@ -281,10 +288,10 @@ def _worker(spec: dict) -> dict:
         elif base == "unfused_torch":
             logits = hidden.view(N, d) @ weight.t()
             return torch.nn.functional.cross_entropy(logits.float(), labels_ign.view(N), ignore_index=IGNORE)
-        elif base in ("fused", "fused_bwdw", "fused_recompute", "fused_torch"):
+        elif base in OURS_FUSED:
             loss = fused_linear_cross_entropy(hidden, weight, labels, tp_group=group, loss_mask=mask,
                                               sequence_parallel=sp, token_chunk=chunk, impl=impl,
-                                              weight_grad="backward" if base == "fused_bwdw" else "forward")
+                                              weight_grad="backward" if base in LEAN else "forward")
         elif base == "recompute":
             loss = recompute_linear_cross_entropy(hidden, weight, labels, tp_group=group, sequence_parallel=sp,
                                                   token_chunk=chunk)

@@ -12,8 +12,9 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
-def ce_rows_kernel(Z, G, TGT, WTS, MAX, SUMEXP, ZTGT, V, COL0, stride_z, stride_g,
-                   BLOCK_V: tl.constexpr, STATS: tl.constexpr, GRAD: tl.constexpr, G_IN_Z: tl.constexpr):
+def ce_rows_kernel(Z, G, TGT, WTS, MAX, SUMEXP, ZTGT, TOP, TOPIDX, V, COL0, stride_z, stride_g,
+                   BLOCK_V: tl.constexpr, STATS: tl.constexpr, GRAD: tl.constexpr, G_IN_Z: tl.constexpr,
+                   UNNORM: tl.constexpr = False, REF_SPAN: tl.constexpr = 40.0):
     """One program per token row of the chunk's logits ``Z`` [T, V] (fp32, row stride stride_z).
     ``TGT - COL0``: each row's target column among these V.
 
@@ -29,6 +30,18 @@ def ce_rows_kernel(Z, G, TGT, WTS, MAX, SUMEXP, ZTGT, V, COL0, stride_z, stride_
     vocabulary pass's scratch). Block i's stores then land on the fp32 elements below (v0 + BLOCK_V) / 2,
     all read by the time every warp has loaded block i: a barrier between the load and the store
     of each block keeps a warp from overwriting elements another warp has not read yet.
+
+    UNNORM (instead of STATS / GRAD; G a buffer of its own): one read of the row. The reference r
+    is the first tile's max; every logit's ``exp(z - r)`` is summed in fp32 and stored to G
+    unweighted (the caller scales G W per row afterwards: a per-token factor commutes with the
+    d hidden GEMM). Two columns store 0 instead, their terms added by the caller in fp32: the
+    target's (w (p - 1) W_target: p rounded and then 1 subtracted would lose p - 1 for a confident
+    token) and the row's max's (p_max W_max: its exp(m - r) would be rounded where the old G's
+    p ~ 1 was nearly exact). Stored: r, sum exp(z - r), z_target, and the row's max and its column
+    to TOP / TOPIDX (as fp32). Any reference gives the same log-sum-exp, r + log s. Where a later
+    tile's logits exceed r by more than REF_SPAN (exp would near fp32's range in G, its sum or the
+    GEMM), the row is walked again with its true max as the reference (rare: logits more than
+    REF_SPAN above all of the first BLOCK_V).
     """
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
@@ -36,6 +49,47 @@ def ce_rows_kernel(Z, G, TGT, WTS, MAX, SUMEXP, ZTGT, V, COL0, stride_z, stride_
     # [0, V): none here (or ignored)
     tgt = tl.load(TGT + row) - COL0
     cols = tl.arange(0, BLOCK_V)
+    if UNNORM:
+        has_tgt = (tgt >= 0) & (tgt < V)
+        z_tgt = tl.where(has_tgt, tl.load(z_row + tl.where(has_tgt, tgt, 0)), 0.0)
+        g_row = G + row * stride_g
+        ok = cols < V
+        z = tl.load(z_row + cols, mask=ok, other=float("-inf"))
+        r, top = tl.max(z, axis=0, return_indices=True)
+        m = r
+        e = tl.exp2((z - r) * LOG2E)
+        s = tl.sum(e, axis=0)
+        tl.store(g_row + cols, tl.where(cols == tgt, 0.0, e).to(G.dtype.element_ty), mask=ok)
+        for v0 in range(BLOCK_V, V, BLOCK_V):
+            offs = v0 + cols
+            ok = offs < V
+            z = tl.load(z_row + offs, mask=ok, other=float("-inf"))
+            m_tile, i_tile = tl.max(z, axis=0, return_indices=True)
+            top = tl.where(m_tile > m, v0 + i_tile, top)
+            m = tl.maximum(m, m_tile)
+            e = tl.exp2((z - r) * LOG2E)
+            s += tl.sum(e, axis=0)
+            tl.store(g_row + offs, tl.where(offs == tgt, 0.0, e).to(G.dtype.element_ty), mask=ok)
+        redo = m - r > REF_SPAN
+        s = tl.where(redo, 0.0, s)  # (s may be inf there)
+        if redo:
+            r = m
+            for v0 in range(0, V, BLOCK_V):
+                offs = v0 + cols
+                ok = offs < V
+                z = tl.load(z_row + offs, mask=ok, other=float("-inf"))
+                e = tl.exp2((z - r) * LOG2E)
+                s += tl.sum(e, axis=0)
+                tl.store(g_row + offs, tl.where(offs == tgt, 0.0, e).to(G.dtype.element_ty), mask=ok)
+        # every thread's stores above land before the max's column is cleared (no other order
+        # between threads of a program writing the same element)
+        tl.debug_barrier()
+        tl.store(g_row + top, tl.zeros([], dtype=G.dtype.element_ty))
+        tl.store(MAX + row, r)
+        tl.store(SUMEXP + row, s)
+        tl.store(ZTGT + row, z_tgt)
+        tl.store(TOP + row, m)
+        tl.store(TOPIDX + row, top.to(tl.float32))
     if STATS:
         # The target's logit is read first: with G aliasing Z (fp32), another warp may already be
         # writing gradients into the row once the cross-warp reductions below have passed.
@@ -55,7 +109,7 @@ def ce_rows_kernel(Z, G, TGT, WTS, MAX, SUMEXP, ZTGT, V, COL0, stride_z, stride_
         tl.store(MAX + row, m)
         tl.store(SUMEXP + row, s)
         tl.store(ZTGT + row, z_tgt)
-    else:
+    elif not UNNORM:
         m = tl.load(MAX + row)
         s = tl.load(SUMEXP + row)
     if GRAD:

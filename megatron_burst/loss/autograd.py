@@ -111,14 +111,15 @@ def _scale_in_place(t: torch.Tensor, s: torch.Tensor, block_elems: int = 1 << 22
 
 def _weight_grad_in_backward(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                              m_all: torch.Tensor, s_all: torch.Tensor, g: torch.Tensor, cfg: LossConfig,
-                             main_grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """weight_grad="backward": d weight from the actual g [N] (0 at ignored labels), per vocabulary
-    tile (:mod:`megatron_burst.loss.vocab_pass`) -- exact for any g. hidden: [n, d] as saved (the
-    sequence shard under SP: all-gathered here). Returns d weight [V/tp, d] or Megatron's placeholder."""
+                             main_grad: Optional[torch.Tensor], scale: float = 1.0) -> Optional[torch.Tensor]:
+    """weight_grad="backward": d weight from the per-token gradient scale * g [N] (g 0 at ignored
+    labels), per vocabulary tile (:mod:`megatron_burst.loss.vocab_pass`) -- exact for any g. hidden:
+    [n, d] as saved (the sequence shard under SP: all-gathered here). Returns d weight [V/tp, d] or
+    Megatron's placeholder."""
     h = gather_sequence(hidden, cfg) if cfg.sequence_parallel else hidden
     if main_grad is not None:
         weight.main_grad = main_grad  # as Megatron's layer: restore the buffer captured in the forward
-    dw = weight_grad_by_vocab_tiles(h, weight, labels, m_all, s_all, g, cfg, main_grad)
+    dw = weight_grad_by_vocab_tiles(h, weight, labels, m_all, s_all, g, cfg, main_grad, scale)
     return dw if main_grad is None else _megatron_dummy_wgrad(weight, main_grad)
 
 
@@ -168,10 +169,12 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         valid = labels != cfg.ignore_index
         c, proportional = proportional_factor(g, wts, valid)
         # The one host read of the whole op (forward + backward): which path to take, together
-        # with the forward's label check, as one small integer. c stays on the device. All TP
-        # ranks decide alike because g and the labels are replicated over TP (the per-token loss
-        # is); the two paths differ in their collectives, so a rank-dependent objective would hang.
-        decision = (proportional.int() + 2 * labels_bad.int()).item()
+        # with the forward's label check, as one small integer, and c (weight_grad="backward"
+        # scales its GEMMs by it; the other paths keep using the device copy). All TP ranks decide
+        # alike because g and the labels are replicated over TP (the per-token loss is); the two
+        # paths differ in their collectives, so a rank-dependent objective would hang.
+        decision, c_host = torch.stack([(proportional.int() + 2 * labels_bad.int()).float(), c.float()]).tolist()
+        decision = int(decision)
         if decision & 2:
             raise_label_error(labels.view(ctx.labels_shape), cfg)
         if decision & 1:
@@ -185,8 +188,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             elif cfg.weight_grad == "forward":
                 dw = _weight_grad(weight, A, c, ctx.main_grad)
             else:
-                dw = _weight_grad_in_backward(hidden, weight, labels, m_all, s_all, torch.where(valid, g, 0.0),
-                                              cfg, ctx.main_grad)
+                # the loss weights as G's factor and c in the GEMM (see vocab_pass: G is rounded at
+                # the weights' scale, as the forward-mode G; c * wts is g within PROPORTIONAL_RTOL)
+                dw = _weight_grad_in_backward(hidden, weight, labels, m_all, s_all, torch.where(valid, wts, 0.0),
+                                              cfg, ctx.main_grad, c_host)
             return dh, dw, None, None, None, None, None
         backward_paths["recompute"] += 1
         warnings.warn(

@@ -152,6 +152,18 @@ def _inputs(device: torch.device, dtype: torch.dtype):
             mask.to(**to), other.to(**to))
 
 
+def _far_logits(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden, weight) with a shared direction e added to every token (norm 30) and the last
+    vocabulary row 4 e: each token's logit there lies ~3 REF_SPAN above the rest, every gradient row
+    alike in size (so the max-relative comparison stays as tight for all of them)."""
+    e = torch.zeros(hidden.shape[1], device=hidden.device)
+    e[0] = 1.0
+    far_w = weight.detach().clone()
+    far_w[-1] = (4.0 * e).to(weight.dtype)
+    lift = 3 * triton_kernels.REF_SPAN / 4.0
+    return (hidden.float() + lift * e).to(hidden.dtype), far_w
+
+
 def _compare(what: str, got: torch.Tensor, ref: torch.Tensor, tol: float, floor: float = 0.0) -> Optional[str]:
     g, r = got.float(), ref.float()
     if tuple(g.shape) != tuple(r.shape):
@@ -178,21 +190,26 @@ def self_check(device: torch.device, dtype: torch.dtype, fused_linear_cross_entr
     valid = labels != -100
     paths = dict(backward_paths)  # the self-check's backward passes are not the caller's
     try:
-        # weight_grad="backward": d weight by vocabulary tiles, the kernel writing G over its logits' rows
-        for kind, r, weight_grad in (("scaled", mask / mask.sum(), "forward"), ("recompute", other, "forward"),
-                                     ("scaled", mask / mask.sum(), "backward")):
+        # weight_grad="backward": d weight by vocabulary tiles, the kernel writing G over its logits' rows;
+        # its forward reads each logit once. Then the same with every token's logit against the last
+        # vocabulary row far above its first tile's (the kernel walks each row again from its max).
+        far_h, far_w = _far_logits(hidden, weight)
+        for kind, r, weight_grad, ht, wt in (("scaled", mask / mask.sum(), "forward", hidden, weight),
+                                             ("recompute", other, "forward", hidden, weight),
+                                             ("scaled", mask / mask.sum(), "backward", hidden, weight),
+                                             ("scaled, far logits", mask / mask.sum(), "backward", far_h, far_w)):
             where = (f"({kind} backward, weight_grad={weight_grad!r}, N={s['N']} V={s['V']} d={s['d']} in chunks "
                      f"of {s['T']})")
             try:
                 with torch.enable_grad(), torch.autocast(device.type, enabled=False), warnings.catch_warnings():
                     warnings.simplefilter("ignore", FusedLossRecomputeWarning)
-                    h = hidden.detach().clone().requires_grad_()
-                    w = weight.detach().clone().requires_grad_()
+                    h = ht.detach().clone().requires_grad_()
+                    w = wt.detach().clone().requires_grad_()
                     loss = fused_linear_cross_entropy(h, w, labels, loss_mask=mask, token_chunk=s["T"], impl=impl,
                                                       weight_grad=weight_grad, vocab_chunk=s["Vt"])
                     (loss * r).sum().backward()
-                    h32 = hidden.detach().float().requires_grad_()
-                    w32 = weight.detach().float().requires_grad_()
+                    h32 = ht.detach().float().requires_grad_()
+                    w32 = wt.detach().float().requires_grad_()
                     ref = torch.nn.functional.cross_entropy(h32 @ w32.t(), labels, reduction="none")
                     (ref * r).sum().backward()
             except Exception as e:  # surfaced, never swallowed: this is how a broken kernel or op shows

@@ -54,6 +54,26 @@ fourth GEMM; :mod:`megatron_burst.loss.vocab_pass`) and reaches it: the two grad
 gradient-accumulation fusion (``accumulate_into_main_grad``) the bf16 d weight is never allocated
 (A is added into the fp32 ``main_grad``), so the op's peak there is D + A + one chunk.
 
+**One read of the logits when the forward forms d hidden alone** (``weight_grad="backward"``, or a
+frozen weight; 16-bit inputs): step 2 reads each fp32 logit twice (statistics, then G), 10 B per
+logit with G's write. But a factor per token commutes with the d hidden GEMM -- row t of G W
+scales with row t of G -- so G need not be normalized before it: the kernel stores E = exp(z -
+r_t) with a reference r_t known at the row's first tile (that tile's max) and sums it in the same
+walk (``ce_rows(unnormalized=True)``; 6 B per logit, one exp instead of two). Then D_t = w_t (E
+W)_t exp(r_t - M_t) / S_t, with the global statistics M, S combined over TP as before, in fp32
+(the product E W has an fp32 output in the logits' storage, no longer read) and rounded once. Two
+columns are left out of E and added exactly in fp32 instead: the target's, w (p - 1) W_target
+(p rounded and 1 subtracted would lose p - 1 for a confident token), and the row's max's, p_max
+W_max (the old G rounded p ~ 1 nearly exactly; exp(m - r) is rounded at an arbitrary mantissa).
+Its d hidden error is then at most the two-read forward's (in an emulation over logits of std
+1-5 and rows with one far logit). A row whose later logits exceed r_t by more than
+``triton_kernels.REF_SPAN`` (40: exp(40) keeps G, its sum and the fp32 GEMM far from overflow) is
+walked again from its true max, in the kernel. The stored per-token statistics are then (r, sum
+exp(z - r)) rather than (max, sum exp(z - max)): the same log-sum-exp, and every consumer forms
+exp(z - m) / s. (Run 4's H100 profile of the lean mode at (16K, 128K, 4096) had 12 ms in the two
+softmax-gradient passes; by their bytes ~7 ms of it the forward's, ~4 ms with one read -- not yet
+timed.)
+
 Default chunk (:func:`default_token_chunk`): T = FAST_CHUNK_BYTES (1 GiB) / (V_local x bytes per
 logit), at least 1024 tokens when memory allows (GEMM 4's intensity above), then capped so that
 the chunk plus D and A fit in half of the device's free memory (CUDA; plus the allocator's cached
@@ -96,6 +116,10 @@ __all__ = ["chunked_forward", "recompute_grads", "default_token_chunk", "bytes_p
            "FAST_CHUNK_BYTES", "MIN_EFFICIENT_CHUNK"]
 
 logger = logging.getLogger("megatron_burst.loss")
+
+# Whether a forward that forms d hidden alone (no d weight) reads each logit once (module switch for
+# tests and benchmarks; see the module docstring).
+ONE_READ_FORWARD = True
 
 # ------------------------------------------------------------------------------------- the GEMMs
 
@@ -177,17 +201,27 @@ def _weight_grad_accumulate(A: torch.Tensor, G: torch.Tensor, h: torch.Tensor, f
 class _Chunk:
     """The buffers every chunk reuses: fp32 logits [T, V_local] and, for 16-bit inputs, G in the
     input dtype (fp32 inputs: G overwrites the logits in place). Leading slices serve a short last
-    chunk (a leading slice of flat storage is contiguous for any row count)."""
+    chunk (a leading slice of flat storage is contiguous for any row count). ``dh_fp32``: the
+    one-read forward's fp32 product G W [T, d] -- in the logits' storage (no longer read once G
+    is written) unless V_local < d."""
 
-    def __init__(self, cfg: LossConfig, rows: int, dtype: torch.dtype, device: torch.device, need_grad: bool):
-        n = cfg.v_local * min(cfg.token_chunk, rows)
+    def __init__(self, cfg: LossConfig, rows: int, dtype: torch.dtype, device: torch.device, need_grad: bool,
+                 d: int = 0, dh_fp32: bool = False):
+        t = min(cfg.token_chunk, rows)
+        n = cfg.v_local * t
         self.z = torch.empty(n, dtype=torch.float32, device=device)
         self.g = torch.empty(n, dtype=dtype, device=device) if need_grad and dtype != torch.float32 else None
+        self.d = d
+        self.p = None if not dh_fp32 else (self.z if d <= cfg.v_local else torch.empty(t * d, device=device))
 
     def views(self, cfg: LossConfig, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = cfg.v_local * t
         z = self.z[:n].view(t, cfg.v_local)
         return z, (z if self.g is None else self.g[:n].view(t, cfg.v_local))
+
+    def product(self, t: int) -> torch.Tensor:
+        """The one-read forward's fp32 [t, d] product buffer (overlaps the logits)."""
+        return self.p[:t * self.d].view(t, self.d)
 
 
 def _targets(labels: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,6 +252,50 @@ def _stats(z: torch.Tensor, tgt: torch.Tensor, hit: torch.Tensor, cfg: LossConfi
     return m, sums[0], sums[1]
 
 
+def _stats_unnormalized(z: torch.Tensor, tgt: torch.Tensor, hit: torch.Tensor, cfg: LossConfig, E: torch.Tensor
+                        ) -> tuple[torch.Tensor, ...]:
+    """The one-read forward's statistics: E [T, V_local] <- exp(z - r_t), 0 at the target's column
+    and at the row's max's (this rank's reference r_t, see ``ce_rows(unnormalized=True)``).
+
+    Returns the global (reference M, sum exp(z - M), z_target - M) as :func:`_stats` does, the
+    per-row factor exp(r_t - M_t) / S_t that turns E W into this rank's part of P W (P the
+    softmax), the target's probability where this rank holds the target (else 0), the probability
+    of this rank's max where it is not the target (else 0) and that max's column; [T] each (fp32,
+    the column int64). TP > 1: :func:`_stats`'s two all-reduces."""
+    st = torch.empty(5, z.shape[0], dtype=torch.float32, device=z.device)
+    triton_kernels.ce_rows(z, tgt, st, grad=E, unnormalized=True)
+    r, s_loc, zt, top, top_col = st
+    if cfg.tp_size == 1:
+        m, s, scale, zt_rel = r, s_loc, s_loc.reciprocal(), torch.where(hit, zt - r, 0.0)
+    else:
+        m = r.clone()
+        all_reduce_stats(m, dist.ReduceOp.MAX, cfg)
+        sums = torch.stack([s_loc * torch.exp(r - m), torch.where(hit, zt - m, 0.0)])
+        all_reduce_stats(sums, dist.ReduceOp.SUM, cfg)
+        s, scale, zt_rel = sums[0], torch.exp(r - m) / sums[0], sums[1]
+    top_col = top_col.long()
+    p_tgt = torch.where(hit, torch.exp(zt - r) * scale, 0.0)
+    p_top = torch.where(hit & (top_col == tgt), 0.0, torch.exp(top - r) * scale)
+    return m, s, zt_rel, scale, p_tgt, p_top, top_col
+
+
+def _hidden_grad_unnormalized(E: torch.Tensor, weight: torch.Tensor, w32: Optional[torch.Tensor], scale: torch.Tensor,
+                              p_tgt: torch.Tensor, p_top: torch.Tensor, top_col: torch.Tensor, wts: torch.Tensor,
+                              tgt: torch.Tensor, hit: torch.Tensor, P: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, d] <- wts_t (scale_t (E W)_t + p_top_t W_top + [hit_t] (p_tgt_t - 1) W_tgt): this
+    rank's part of G W for the one-read forward (E is 0 at both columns, whose terms are formed
+    here in fp32). E W goes to the fp32 buffer P [T, d]; out is rounded once, as G W straight from
+    the GEMM would be."""
+    if E.is_cuda:
+        torch.mm(E, weight, out_dtype=torch.float32, out=P)
+    else:  # CPU (interpreter tests): bf16 values and their products are exact in fp32
+        torch.mm(E.float(), w32, out=P)
+    P.mul_((wts * scale)[:, None])
+    P.addcmul_(weight.index_select(0, tgt.clamp(min=0)), torch.where(hit, wts * (p_tgt - 1.0), 0.0)[:, None])
+    P.addcmul_(weight.index_select(0, top_col), (wts * p_top)[:, None])
+    out.copy_(P)
+
+
 def _upcast_weight(h: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
     return weight.float() if (not h.is_cuda and h.dtype != torch.float32) else None
 
@@ -235,17 +313,26 @@ def chunked_forward(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
         return loss, m_all, s_all, D, None if A is None else A.zero_()
     weight = weight.contiguous()
     w32 = _upcast_weight(h, weight)
-    bufs = _Chunk(cfg, N, h.dtype, h.device, need_grad)
+    # d hidden alone (weight_grad="backward", or a frozen weight), 16-bit: the one-read kernel (G's
+    # normalization moves past the GEMM). fp32: G overwrites z, which a re-read row would need.
+    one_read = ONE_READ_FORWARD and need_dh and not need_dw and h.dtype != torch.float32
+    bufs = _Chunk(cfg, N, h.dtype, h.device, need_grad, d, dh_fp32=one_read)
     for a in range(0, N, cfg.token_chunk):
         r = slice(a, min(a + cfg.token_chunk, N))
         hr = h[r]
         z, G = bufs.views(cfg, r.stop - a)
         _logits(hr, weight, w32, z)
         tgt, hit = _targets(labels[r], cfg)
-        m, s, zt = _stats(z, tgt, hit, cfg, G if need_grad else None, wts[r] if need_grad else None)
+        if one_read:
+            m, s, zt, scale, p_tgt, p_top, top_col = _stats_unnormalized(z, tgt, hit, cfg, G)
+        else:
+            m, s, zt = _stats(z, tgt, hit, cfg, G if need_grad else None, wts[r] if need_grad else None)
         loss[r] = torch.where(labels[r] != cfg.ignore_index, torch.log(s) - zt, 0.0)
         m_all[r], s_all[r] = m, s
-        if need_dh:
+        if one_read:
+            _hidden_grad_unnormalized(G, weight, w32, scale, p_tgt, p_top, top_col, wts[r], tgt, hit,
+                                      bufs.product(r.stop - a), D[r])
+        elif need_dh:
             torch.mm(G, weight, out=D[r])
         if need_dw:
             _weight_grad_accumulate(A, G, hr, a == 0, cfg)

@@ -28,6 +28,10 @@ AVAILABLE = importlib.util.find_spec("triton") is not None
 GPU_BLOCK_V = 4096
 GPU_NUM_WARPS = 8
 INTERPRET_BLOCK_V = 16
+# ``unnormalized``: how far (natural-log units) a row's logits may rise above the reference (its
+# first tile's max) before the row is walked again from its true max. exp(40) = 2.4e17: G's values,
+# their fp32 sum over any vocabulary and the fp32 d hidden GEMM stay far inside fp32's range.
+REF_SPAN = 40.0
 
 
 def interpreting() -> bool:
@@ -66,7 +70,8 @@ def _block_v(V: int) -> int:
 
 
 def ce_rows(z: torch.Tensor, tgt: torch.Tensor, stats: torch.Tensor, *, grad: Optional[torch.Tensor] = None,
-            wts: Optional[torch.Tensor] = None, compute_stats: bool = True, col0: int = 0) -> None:
+            wts: Optional[torch.Tensor] = None, compute_stats: bool = True, col0: int = 0,
+            unnormalized: bool = False) -> None:
     """Softmax statistics and / or the weighted logits gradient of the rows of ``z``.
 
     z: [T, V] fp32 logits, unit column stride (any row stride); tgt: [T] int64 local target
@@ -78,6 +83,13 @@ def ce_rows(z: torch.Tensor, tgt: torch.Tensor, stats: torch.Tensor, *, grad: Op
     the GEMM dtype, unit column stride (may be ``z`` itself for fp32, or for 16-bit the first half of
     each of z's rows: a view of z's storage whose row stride in bytes is z's): receives
     ``wts[t] * (exp(z - m) / s - [v == tgt[t]])``; ``wts``: [T] fp32. At least one of the two.
+
+    ``unnormalized`` (the d-hidden-only forward; one read of z): ``grad`` (its own storage, not z's)
+    receives ``exp(z - r_t)`` with a per-row reference r_t -- unweighted, 0 at the target's column and
+    at the row's max's -- and stats, [5, T] here, receives (r, sum exp(z - r), target logit or 0,
+    the row's max, its column as fp32). r_t is the row's first tile's max, or its true max where a
+    later logit exceeds that by more than REF_SPAN; the caller turns G W into the gradient's product
+    with W by a factor per row and adds the two columns' terms (see :mod:`megatron_burst.loss.fast`).
     """
     kernel = _kernel()
     T, V = z.shape
@@ -88,6 +100,14 @@ def ce_rows(z: torch.Tensor, tgt: torch.Tensor, stats: torch.Tensor, *, grad: Op
                          f"grad {None if grad is None else tuple(grad.stride())}, stats {tuple(stats.stride())})")
     if grad is None and not compute_stats:
         raise ValueError("ce_rows: nothing to do (neither statistics nor a gradient asked for)")
+    if unnormalized and (grad is None or wts is not None or not compute_stats or col0
+                         or grad.untyped_storage().data_ptr() == z.untyped_storage().data_ptr()):
+        raise ValueError("ce_rows(unnormalized=True) writes statistics and exp(z - r) to a grad buffer of its own "
+                         "(not z's storage; no wts, no col0): a row whose logits exceed r by more than REF_SPAN "
+                         "is read again")
+    if unnormalized and (stats.shape[0] < 5 or V >= 1 << 24):
+        raise ValueError(f"ce_rows(unnormalized=True) needs stats of 5 rows (got {tuple(stats.shape)}) and fewer "
+                         f"than 2^24 columns (got {V}: the max's column is stored as fp32)")
     g = z if grad is None else grad
     g_in_z = g.dtype != z.dtype and g.data_ptr() == z.data_ptr()
     if g_in_z and (T > 1 and g.stride(0) * g.element_size() != z.stride(0) * z.element_size()
@@ -98,5 +118,7 @@ def ce_rows(z: torch.Tensor, tgt: torch.Tensor, stats: torch.Tensor, *, grad: Op
     w = stats[0] if wts is None else wts  # unread without GRAD
     block = _block_v(V)
     kwargs = {} if interpreting() else {"num_warps": max(1, min(GPU_NUM_WARPS, block // 256))}
-    kernel[(T,)](z, g, tgt, w, stats[0], stats[1], stats[2], V, col0, z.stride(0), g.stride(0),
-                 BLOCK_V=block, STATS=compute_stats, GRAD=grad is not None, G_IN_Z=g_in_z, **kwargs)
+    top = stats[3:5] if unnormalized else stats[:2]  # unread outside unnormalized
+    kernel[(T,)](z, g, tgt, w, stats[0], stats[1], stats[2], top[0], top[1], V, col0, z.stride(0), g.stride(0),
+                 BLOCK_V=block, STATS=compute_stats and not unnormalized, GRAD=grad is not None and not unnormalized,
+                 G_IN_Z=g_in_z, UNNORM=unnormalized, REF_SPAN=float(REF_SPAN), **kwargs)

@@ -265,26 +265,25 @@ def _softmax_grad(z: torch.Tensor, G: torch.Tensor, tgt: torch.Tensor, col0: int
 
 
 def _accumulate(acc: torch.Tensor, G: torch.Tensor, h: torch.Tensor, first: bool,
-                tmp: Optional[torch.Tensor]) -> None:
-    """acc [vt, d] fp32 (+)= G^T h with fp32 products and sums (``first``: overwrite). tmp: an fp32
-    [vt, d] scratch for the product where torch cannot accumulate 16-bit operands in the GEMM."""
+                tmp: Optional[torch.Tensor], scale: float) -> None:
+    """acc [vt, d] fp32 (+)= scale G^T h with fp32 products and sums (``first``: overwrite; scale
+    applied in the GEMM, to the fp32 sum). tmp: an fp32 [vt, d] scratch for the product where torch
+    cannot accumulate 16-bit operands in the GEMM."""
+    beta = 0.0 if first else 1.0  # beta 0: acc's content is ignored (NaN included), per torch.addmm
     if G.dtype == torch.float32:
-        if first:
-            torch.mm(G.t(), h, out=acc)
-        else:
-            acc.addmm_(G.t(), h)
+        torch.addmm(acc, G.t(), h, beta=beta, alpha=scale, out=acc)
     elif G.is_cuda:
         from megatron_burst.loss.fast import _addmm_fp32_works
-        if first:
+        if first and scale == 1.0:
             torch.mm(G.t(), h, out_dtype=torch.float32, out=acc)
         elif _addmm_fp32_works(G.device):
-            torch.addmm(acc, G.t(), h, out_dtype=torch.float32, out=acc)
+            torch.addmm(acc, G.t(), h, out_dtype=torch.float32, beta=beta, alpha=scale, out=acc)
+        elif first:  # older torch: the fp32 product, then the scale
+            torch.mm(G.t(), h, out_dtype=torch.float32, out=acc).mul_(scale)
         else:  # older torch: the fp32 product into the tile's scratch, then one add
-            acc.add_(torch.mm(G.t(), h, out_dtype=torch.float32, out=tmp))
-    elif first:  # CPU: bf16 values and their products are exact in fp32
-        torch.mm(G.t().float(), h.float(), out=acc)
-    else:
-        acc.addmm_(G.t().float(), h.float())
+            acc.add_(torch.mm(G.t(), h, out_dtype=torch.float32, out=tmp), alpha=scale)
+    else:  # CPU: bf16 values and their products are exact in fp32
+        torch.addmm(acc, G.t().float(), h.float(), beta=beta, alpha=scale, out=acc)
 
 
 def _piece(space: torch.Tensor, offset: Optional[int], numel: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -308,14 +307,18 @@ def weight_grad_target(weight: torch.Tensor, main_grad: Optional[torch.Tensor], 
 
 def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, m_all: torch.Tensor,
                                s_all: torch.Tensor, g: torch.Tensor, cfg: LossConfig,
-                               main_grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """d weight = sum_t g_t (p_t - y_t)^T h_t, one vocabulary tile at a time, each rounded once.
+                               main_grad: Optional[torch.Tensor], scale: float = 1.0) -> Optional[torch.Tensor]:
+    """d weight = scale sum_t g_t (p_t - y_t)^T h_t, one vocabulary tile at a time, each rounded once.
 
     h: [N, d] (the full sequence: gathered under sequence parallelism), weight: [V_local, d],
-    labels: [N] global ids, m_all / s_all: [N] fp32 global (over TP) per-token max and sum-exp of
-    the logits from the forward, g: [N] fp32 incoming per-token gradient, 0 at ignored labels.
-    ``main_grad``: [V_local, d] fp32 buffer to add the gradient into (returns None), else returns
-    the gradient [V_local, d] in weight's dtype.
+    labels: [N] global ids, m_all / s_all: [N] fp32 global (over TP) per-token reference (max) and
+    sum exp(z - reference) of the logits from the forward, g: [N] fp32 per-token gradient factor,
+    0 at ignored labels. ``scale``: a host scalar applied to the GEMM's fp32 sum (the scaled
+    backward passes the loss weights as g and the objective's factor here: the 16-bit G is then
+    rounded at the weights' own scale -- a 0/1 mask's G is softmax minus one-hot, whose target
+    entries (~ -1 at a diffuse softmax) round with half the relative error of c times them --
+    as the default mode's G is). ``main_grad``: [V_local, d] fp32 buffer to add the gradient into
+    (returns None), else returns the gradient [V_local, d] in weight's dtype.
     """
     N, d = h.shape
     V = cfg.v_local
@@ -379,13 +382,16 @@ def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: to
             _softmax_grad(z, G, tgt_all[t0:t1], a, stats_all[:, t0:t1], g[t0:t1], cfg.impl)
             if dest.dtype != torch.float32:
                 # Tokens not split: one GEMM over all of them straight into the 16-bit result (fp32
-                # sums in the GEMM, one rounding). CPU: in fp32, then one rounding, to be sure of it.
-                if G.is_cuda:
+                # sums scaled in the GEMM's epilogue, one rounding; beta 0: the rows' old content, maybe
+                # another tile's scratch, is ignored). CPU: in fp32, then one rounding, to be sure of it.
+                if not G.is_cuda:
+                    dest.copy_(torch.mm(G.t().float(), h[t0:t1].float()).mul_(scale))
+                elif scale == 1.0:
                     torch.mm(G.t(), h[t0:t1], out=dest)
                 else:
-                    dest.copy_(torch.mm(G.t().float(), h[t0:t1].float()))
+                    torch.addmm(dest, G.t(), h[t0:t1], beta=0.0, alpha=scale, out=dest)
             else:
-                _accumulate(dest, G, h[t0:t1], first_overwrites and t0 == 0, tmp)
+                _accumulate(dest, G, h[t0:t1], first_overwrites and t0 == 0, tmp, scale)
         if acc is not None:
             out[a:b].copy_(acc)  # the one rounding of this tile's gradient (acc lies past row b)
     return out if main_grad is None else None

@@ -63,9 +63,11 @@ def test_auto_runs_the_self_checked_fast_path(dtype):
     assert choice.describe(hidden.device, dtype, "triton") in choice.decisions()
 
 
+@pytest.mark.parametrize("weight_grad", ["forward", "backward"])
 @pytest.mark.parametrize("kind", ["scaled", "recompute"])
-def test_errors_within_the_unfused_bf16_path(kind):
-    """N = 4096 in chunks of 1024, V = 32003 (a ragged tile), d = 1024, bf16."""
+def test_errors_within_the_unfused_bf16_path(kind, weight_grad):
+    """N = 4096 in chunks of 1024, V = 32003 (a ragged tile), d = 1024, bf16; both weight_grad modes
+    (weight_grad="backward": the one-read forward and the vocabulary pass)."""
     N, V, d = 4096, 32003, 1024
     hidden, weight, labels, mask = _inputs(N, V, d, torch.bfloat16)
     n = mask.sum()
@@ -73,7 +75,8 @@ def test_errors_within_the_unfused_bf16_path(kind):
         device=mask.device).manual_seed(3)) * mask
 
     def ours(h, w):
-        return (fused_linear_cross_entropy(h, w, labels, loss_mask=mask, token_chunk=1024) * r).sum()
+        return (fused_linear_cross_entropy(h, w, labels, loss_mask=mask, token_chunk=1024,
+                                           weight_grad=weight_grad) * r).sum()
 
     def unfused(h, w):
         return (F.cross_entropy((h @ w.t()).float(), labels, reduction="none") * r).sum()
@@ -89,6 +92,53 @@ def test_errors_within_the_unfused_bf16_path(kind):
     for i, q in enumerate(("objective", "d hidden", "d weight")):
         mine, theirs = _rel(got[i], ref[i]), _rel(base[i], ref[i])
         assert mine <= BOUND * theirs + FLOOR, f"{kind}: {q} error {mine:.3e} > {BOUND} x unfused {theirs:.3e}"
+
+
+def test_one_read_forward_against_two_reads_and_far_logits(monkeypatch):
+    """weight_grad="backward" (its forward forms d hidden alone: one read of each logit, G normalized
+    after the GEMM), N = 4096, V = 32003, d = 1024, bf16: errors against fp32 at most 1.05x those of
+    the two-read forward (fast.ONE_READ_FORWARD = False) on the same inputs. Then a quarter of the
+    tokens get a logit ~100 above the rest in the last vocabulary tile (past REF_SPAN: the kernel
+    walks those rows again on the device): finite, and within the unfused path's bound."""
+    from megatron_burst.loss import fast
+
+    N, V, d = 4096, 32003, 1024
+    hidden, weight, labels, mask = _inputs(N, V, d, torch.bfloat16, seed=5)
+    n = mask.sum()
+
+    def objective(h, w):
+        return (fused_linear_cross_entropy(h, w, labels, loss_mask=mask, token_chunk=1024,
+                                           weight_grad="backward") * mask).sum() / n
+
+    def fp32(h, w):
+        return (F.cross_entropy(h.float() @ w.float().t(), labels, reduction="none") * mask).sum() / n
+
+    def unfused(h, w):
+        return (F.cross_entropy((h @ w.t()).float(), labels, reduction="none") * mask).sum() / n
+
+    ref = _run(fp32, hidden, weight)
+    one = _run(objective, hidden, weight)
+    monkeypatch.setattr(fast, "ONE_READ_FORWARD", False)
+    two = _run(objective, hidden, weight)
+    monkeypatch.setattr(fast, "ONE_READ_FORWARD", True)
+    for i, q in enumerate(("objective", "d hidden", "d weight")):
+        a, b = _rel(one[i], ref[i]), _rel(two[i], ref[i])
+        assert a <= 1.05 * b + FLOOR, f"one-read {q} error {a:.3e} > 1.05 x two-read {b:.3e}"
+    # far logits: tokens 0, 4, 8, ... get a shared direction e; the last vocabulary row is along e
+    e = torch.zeros(d, device=hidden.device)
+    e[0] = 1.0
+    far_h = hidden.float()
+    far_h[::4] += 25.0 * e
+    far_h = far_h.to(torch.bfloat16)
+    far_w = weight.clone()
+    far_w[-1] = (4.0 * e).to(torch.bfloat16)
+    got = _run(objective, far_h, far_w)
+    ref = _run(fp32, far_h, far_w)
+    base = _run(unfused, far_h, far_w)
+    for i, q in enumerate(("objective", "d hidden", "d weight")):
+        assert bool(torch.isfinite(got[i]).all()), f"far logits: {q} not finite"
+        mine, theirs = _rel(got[i], ref[i]), _rel(base[i], ref[i])
+        assert mine <= BOUND * theirs + FLOOR, f"far logits: {q} error {mine:.3e} > {BOUND} x unfused {theirs:.3e}"
 
 
 def test_no_tokens_by_vocab_allocation():
