@@ -513,10 +513,15 @@ def triton_tp_case():
 
 def triton_tp_more():
     """TP=2 on the fast path, each rank: recompute backward with sequence parallelism (fp32, vs the
-    reference), and bf16 with Megatron's unfused bf16 error as the yardstick (megref_*)."""
+    reference), and bf16 with Megatron's unfused bf16 error as the yardstick (megref_*), in both
+    weight_grad modes."""
     return {"sp_mismatch": run_case(impl="triton", with_megatron=False, kind="mismatch", sequence_parallel=True),
             "sp_binary": run_case(impl="triton", with_megatron=False, kind="binary", sequence_parallel=True),
-            "bf16": run_case(impl="triton", dtype=torch.bfloat16, kind="binary")}
+            "bf16": run_case(impl="triton", dtype=torch.bfloat16, kind="binary"),
+            # weight_grad="backward": the one-read forward (each rank's own reference, combined over
+            # TP) and the vocabulary pass with the objective's factor in its GEMMs
+            "bf16_lean_sp": run_case(impl="triton", dtype=torch.bfloat16, kind="binary", sequence_parallel=True,
+                                     weight_grad="backward")}
 
 
 def triton_main_grad_and_tied():

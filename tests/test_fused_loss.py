@@ -508,10 +508,11 @@ def test_triton_kernels_under_interpreter():
         _check_path(rank["sp_mismatch"], "mismatch")
         _check_fp32(rank["sp_binary"], sources=("ref",))
         _check_path(rank["sp_binary"], "binary")
-        r = rank["bf16"]  # against the reference, within Megatron's own bf16 error (megref)
-        _check_path(r, "binary")
-        assert r["ignored_loss"] == 0.0 and r["ref_loss"] <= FP32_TOL * r["scale_loss"], r
-        _check_bf16_vs_megatron(r)
+        for case in ("bf16", "bf16_lean_sp"):  # against the reference, within Megatron's own bf16 error (megref)
+            r = rank[case]
+            _check_path(r, "binary")
+            assert r["ignored_loss"] == 0.0 and r["ref_loss"] <= FP32_TOL * r["scale_loss"], (case, r)
+            _check_bf16_vs_megatron(r)
     for tp, ranks in results["extras"].items():
         for rank in ranks:
             for kind in ("binary", "mismatch"):
