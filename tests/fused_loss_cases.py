@@ -31,7 +31,6 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_burst.bench.loss import LargestTensor
 from megatron_burst.loss import (FusedLossRecomputeWarning, backward_paths, fused_linear_cross_entropy,

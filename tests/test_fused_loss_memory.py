@@ -14,7 +14,7 @@ import torch
 
 import fused_loss_cases as cases
 from harness import run_interpreted, run_ranks
-from megatron_burst.loss import fused_linear_cross_entropy, reference_linear_cross_entropy
+from megatron_burst.loss import fused_linear_cross_entropy
 from megatron_burst.loss import vocab_pass
 
 FP32_TOL = 1e-5

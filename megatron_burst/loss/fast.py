@@ -127,7 +127,8 @@ _ADDMM_F32: dict[str, bool] = {}  # device -> torch.addmm(fp32 C, bf16, bf16, ou
 
 
 def _addmm_fp32_works(device: torch.device) -> bool:
-    """Whether this torch accumulates a bf16 GEMM into an fp32 C in place (checked once per device)."""
+    """Whether this torch accumulates a bf16 GEMM into an fp32 C in place, honouring alpha, and with
+    beta = 0 ignores C's content (NaN included) (checked once per device)."""
     key = str(device)
     if key not in _ADDMM_F32:
         ok = False
@@ -136,10 +137,14 @@ def _addmm_fp32_works(device: torch.device) -> bool:
             c = torch.randn(48, 40, generator=g).to(device)
             a = torch.randn(24, 48, generator=g).to(device=device, dtype=torch.bfloat16)
             b = torch.randn(24, 40, generator=g).to(device=device, dtype=torch.bfloat16)
-            want = c + a.float().t() @ b.float()
-            out = torch.addmm(c, a.t(), b, out_dtype=torch.float32, out=c)
-            ok = out.data_ptr() == c.data_ptr() and bool(torch.allclose(c, want, rtol=1e-4, atol=1e-4))
-            why = "" if ok else "it did not accumulate in place"
+            prod = a.float().t() @ b.float()
+            want = c + 0.375 * prod
+            out = torch.addmm(c, a.t(), b, out_dtype=torch.float32, alpha=0.375, out=c)
+            fresh = torch.full_like(c, float("nan"))
+            torch.addmm(fresh, a.t(), b, out_dtype=torch.float32, beta=0.0, alpha=0.375, out=fresh)
+            ok = (out.data_ptr() == c.data_ptr() and bool(torch.allclose(c, want, rtol=1e-4, atol=1e-4))
+                  and bool(torch.allclose(fresh, 0.375 * prod, rtol=1e-4, atol=1e-4)))
+            why = "" if ok else "it did not accumulate in place (with alpha, or beta = 0 over NaN)"
         except (RuntimeError, TypeError) as e:
             why = f"{type(e).__name__}: {e}"
         if not ok:  # a slower path (an fp32 product and an add per GEMM): said, never silent
