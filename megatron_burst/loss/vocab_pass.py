@@ -7,10 +7,12 @@ largest buffer of the whole op, larger than the bf16 weight gradient itself.
 
 Here the loop order is vocabulary-outer instead: for each tile of ``vt`` vocabulary rows the
 logits of *all* tokens against that tile are recomputed (``z = h W_tile^T``, fp32), turned into the
-weighted softmax gradient with the forward's per-token max / sum-exp (global over TP, so no
-collective is needed), and ``dW_tile = G^T h`` is accumulated over the tokens in fp32 (in the GEMM,
-or in an fp32 tile buffer [vt, d] when the tokens are split) and written **once** in the weight
-dtype -- or added in fp32 into Megatron's ``main_grad``. Nothing of size [V_local, d] exists but
+weighted softmax gradient with the forward's per-token reference (max, or near it) and sum of
+exp(z - reference) (global over TP, so no collective is needed), and ``dW_tile = c G^T h`` is
+accumulated over the tokens in fp32 (in the GEMM, c in its epilogue, or in an fp32 tile buffer
+[vt, d] when the tokens are split) and written **once** in the weight dtype -- or added in fp32
+into Megatron's ``main_grad``. (The scaled backward's G carries the loss weights, and c the
+objective's factor: G is rounded at the weights' scale, as the default mode's G is.) Nothing of size [V_local, d] exists but
 the gradient itself, and each weight-gradient element is rounded to bf16 exactly once (the
 unfused path's rounding), whatever the number of tokens. The price: a fourth vocabulary GEMM
 (the logits recompute), 2 N V_local d FLOPs.
