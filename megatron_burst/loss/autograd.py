@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from megatron_burst.loss import fast
 from megatron_burst.loss.chunks import chunked_forward, recompute_grads
 from megatron_burst.loss.config import LossConfig, labels_out_of_range, raise_label_error
 from megatron_burst.loss.parallel import gather_sequence, reduce_hidden_grad
@@ -136,8 +137,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 cfg: LossConfig, main_grad: Optional[torch.Tensor], labels_shape: tuple) -> torch.Tensor:
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         h = gather_sequence(hidden, cfg) if cfg.sequence_parallel else hidden
-        loss, m_all, s_all, D, A = chunked_forward(h, weight, labels, wts, cfg, need_dh,
-                                                   need_dw and cfg.weight_grad == "forward")
+        dw_here = need_dw and cfg.weight_grad == "forward"
+        loss, m_all, s_all, D, A = chunked_forward(h, weight, labels, wts, cfg, need_dh, dw_here)
+        # the one-read forward's D carries 1 / sum(wts), which the scaled backward takes out of c
+        ctx.d_prescaled = cfg.impl == "triton" and fast.reads_once(h.dtype, need_dh, dw_here)
         del h  # under sequence parallelism the gathered [N, d] copy is freed here, not saved
         if D is not None:
             # Reduce D over TP now, so the scaled backward has no collective: summing the ranks'
@@ -182,7 +185,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             # D and A belong to this graph alone (one per forward call, e.g. per micro-batch) and
             # are freed after this backward: scaling them in place costs no second buffer.
             ctx.scaled_in_place = True
-            dh = _scale_in_place(D, c) if need_dh else None
+            if need_dh:  # (D times 1 / sum(wts) and c = 1 / sum(wts): a factor 1, D as it is)
+                dh = _scale_in_place(D, c / fast.hidden_grad_prescale(wts) if ctx.d_prescaled else c)
+            else:
+                dh = None
             if not need_dw:
                 dw = None
             elif cfg.weight_grad == "forward":

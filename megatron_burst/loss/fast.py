@@ -70,7 +70,10 @@ Its d hidden error is then at most the two-read forward's (in an emulation over 
 ``triton_kernels.REF_SPAN`` (40: exp(40) keeps G, its sum and the fp32 GEMM far from overflow) is
 walked again from its true max, in the kernel. The stored per-token statistics are then (r, sum
 exp(z - r)) rather than (max, sum exp(z - max)): the same log-sum-exp, and every consumer forms
-exp(z - m) / s. (Run 4's H100 profile of the lean mode at (16K, 128K, 4096) had 12 ms in the two
+exp(z - m) / s. Its D is stored times 1 / sum(wts) (:func:`hidden_grad_prescale`, applied in the
+same fp32 combine): the backward's factor c / that is 1 for the usual objective sum(loss * mask) /
+sum(mask), so d hidden is rounded once, not twice (1.7e-3 against 2.4e-3 in the interpreted
+precision test). (Run 4's H100 profile of the lean mode at (16K, 128K, 4096) had 12 ms in the two
 softmax-gradient passes; by their bytes ~7 ms of it the forward's, ~4 ms with one read -- not yet
 timed.)
 
@@ -112,7 +115,8 @@ from megatron_burst.loss.config import (FAST_CHUNK_BYTES, MIN_EFFICIENT_CHUNK, L
                                          fast_token_chunk as default_token_chunk)
 from megatron_burst.loss.parallel import all_reduce_stats
 
-__all__ = ["chunked_forward", "recompute_grads", "default_token_chunk", "bytes_per_logit", "weight_grad_mode",
+__all__ = ["chunked_forward", "recompute_grads", "reads_once", "hidden_grad_prescale", "default_token_chunk",
+           "bytes_per_logit", "weight_grad_mode",
            "FAST_CHUNK_BYTES", "MIN_EFFICIENT_CHUNK"]
 
 logger = logging.getLogger("megatron_burst.loss")
@@ -301,13 +305,32 @@ def _hidden_grad_unnormalized(E: torch.Tensor, weight: torch.Tensor, w32: Option
     out.copy_(P)
 
 
+def reads_once(dtype: torch.dtype, need_dh: bool, need_dw: bool) -> bool:
+    """Whether :func:`chunked_forward` takes the one-read walk: d hidden alone (no d weight in the
+    forward), 16-bit inputs (fp32: G overwrites z, which a row walked again would need)."""
+    return ONE_READ_FORWARD and need_dh and not need_dw and dtype != torch.float32
+
+
+def hidden_grad_prescale(wts: torch.Tensor) -> torch.Tensor:
+    """The factor the one-read forward's D carries: 1 / sum(wts) (1 without weight), 0-dim fp32.
+
+    D is rounded to 16 bits once in the forward and again when the backward scales it by the
+    objective's factor c -- unless that product is exact: the usual objective sum(loss * mask) /
+    sum(mask) has c = 1 / sum(mask), so D stored already times it is scaled by c / prescale = 1 (or
+    a power of two, e.g. 1 / micro-batches) and its second rounding vanishes. Any other c costs the
+    second rounding as before. The weights are the same on every TP rank, so is this factor."""
+    total = wts.sum()
+    return torch.where(total > 0, 1.0 / total, torch.ones_like(total))
+
+
 def _upcast_weight(h: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
     return weight.float() if (not h.is_cuda and h.dtype != torch.float32) else None
 
 
 def chunked_forward(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, wts: Optional[torch.Tensor],
                     cfg: LossConfig, need_dh: bool, need_dw: bool):
-    """The contract of :func:`megatron_burst.loss.chunks.chunked_forward` on the fast path."""
+    """The contract of :func:`megatron_burst.loss.chunks.chunked_forward` on the fast path; where
+    :func:`reads_once`, D is times :func:`hidden_grad_prescale` (wts)."""
     N, d = h.shape
     need_grad = need_dh or need_dw
     loss = torch.empty(N, dtype=torch.float32, device=h.device)
@@ -319,8 +342,9 @@ def chunked_forward(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     weight = weight.contiguous()
     w32 = _upcast_weight(h, weight)
     # d hidden alone (weight_grad="backward", or a frozen weight), 16-bit: the one-read kernel (G's
-    # normalization moves past the GEMM). fp32: G overwrites z, which a re-read row would need.
-    one_read = ONE_READ_FORWARD and need_dh and not need_dw and h.dtype != torch.float32
+    # normalization moves past the GEMM), and D comes out times hidden_grad_prescale(wts)
+    one_read = reads_once(h.dtype, need_dh, need_dw)
+    w_dh = wts * hidden_grad_prescale(wts) if one_read else None
     bufs = _Chunk(cfg, N, h.dtype, h.device, need_grad, d, dh_fp32=one_read)
     for a in range(0, N, cfg.token_chunk):
         r = slice(a, min(a + cfg.token_chunk, N))
@@ -335,7 +359,7 @@ def chunked_forward(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
         loss[r] = torch.where(labels[r] != cfg.ignore_index, torch.log(s) - zt, 0.0)
         m_all[r], s_all[r] = m, s
         if one_read:
-            _hidden_grad_unnormalized(G, weight, w32, scale, p_tgt, p_top, top_col, wts[r], tgt, hit,
+            _hidden_grad_unnormalized(G, weight, w32, scale, p_tgt, p_top, top_col, w_dh[r], tgt, hit,
                                       bufs.product(r.stop - a), D[r])
         elif need_dh:
             torch.mm(G, weight, out=D[r])
