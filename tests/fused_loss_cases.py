@@ -391,12 +391,14 @@ def saved_and_retained(s=8, b=2, d=12, V=20, sequence_parallel=False, dtype=torc
             "dw_is_saved": grad_ptrs.get("dw") in saved_ptr}
 
 
-def reads_and_collectives(s=10, b=2, d=8, V=20, sequence_parallel=False, kind="binary", token_chunk=4):
+def reads_and_collectives(s=10, b=2, d=8, V=20, sequence_parallel=False, kind="binary", token_chunk=4,
+                          dtype=torch.float32, impl="torch", weight_grad="forward"):
     """Per phase (forward with grad, backward, forward without grad): host reads, data-dependent
-    ops and collectives of the fused op; plus its gradients' errors against the reference."""
-    x = _setup(s, b, d, V, 1, torch.float32, sequence_parallel, kind)
+    ops and collectives of the fused op; plus its gradients' errors against the reference. (Under
+    Triton's interpreter a kernel launch reads its arguments on the host: count collectives only.)"""
+    x = _setup(s, b, d, V, 1, dtype, sequence_parallel, kind)
     kw = dict(tp_group=x["group"], ignore_index=IGNORE, loss_mask=x["hint"], sequence_parallel=sequence_parallel,
-              token_chunk=token_chunk, vocab_chunk=3)
+              token_chunk=token_chunk, vocab_chunk=3, impl=impl, weight_grad=weight_grad)
     out = {}
 
     def phase(name, fn):
@@ -520,7 +522,9 @@ def triton_tp_more():
             # weight_grad="backward": the one-read forward (each rank's own reference, combined over
             # TP) and the vocabulary pass with the objective's factor in its GEMMs
             "bf16_lean_sp": run_case(impl="triton", dtype=torch.bfloat16, kind="binary", sequence_parallel=True,
-                                     weight_grad="backward")}
+                                     weight_grad="backward"),
+            "lean_sp_collectives": reads_and_collectives(sequence_parallel=True, dtype=torch.bfloat16, impl="triton",
+                                                         weight_grad="backward")}
 
 
 def triton_main_grad_and_tied():

@@ -508,6 +508,13 @@ def test_triton_kernels_under_interpreter():
         _check_path(rank["sp_mismatch"], "mismatch")
         _check_fp32(rank["sp_binary"], sources=("ref",))
         _check_path(rank["sp_binary"], "binary")
+        # the lean mode's one-read forward: the same two all-reduces per chunk (same order on every rank),
+        # D's reduce-scatter; its scaled backward gathers the sequence for the vocabulary pass, nothing else
+        coll = rank["lean_sp_collectives"]
+        assert coll["chunks"] == 5, coll
+        assert coll["forward"]["collectives"] == {"all_gather_into_tensor": 1, "all_reduce": 10,
+                                                  "reduce_scatter_tensor": 1}, coll
+        assert coll["backward"]["collectives"] == {"all_gather_into_tensor": 1}, coll
         for case in ("bf16", "bf16_lean_sp"):  # against the reference, within Megatron's own bf16 error (megref)
             r = rank[case]
             _check_path(r, "binary")

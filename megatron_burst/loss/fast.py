@@ -249,15 +249,22 @@ def _stats(z: torch.Tensor, tgt: torch.Tensor, hit: torch.Tensor, cfg: LossConfi
         triton_kernels.ce_rows(z, tgt, st, grad=G, wts=wts)
         return st[0], st[1], torch.where(hit, st[2] - st[0], 0.0)
     triton_kernels.ce_rows(z, tgt, st)
-    m_loc, s_loc, zt = st
+    m, s, zt_rel = _combine_over_tp(st[0], st[1], st[2], hit, cfg)
+    if G is not None:
+        st[0], st[1] = m, s
+        triton_kernels.ce_rows(z, tgt, st, grad=G, wts=wts, compute_stats=False)
+    return m, s, zt_rel
+
+
+def _combine_over_tp(m_loc: torch.Tensor, s_loc: torch.Tensor, zt: torch.Tensor, hit: torch.Tensor,
+                     cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's (reference m_loc, sum exp(z - m_loc), target logit) -> the global (M, sum exp(z - M),
+    z_target - M), [T] fp32 each: a MAX all-reduce, then one SUM all-reduce for both sums (only the
+    rank holding a token's target contributes its logit)."""
     m = m_loc.clone()
     all_reduce_stats(m, dist.ReduceOp.MAX, cfg)
-    # One all-reduce for both sums; only the rank holding a token's target contributes its logit.
     sums = torch.stack([s_loc * torch.exp(m_loc - m), torch.where(hit, zt - m, 0.0)])
     all_reduce_stats(sums, dist.ReduceOp.SUM, cfg)
-    if G is not None:
-        st[0], st[1] = m, sums[0]
-        triton_kernels.ce_rows(z, tgt, st, grad=G, wts=wts, compute_stats=False)
     return m, sums[0], sums[1]
 
 
@@ -277,11 +284,8 @@ def _stats_unnormalized(z: torch.Tensor, tgt: torch.Tensor, hit: torch.Tensor, c
     if cfg.tp_size == 1:
         m, s, scale, zt_rel = r, s_loc, s_loc.reciprocal(), torch.where(hit, zt - r, 0.0)
     else:
-        m = r.clone()
-        all_reduce_stats(m, dist.ReduceOp.MAX, cfg)
-        sums = torch.stack([s_loc * torch.exp(r - m), torch.where(hit, zt - m, 0.0)])
-        all_reduce_stats(sums, dist.ReduceOp.SUM, cfg)
-        s, scale, zt_rel = sums[0], torch.exp(r - m) / sums[0], sums[1]
+        m, s, zt_rel = _combine_over_tp(r, s_loc, zt, hit, cfg)
+        scale = torch.exp(r - m) / s
     top_col = top_col.long()
     p_tgt = torch.where(hit, torch.exp(zt - r) * scale, 0.0)
     p_top = torch.where(hit & (top_col == tgt), 0.0, torch.exp(top - r) * scale)

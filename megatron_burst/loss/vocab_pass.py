@@ -276,9 +276,7 @@ def _accumulate(acc: torch.Tensor, G: torch.Tensor, h: torch.Tensor, first: bool
         torch.addmm(acc, G.t(), h, beta=beta, alpha=scale, out=acc)
     elif G.is_cuda:
         from megatron_burst.loss.fast import _addmm_fp32_works
-        if first and scale == 1.0:
-            torch.mm(G.t(), h, out_dtype=torch.float32, out=acc)
-        elif _addmm_fp32_works(G.device):
+        if _addmm_fp32_works(G.device):
             torch.addmm(acc, G.t(), h, out_dtype=torch.float32, beta=beta, alpha=scale, out=acc)
         elif first:  # older torch: the fp32 product, then the scale
             torch.mm(G.t(), h, out_dtype=torch.float32, out=acc).mul_(scale)
@@ -386,12 +384,10 @@ def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: to
                 # Tokens not split: one GEMM over all of them straight into the 16-bit result (fp32
                 # sums scaled in the GEMM's epilogue, one rounding; beta 0: the rows' old content, maybe
                 # another tile's scratch, is ignored). CPU: in fp32, then one rounding, to be sure of it.
-                if not G.is_cuda:
-                    dest.copy_(torch.mm(G.t().float(), h[t0:t1].float()).mul_(scale))
-                elif scale == 1.0:
-                    torch.mm(G.t(), h[t0:t1], out=dest)
-                else:
+                if G.is_cuda:
                     torch.addmm(dest, G.t(), h[t0:t1], beta=0.0, alpha=scale, out=dest)
+                else:
+                    dest.copy_(torch.mm(G.t().float(), h[t0:t1].float()).mul_(scale))
             else:
                 _accumulate(dest, G, h[t0:t1], first_overwrites and t0 == 0, tmp, scale)
         if acc is not None:
