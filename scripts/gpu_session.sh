@@ -11,7 +11,7 @@
 #    fused loss (examples/e2e_gpt_1b.py mlm_burst; needs .mlm from scripts/mlm_bundle.sh, carried)
 # 3. the whole GPU suite (tests/gpu: attention, sparse, fused loss, linear), xdist workers when installed
 # Shares of the budget: ATTN_BENCH_SHARE 23, LOSS_BENCH_SHARE 15, LINEAR_BENCH_SHARE 14, E2E_SHARE 15, SUITE_SHARE 33,
-# PROBE_S 40 (seconds for scripts/gpu_probe_cudnn.py; 0 skips it), PROFILE_S 0 (seconds for scripts/gpu_profile.py: kernel tables of the loss and 64-document cases, profile.txt; PROFILE_ARGS="--sections fusions" times what --te-free-fusions replaces), TUNE_SHARE 0 (scripts/gpu_tune_masked.py: Triton masked kernel launch configs) (percent; 0 skips a part); GPU_BENCH_ARGS, LINEAR_BENCH_ARGS, GPU_TEST_ARGS, GPU_MULTI_ARGS override each part's arguments.
+# PROBE_S 40 (seconds for scripts/gpu_probe_cudnn.py; 0 skips it), PROFILE_S 0 (seconds for scripts/gpu_profile.py: kernel tables of the loss and 64-document cases, profile.txt; PROFILE_ARGS="--sections fusions" times what --te-free-fusions replaces), TUNE_SHARE 0 (scripts/gpu_tune_masked.py: Triton masked kernel launch configs) (percent; 0 skips a part); GPU_BENCH_ARGS, LINEAR_BENCH_ARGS, GPU_TEST_ARGS, GPU_MULTI_ARGS, GPU_LINEAR_ARGS override each part's arguments.
 # LINEAR_TESTS_EARLY=1 starts tests/gpu/test_gpu_linear.py (carried Triton) before the first part, beside the others
 # (mostly fla's compiles: CPU work), and waits for it within the budget at the end; GPU_LINEAR_WORKERS (6) its xdist workers.
 # Carry `.whl`, `.mlm` and `.triton` (git-ignored). .whl: fla_core, flash_linear_attention, einops (I3);
@@ -106,7 +106,7 @@ $PY -c "import pydantic" 2>/dev/null || { ls .whl/typing_extensions-*.whl >/dev/
 FLA_TRITON=$(carried_triton_path "$PY")
 LINEAR_PP="${FLA_TRITON:+$FLA_TRITON:}$PYTHONPATH"
 PYTHONPATH="$LINEAR_PP" $PY -c "import triton; print('linear parts: triton', triton.__version__, triton.__file__)" 2>&1 | tee -a "$OUT_DIR/session.log"
-LINEAR_TESTS="PYTHONPATH='$LINEAR_PP' $PY -m pytest -q -p no:cacheprovider $TIMEOUT $LINEAR_XDIST tests/gpu/test_gpu_linear.py"
+LINEAR_TESTS="PYTHONPATH='$LINEAR_PP' $PY -m pytest -q -p no:cacheprovider $TIMEOUT $LINEAR_XDIST ${GPU_LINEAR_ARGS:-} tests/gpu/test_gpu_linear.py"
 EARLY_LINEAR=0
 if [ -n "$FLA_TRITON" ] && [ "${LINEAR_TESTS_EARLY:-0}" = 1 ]; then
   echo "linear-tests: start early, beside the parts below" | tee -a "$OUT_DIR/session.log"
