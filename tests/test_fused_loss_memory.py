@@ -351,3 +351,30 @@ def test_vocab_pass_launches_two_ops_per_piece(monkeypatch):
     p[torch.arange(N)[labels >= 0], labels[labels >= 0]] -= gt[labels >= 0]
     torch.testing.assert_close(dw, p.t() @ h, rtol=1e-5, atol=1e-6)
     assert pieces >= 10 and sum(counts.values()) <= 2 * pieces + 12, (pieces, counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_megatrons_micro_batch_division_costs_the_prescaled_d_hidden_no_rounding(dtype):
+    """The one-read forward stores D times 1 / sum(mask) (fast.hidden_grad_prescale); Megatron's
+    schedule divides the loss sum by num_tokens and then by num_microbatches (forward_step_calc_loss,
+    in fp32), so the backward scales D by c / prescale = 1 / M up to an fp32 ulp or two. For M a
+    power of two that product is exact in 16 bits: d hidden is D / M bit for bit, rounded once
+    in all. (A factor off by more than a quarter of a 16-bit ulp, or a prescale other than
+    1 / sum(mask), fails this.)"""
+    from megatron_burst.loss import fast
+    from megatron_burst.loss.autograd import _scale_in_place
+
+    g = torch.Generator().manual_seed(3)
+    D = (torch.randn(96, 40, generator=g) * 3).to(dtype)
+    for n_tokens in (1, 7, 120, 1000, 4093, 16383):
+        mask = torch.zeros(n_tokens + 5)
+        mask[:n_tokens] = 1.0
+        for M in (1, 2, 4, 8, 64):
+            loss_sum = torch.ones((), requires_grad=True)
+            out = loss_sum * 1.0  # as Megatron: output_tensor /= clamp(num_tokens); /= num_microbatches
+            out = out / torch.clamp(torch.tensor(n_tokens, dtype=torch.int), min=1)
+            out = out / M
+            (c,) = torch.autograd.grad(out, loss_sum)
+            factor = c / fast.hidden_grad_prescale(mask)
+            dh = _scale_in_place(D.clone(), factor)
+            assert torch.equal(dh, D / M), (n_tokens, M, factor.item())
