@@ -116,10 +116,12 @@ def test_loss_bar_needs_every_part_at_once(tmp_path):
         loss_line("unfused", 115.7, 24576, 8.6e-4, 1.7e-4), loss_line("cce", 103.6, 1154, 1e-2, 4.6e-3),
         loss_line("fused", 98.0, 3200, 5.9e-4, 1.3e-4),       # fast, but above CCE's memory
         loss_line("fused_bwdw", 103.0, 1153, 5.9e-4, 1.3e-4),  # meets all four
+        loss_line("fused_bwdw_2read", 106.5, 1153, 5.9e-4, 1.3e-4),  # an A/B figure, not a bar of its own
         {"tokens": 16384, "vocab": 131072, "hidden": 4096, "tp": 1, "variant": "liger", "skipped": "not installed"}])
     rows = rows_of(tmp_path, bar="fused loss")
     assert [r.status for r in rows] == [vd.NOT_MET, vd.MET]
     assert rows[0].figure.endswith("fails peak <= cce")
+    assert rows[1].figure.endswith("forward reading each logit twice (fused_bwdw_2read): 106.5 ms")
     write(tmp_path, "bench_loss.jsonl", [loss_line("unfused", 100.0, 24576, 8.6e-4, 1.7e-4),
                                          loss_line("fused_bwdw", 90.0, 1000, 5.9e-4, 1.3e-4)])
     assert [r.status for r in rows_of(tmp_path, bar="fused loss")] == [vd.MISSING]  # no CCE: not comparable

@@ -240,6 +240,9 @@ def _loss_rows(records: list[dict], e2e: Optional[dict]) -> list[Row]:
                       f"{cce['peak_bytes'] / 2 ** 20:.0f} MiB; unfused {unfused['time_s'] * 1e3:.1f} ms); "
                       f"dh {err.get('dh', float('nan')):.1e} dW {err.get('dw', float('nan')):.1e} "
                       f"(unfused {ref.get('dh', float('nan')):.1e} / {ref.get('dw', float('nan')):.1e})")
+            two_reads = at.get(v + "_2read")  # the A/B of the one-read forward (loss.fast.ONE_READ_FORWARD)
+            if two_reads is not None:
+                figure += f"; forward reading each logit twice ({v}_2read): {two_reads['time_s'] * 1e3:.1f} ms"
             failed = [k for k, ok in checks.items() if not ok]
             if not str(r.get("device", "")).startswith("cuda"):
                 rows.append(Row("I2", bar, figure + " (not on a GPU)", MISSING))
