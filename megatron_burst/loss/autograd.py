@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from megatron_burst.loss import fast
-from megatron_burst.loss.chunks import chunked_forward, recompute_grads
+from megatron_burst.loss.chunks import chunked_forward, hidden_grad_prescaled, recompute_grads
 from megatron_burst.loss.config import LossConfig, labels_out_of_range, raise_label_error
 from megatron_burst.loss.parallel import gather_sequence, reduce_hidden_grad
 from megatron_burst.loss.vocab_pass import weight_grad_by_vocab_tiles
@@ -140,7 +140,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         dw_here = need_dw and cfg.weight_grad == "forward"
         loss, m_all, s_all, D, A = chunked_forward(h, weight, labels, wts, cfg, need_dh, dw_here)
         # the one-read forward's D carries 1 / sum(wts), which the scaled backward takes out of c
-        ctx.d_prescaled = cfg.impl == "triton" and fast.reads_once(h.dtype, need_dh, dw_here)
+        ctx.d_prescaled = hidden_grad_prescaled(cfg, h.dtype, need_dh, dw_here)
         del h  # under sequence parallelism the gathered [N, d] copy is freed here, not saved
         if D is not None:
             # Reduce D over TP now, so the scaled backward has no collective: summing the ranks'

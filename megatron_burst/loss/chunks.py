@@ -24,7 +24,7 @@ from megatron_burst.loss import fast
 from megatron_burst.loss.config import LossConfig
 from megatron_burst.loss.parallel import all_reduce_stats, gather_sequence
 
-__all__ = ["chunked_forward", "recompute_grads", "loss_without_grad"]
+__all__ = ["chunked_forward", "hidden_grad_prescaled", "recompute_grads", "loss_without_grad"]
 
 # torch.mm(bf16, bf16, out_dtype=torch.float32) (CUDA only; torch >= 2.8 has the overload).
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
@@ -142,6 +142,12 @@ def _chunks(h: torch.Tensor, labels: torch.Tensor, cfg: LossConfig) -> Iterator[
         yield (rows, buf, gbuf) + _local_targets(labels[rows], cfg)
 
 
+def hidden_grad_prescaled(cfg: LossConfig, dtype: torch.dtype, need_dh: bool, need_dw: bool) -> bool:
+    """Whether :func:`chunked_forward` returns D times ``fast.hidden_grad_prescale(wts)``: the fast
+    path's one-read forward (:func:`megatron_burst.loss.fast.reads_once`)."""
+    return cfg.impl == "triton" and fast.reads_once(dtype, need_dh, need_dw)
+
+
 def chunked_forward(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, wts: Optional[torch.Tensor],
                     cfg: LossConfig, need_dh: bool, need_dw: bool):
     """Loss and per-token stats of all N tokens; with need_dh/need_dw also D and A (see fused.py).
@@ -149,7 +155,8 @@ def chunked_forward(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     h: [N, d] (full sequence), weight: [V_local, d], labels: [N], wts: [N] fp32 (the weights D and A
     are reduced with; None without need_dh/need_dw). Returns loss, m, s ([N]
     fp32), D ([N, d], h's dtype, partial over this rank's vocabulary -- not yet reduced over TP --
-    or None) and A ([V_local, d] fp32, or None).
+    or None) and A ([V_local, d] fp32, or None); D times fast.hidden_grad_prescale(wts) where
+    :func:`hidden_grad_prescaled`.
     """
     if cfg.impl == "triton":
         return fast.chunked_forward(h, weight, labels, wts, cfg, need_dh, need_dw)
