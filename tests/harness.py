@@ -504,6 +504,21 @@ def shutdown_pools(stop_forkserver: bool = False) -> None:
 atexit.register(shutdown_pools, stop_forkserver=True)
 
 
+def load_test_startup():
+    """tests/startup/sitecustomize.py as a module of this process (the processes started with tests/startup
+    on PYTHONPATH run it as their ``sitecustomize``); loaded once."""
+    import importlib.util
+
+    name = "megatron_burst_test_startup"
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "startup", "sitecustomize.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def run_interpreted(script: str, *args: str, code: Optional[str] = None, drop_env: tuple = (),
                     timeout: float = 600) -> dict:
     """Run ``tests/<script> args`` (or ``python -c code``) in a fresh python with TRITON_INTERPRET=1
