@@ -1,4 +1,4 @@
-"""Start a script (or ``-c code``) under Triton's CPU interpreter, with one redundant cost removed:
+"""Start a script (or ``-c code``) under Triton's CPU interpreter, with redundant costs removed:
 
     TRITON_INTERPRET=1 python tests/interpreted.py tests/triton_masked_cases.py [args...]
     TRITON_INTERPRET=1 python tests/interpreted.py -c "code" [args...]
@@ -26,6 +26,8 @@ bf16 gradient against torch's unfused bf16 path, which rounds to nearest) would 
 interpreter, not the kernel. fp32 -> bf16 / fp16 downcasts (but an explicit round-toward-zero)
 round to nearest even here, as the GPU does (``tests/test_interpreted.py`` checks them against
 torch's bit for bit). ``MEGATRON_BURST_INTERPRETER_TRUNCATE=1`` keeps Triton's own rounding.
+
+Third, the interpreter's Triton -> numpy dtype lookup reads a cache (:func:`memoize_numpy_dtypes`).
 """
 from __future__ import annotations
 
@@ -109,6 +111,36 @@ def round_downcasts_to_nearest() -> bool:
     return True
 
 
+def memoize_numpy_dtypes() -> bool:
+    """Make the interpreter's Triton -> numpy dtype lookup (``_get_np_dtype``: it builds a 20-entry
+    dict of Triton types, each hashed, at every call -- several per interpreted operation; 2-6 % of
+    tests/fused_loss_cases.py's time) read a cache of its own answers instead. The answer depends
+    on the element type alone (a pointer's is uint64), so caching by it changes nothing
+    (``tests/test_interpreted.py`` compares the two for every Triton type). Returns whether the
+    change was made (False, with a line on stderr, on an unknown Triton)."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as it
+
+        lookup, block_type, pointer_type = it._get_np_dtype, tl.block_type, tl.pointer_type
+    except (ImportError, AttributeError) as exc:
+        print(f"tests/interpreted.py: Triton's interpreter differs ({exc!r}): dtype lookups as before", file=sys.stderr)
+        return False
+    answers: dict = {}
+
+    def cached(tt_dtype):
+        element = tt_dtype.element_ty if isinstance(tt_dtype, block_type) else tt_dtype
+        if isinstance(element, pointer_type):
+            return lookup(element)
+        answer = answers.get(element)
+        if answer is None:
+            answer = answers[element] = lookup(element)
+        return answer
+
+    it._get_np_dtype = cached
+    return True
+
+
 def main(argv: list[str]) -> None:
     if len(argv) < 2:
         sys.exit("usage: TRITON_INTERPRET=1 python tests/interpreted.py SCRIPT [ARGS...] | -c CODE [ARGS...]")
@@ -116,6 +148,8 @@ def main(argv: list[str]) -> None:
         skip_nested_repatching()
     if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("MEGATRON_BURST_INTERPRETER_TRUNCATE") != "1":
         round_downcasts_to_nearest()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        memoize_numpy_dtypes()
     if argv[1] == "-c":
         sys.argv = ["-c"] + argv[3:]
         exec(compile(argv[2], "<string>", "exec"), {"__name__": "__main__"})

@@ -89,3 +89,40 @@ def test_downcasts_round_to_nearest_even_as_on_the_gpu():
     round-toward-zero still truncates."""
     r = run_interpreted("", code=ROUNDING_CODE)
     assert r == {"bf16": True, "fp16": True, "rtz_truncates": True, "any_differs_from_truncation": True}, r
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_cached_numpy_dtypes_are_the_interpreters_own(monkeypatch):
+    """The launcher's cached Triton -> numpy dtype lookup answers as the interpreter's own for every
+    Triton scalar type, as a block's element, and for pointers (to blocks too); a second ask is a
+    cache hit (the interpreter's lookup is not called again)."""
+    import triton.language as tl
+    from triton.runtime import interpreter as it
+
+    import interpreted
+
+    own = it._get_np_dtype
+    calls = []
+    monkeypatch.setattr(it, "_get_np_dtype", lambda t: calls.append(t) or own(t))
+    assert interpreted.memoize_numpy_dtypes()
+    cached = it._get_np_dtype
+    scalars = [t for t in vars(tl).values() if isinstance(t, tl.dtype) and not isinstance(t, (tl.pointer_type,
+                                                                                               tl.block_type))]
+    known = [t for t in scalars if _answers(own, t)]
+    assert {"fp32", "bf16", "int1", "int64", "fp8e5"} <= {str(t) for t in known}, known
+    asked = [t for s in known for t in (s, tl.block_type(s, [4, 8]), tl.pointer_type(s),
+                                        tl.block_type(tl.pointer_type(s), [16]))]
+    for t in asked:
+        assert cached(t) == own(t), t
+    calls.clear()
+    for t in asked:
+        cached(t)
+    assert all(isinstance(t, tl.pointer_type) for t in calls), calls  # only pointers reach the lookup again
+
+
+def _answers(lookup, t) -> bool:
+    try:
+        lookup(t)
+        return True
+    except KeyError:
+        return False
