@@ -4,7 +4,7 @@ PYTHONPATH, so the pytest workers and everything they start import it; nothing o
 megatron.core decorates its fused elementwise functions with ``torch.compile`` as it imports them
 (``megatron.core.jit.jit_fuser``), and ``torch.compile`` imports dynamo and inductor: 2.3 s of CPU in
 each of the ~40 fresh processes of a run that import megatron.core (trainer CLIs, benches, functional
-tests), though the CPU tests never call a compiled form. Here ``jit_fuser`` becomes, as
+tests), though few of them ever call a compiled form. Here ``jit_fuser`` becomes, as
 ``megatron.core.jit`` loads, a decorator that calls ``torch.compile`` at the function's first call
 instead: the same compiled function, made later (``torch.compile`` itself only compiles at the first
 call). tests/test_test_startup.py checks both halves.
