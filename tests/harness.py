@@ -504,6 +504,13 @@ def shutdown_pools(stop_forkserver: bool = False) -> None:
 atexit.register(shutdown_pools, stop_forkserver=True)
 
 
+def pythonpath(*first: str) -> str:
+    """A PYTHONPATH for a process this one starts: ``first``, then this process's PYTHONPATH (which
+    carries tests/startup, tests/conftest.py), empty entries dropped (one would put the cwd on sys.path)."""
+    rest = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    return os.pathsep.join(p for p in (*first, *rest) if p)
+
+
 def load_test_startup():
     """tests/startup/sitecustomize.py as a module of this process (the processes started with tests/startup
     on PYTHONPATH run it as their ``sitecustomize``); loaded once."""
@@ -531,7 +538,7 @@ def run_interpreted(script: str, *args: str, code: Optional[str] = None, drop_en
 
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=pythonpath(here, os.path.dirname(here)))
     for name in drop_env:
         env.pop(name, None)
     launcher = [sys.executable, os.path.join(here, "interpreted.py")]

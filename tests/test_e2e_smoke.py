@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from harness import pythonpath
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -98,7 +100,7 @@ def test_megatron_lm_worker_runs_pretrain_gpt_with_the_wheel_fitted_start_up(tmp
         "print('ran as', __name__, 'with', sys.argv[1:])\n")
     driver = ("import sys; sys.path.insert(0, sys.argv[1]); import e2e_gpt_1b as e; e.MLM_DIR = sys.argv[2]; "
               "e.main(['--mlm-worker', '--', '--num-layers', '2'])")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(mlm), REPO, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": pythonpath(str(mlm), REPO)}
     proc = subprocess.run([sys.executable, "-c", driver, os.path.join(REPO, "examples"), str(mlm)],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -128,7 +130,7 @@ def test_profiled_iteration_writes_its_kernel_table_and_categories(tmp_path):
     out_file = tmp_path / "mlm_burst_profile.txt"
     driver = ("import sys; sys.path.insert(0, sys.argv[1]); import e2e_gpt_1b as e; e.MLM_DIR = sys.argv[2]; "
               "e.main(['--mlm-worker', '--'])")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(mlm), REPO, os.environ.get("PYTHONPATH", "")]),
+    env = {**os.environ, "PYTHONPATH": pythonpath(str(mlm), REPO),
            "E2E_PROFILE_ITER": "3", "E2E_PROFILE_OUT": str(out_file)}
     proc = subprocess.run([sys.executable, "-c", driver, os.path.join(REPO, "examples"), str(mlm)],
                           capture_output=True, text=True, timeout=120, env=env)

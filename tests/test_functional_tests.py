@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import pythonpath
 
 from megatron_burst.functional_tests import cases as fc
 from megatron_burst.functional_tests import golden as gv
@@ -20,7 +21,7 @@ from megatron_burst.functional_tests import runner as fr
 REPO = Path(__file__).resolve().parents[1]
 # the cases CI runs end to end (make functional-test runs them all): CP 2 and 4, ckpt-resume across CP sizes
 CI_CASES = ["gpt_cp2_burst_striped", "gpt_cp4_ring_striped", "gpt_ckpt_resume_cp2_to_cp1"]
-ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": pythonpath(str(REPO))}
 
 
 def _cli(*argv, timeout=900):

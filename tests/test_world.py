@@ -6,6 +6,8 @@ import socket
 
 import pytest
 
+from harness import pythonpath
+
 
 def test_free_port_is_bindable():
     from megatron_burst.world import free_port
@@ -115,7 +117,7 @@ def _p2p_jobs(launcher, repo, folder, jobs):
 
     os.makedirs(folder, exist_ok=True)
     proc = subprocess.run([sys.executable, str(launcher), str(jobs), str(folder)], cwd=repo, capture_output=True,
-                          text=True, timeout=150 * jobs, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])})
+                          text=True, timeout=150 * jobs, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath(repo)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
