@@ -126,3 +126,75 @@ def _answers(lookup, t) -> bool:
         return True
     except KeyError:
         return False
+
+
+SHARED_SHAPES_CODE = r"""
+import json, torch
+import triton.language as tl
+from triton.language.semantic import TritonSemantic
+import interpreted
+from megatron_burst.kernels import triton_masked
+from triton_masked_cases import docs, inputs
+
+def masked():
+    q, k, v, dout = inputs(1, 4, 2, 48, 48, 16, seed=3, sbhd=True)
+    pos = (torch.arange(48), torch.arange(48), docs(9, 20, 19), docs(9, 20, 19), (5, 0))
+    out, lse = triton_masked.forward(q, k, v, "positions", 1, 0.3, pos)
+    grads = triton_masked.backward(dout, q, k, v, (dout * out).sum(-1), lse, "positions", 1, 0.3, pos)
+    return [out, lse, *grads]
+
+def described(make):
+    '''A type's or tensor's fields as plain values (shape objects compared by content).'''
+    t = make()
+    return {"type": str(type(t).__name__), "name": str(getattr(t, "name", "")),
+            "shape": [getattr(s, "value", s) for s in t.shape], "shape_types": [type(s).__name__ for s in t.shape],
+            "shape_tuple": type(t.shape).__name__, "shape_str": str(t.shape),
+            "numel": getattr(t.numel, "value", t.numel), "numel_type": type(t.numel).__name__,
+            "dtype": str(getattr(t, "dtype", "")), "type_of": str(getattr(t, "type", ""))}
+
+makers = [lambda: tl.block_type(tl.float32, [16, 32]), lambda: tl.block_type(tl.bfloat16, [tl.constexpr(16), 32]),
+          lambda: tl.block_type(tl.pointer_type(tl.float16), [64]), lambda: tl.block_type(tl.int1, [2, 4, 8]),
+          lambda: tl.tensor(None, tl.block_type(tl.float32, [16, 32])), lambda: tl.tensor(None, tl.int32)]
+
+def refusals():
+    said = []
+    for shape in ([3, 4], [], [16, 2], [16, 2.0], (16, 2), [True, 4]):
+        for _ in range(2):  # a second time too: nothing refused is remembered
+            try:
+                tl.block_type(tl.float32, shape)
+                said.append("accepted")
+            except (TypeError, ValueError, AssertionError) as exc:
+                said.append(f"{type(exc).__name__}: {exc}")
+    return said
+
+stock = masked(), [described(m) for m in makers], refusals()
+assert interpreted.share_block_shapes()
+shared = masked(), [described(m) for m in makers], refusals()
+# broadcasting two blocks of one shape returns them; of two shapes, Triton's own walk runs
+sem = TritonSemantic(None)
+a = tl.tensor("a", tl.block_type(tl.float32, [16, 32]))
+b = tl.tensor("b", tl.block_type(tl.int32, [16, 32]))
+same = sem.broadcast_impl_value(a, b)
+print(json.dumps({"bits": [bool(torch.equal(x, y)) for x, y in zip(stock[0], shared[0])],
+                  "fields": stock[1] == shared[1], "stock_fields": stock[1], "shared_fields": shared[1],
+                  "refusals": stock[2] == shared[2], "refused": shared[2],
+                  "same_shape_unchanged": same[0] is a and same[1] is b,
+                  "shape_shared": a.type.shape is b.type.shape and a.shape is b.shape}))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_shared_block_shapes_change_no_bit_and_no_field(monkeypatch):
+    """With the launcher's shared shape objects the masked-attention kernels (forward, dq, dk/dv over
+    documents and a window, GQA, strided) give the same bits; block types and tensors have the same
+    fields as Triton builds them; shapes Triton refuses (not a power of 2, 0-d, a float) are refused
+    with the same message, twice (a python tuple too); two blocks of one shape broadcast to themselves."""
+    monkeypatch.setenv("MEGATRON_BURST_INTERPRETER_SHARED_SHAPES", "0")  # the launcher leaves it to the code
+    r = run_interpreted("", code=SHARED_SHAPES_CODE)
+    assert r["bits"] == [True] * 5, r
+    assert r["fields"], (r["stock_fields"], r["shared_fields"])
+    assert r["refusals"], r["refused"]  # the same answers as stock Triton's, for each shape twice:
+    accepted = [said == "accepted" for said in r["refused"]]
+    # [16, 2.0] and a python tuple (16, 2) after [16, 2]
+    assert accepted[:10] == [False] * 4 + [True] * 2 + [False] * 4, r["refused"]
+    assert r["same_shape_unchanged"] and r["shape_shared"], r
