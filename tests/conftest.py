@@ -28,6 +28,15 @@ if _STARTUP_DIR not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = harness.pythonpath(_STARTUP_DIR)
 harness.load_test_startup().install()
 
+# The run's processes read this checkout's bytecode where Python writes none itself (harness.RunBytecode):
+# written once here, by the run's first process (workers and nested runs inherit the mark), removed at its end.
+_BYTECODE_MARK = "MEGATRON_BURST_TEST_BYTECODE"
+_RUN_BYTECODE = None
+if sys.dont_write_bytecode and _BYTECODE_MARK not in os.environ:
+    os.environ[_BYTECODE_MARK] = str(os.getpid())
+    _RUN_BYTECODE = harness.RunBytecode(_REPO_ROOT)
+    _RUN_BYTECODE.write()
+
 # Each pytest-xdist worker gets its share of the cores for torch's (OpenMP) threads, and what it starts
 # inherits it: two workers of two threads each on two cores spin against each other, a fifth more
 # wall time for the in-process tests (133-144 s against 174-179 s for four modules, 2026-11-27). A
@@ -59,6 +68,8 @@ def pytest_collection_modifyitems(session, config, items) -> None:
 def pytest_sessionfinish(session, exitstatus) -> None:
     """Workers (and the forkserver) exit before pytest reports, leaving no orphan processes."""
     harness.shutdown_pools(stop_forkserver=True)
+    if _RUN_BYTECODE is not None and os.environ.get(_BYTECODE_MARK) == str(os.getpid()):
+        _RUN_BYTECODE.remove()
 
 
 @pytest.fixture(autouse=True)

@@ -224,3 +224,35 @@ def test_a_pool_whose_port_was_taken_starts_again_on_another(monkeypatch) -> Non
     finally:
         taken.close()
     assert len(picks) == 2 and picks[0] != picks[1]
+
+
+def test_run_bytecode_writes_what_is_missing_and_removes_only_that(tmp_path) -> None:
+    """harness.RunBytecode: write() compiles the modules that have no bytecode (a fresh python that
+    writes none then imports from it), remove() deletes exactly those files and the __pycache__
+    folders it made; bytecode that was there before, and its folder, stay."""
+    import subprocess
+    import sys
+
+    (tmp_path / "pkg" / "old").mkdir(parents=True)
+    (tmp_path / "pkg" / "__init__.py").write_text("X = 1\n")
+    (tmp_path / "pkg" / "mod.py").write_text("Y = 2\n")
+    (tmp_path / "pkg" / "old" / "__init__.py").write_text("Z = 3\n")
+    subprocess.run([sys.executable, "-c", "import compileall, sys; compileall.compile_file(sys.argv[1], quiet=1)",
+                    str(tmp_path / "pkg" / "old" / "__init__.py")], check=True)
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.pyc"))
+    assert len(before) == 1 and before[0].startswith("pkg/old/__pycache__/"), before
+
+    run = harness.RunBytecode(str(tmp_path), dirs=("pkg", "absent"))
+    assert run.write() == 2
+    assert sorted(os.path.basename(p).split(".")[0] for p in run.written) == ["__init__", "mod"]
+    assert run.made_folders == [str(tmp_path / "pkg" / "__pycache__")]
+    # a python that writes no bytecode loads the modules from it (python -v says which file it read)
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import pkg.mod; print(pkg.mod.Y)"
+    loaded = subprocess.run([sys.executable, "-B", "-v", "-c", code, str(tmp_path)], capture_output=True, text=True,
+                            check=True)
+    assert loaded.stdout.strip() == "2"
+    for path in run.written:
+        assert f"code object from '{path}'" in loaded.stderr, path
+    run.remove()
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.pyc")) == before
+    assert not (tmp_path / "pkg" / "__pycache__").exists() and (tmp_path / "pkg" / "old" / "__pycache__").exists()
