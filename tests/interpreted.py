@@ -40,6 +40,12 @@ import runpy
 import sys
 
 
+def _unchanged(exc: Exception, what: str) -> bool:
+    """A change whose Triton internals are not there (another version): say so, change nothing."""
+    print(f"tests/interpreted.py: Triton's interpreter differs ({exc!r}): {what}", file=sys.stderr)
+    return False
+
+
 def skip_nested_repatching() -> bool:
     """Make ``_patch_lang`` a no-op for a helper whose language modules (``triton.language`` and/or
     ``triton.language.core`` among its globals) this kernel launch has already patched; a helper
@@ -52,9 +58,7 @@ def skip_nested_repatching() -> bool:
         launch, patch, scope_type = it.GridExecutor.__call__, it._patch_lang, it._LangPatchScope
         lang_modules = (tl, tl.core)
     except (ImportError, AttributeError) as exc:
-        print(f"tests/interpreted.py: Triton's interpreter differs ({exc!r}): helper calls re-patch as before",
-              file=sys.stderr)
-        return False
+        return _unchanged(exc, "helper calls re-patch as before")
     patched: set[int] = set()  # ids of the language modules this launch has patched
     langs_of: dict[int, frozenset] = {}  # a module's globals (by id) -> ids of the language modules in them
     lang_ids = {id(m) for m in lang_modules}
@@ -93,9 +97,7 @@ def round_downcasts_to_nearest() -> bool:
 
         convert, rtz = it._convert_float, it._ir.ROUNDING_MODE.RTZ
     except (ImportError, AttributeError) as exc:
-        print(f"tests/interpreted.py: Triton's interpreter differs ({exc!r}): fp32 -> bf16 truncates as before",
-              file=sys.stderr)
-        return False
+        return _unchanged(exc, "fp32 -> bf16 truncates as before")
 
     def to_nearest(input, input_dtype, output_dtype, rounding_mode):
         if input_dtype != tl.float32 or rounding_mode == rtz or output_dtype not in (tl.bfloat16, tl.float16):
@@ -128,8 +130,7 @@ def memoize_numpy_dtypes() -> bool:
 
         lookup, block_type, pointer_type = it._get_np_dtype, tl.block_type, tl.pointer_type
     except (ImportError, AttributeError) as exc:
-        print(f"tests/interpreted.py: Triton's interpreter differs ({exc!r}): dtype lookups as before", file=sys.stderr)
-        return False
+        return _unchanged(exc, "dtype lookups as before")
     answers: dict = {}
 
     def cached(tt_dtype):
@@ -164,9 +165,7 @@ def share_block_shapes() -> bool:
         block_type, tensor, constexpr, tl_tuple = core.block_type, core.tensor, core.constexpr, core.tuple
         block_init, stock_tensor_init, broadcast = block_type.__init__, tensor.__init__, TritonSemantic.broadcast_impl_value
     except (ImportError, AttributeError) as exc:
-        print(f"tests/interpreted.py: Triton's interpreter differs ({exc!r}): block types built as before",
-              file=sys.stderr)
-        return False
+        return _unchanged(exc, "block types built as before")
     by_ints: dict = {}  # shape as python ints -> (block_type's shape, its str, numel, tensor's shape, tensor's numel)
     by_shape: dict = {}  # id(a block_type's shared shape) -> the same entry (entries keep the shapes alive)
     scalar = (None, None, None, tl_tuple([]), constexpr(1))  # a tensor of a scalar type
