@@ -68,7 +68,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
 def pytest_sessionfinish(session, exitstatus) -> None:
     """Workers (and the forkserver) exit before pytest reports, leaving no orphan processes."""
     harness.shutdown_pools(stop_forkserver=True)
-    if _RUN_BYTECODE is not None and os.environ.get(_BYTECODE_MARK) == str(os.getpid()):
+    if _RUN_BYTECODE is not None:  # the process that wrote it
         _RUN_BYTECODE.remove()
 
 

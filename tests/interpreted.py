@@ -200,7 +200,7 @@ def share_block_shapes() -> bool:
 
     def broadcast_same_shape(self, lhs, rhs):
         lt, rt = lhs.type, rhs.type
-        if lt.is_block() and rt.is_block() and lt.shape is rt.shape and id(lt.shape) in by_shape:
+        if lt.is_block() and rt.is_block() and lt.shape is rt.shape:  # one shape object: one shape
             return lhs, rhs
         return broadcast(self, lhs, rhs)
 
@@ -212,14 +212,14 @@ def share_block_shapes() -> bool:
 def main(argv: list[str]) -> None:
     if len(argv) < 2:
         sys.exit("usage: TRITON_INTERPRET=1 python tests/interpreted.py SCRIPT [ARGS...] | -c CODE [ARGS...]")
-    if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("MEGATRON_BURST_INTERPRETER_REPATCH") != "1":
-        skip_nested_repatching()
-    if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("MEGATRON_BURST_INTERPRETER_TRUNCATE") != "1":
-        round_downcasts_to_nearest()
     if os.environ.get("TRITON_INTERPRET") == "1":
+        if os.environ.get("MEGATRON_BURST_INTERPRETER_REPATCH") != "1":
+            skip_nested_repatching()
+        if os.environ.get("MEGATRON_BURST_INTERPRETER_TRUNCATE") != "1":
+            round_downcasts_to_nearest()
         memoize_numpy_dtypes()
-    if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("MEGATRON_BURST_INTERPRETER_SHARED_SHAPES") != "0":
-        share_block_shapes()
+        if os.environ.get("MEGATRON_BURST_INTERPRETER_SHARED_SHAPES") != "0":
+            share_block_shapes()
     if argv[1] == "-c":
         sys.argv = ["-c"] + argv[3:]
         exec(compile(argv[2], "<string>", "exec"), {"__name__": "__main__"})
