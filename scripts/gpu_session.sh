@@ -12,8 +12,9 @@
 # 3. the whole GPU suite (tests/gpu: attention, sparse, fused loss, linear), xdist workers when installed
 # Shares of the budget: ATTN_BENCH_SHARE 23, LOSS_BENCH_SHARE 15, LINEAR_BENCH_SHARE 14, E2E_SHARE 15, SUITE_SHARE 33,
 # PROBE_S 40 (seconds for scripts/gpu_probe_cudnn.py; 0 skips it), PROFILE_S 0 (seconds for scripts/gpu_profile.py: kernel tables of the loss and 64-document cases, profile.txt; PROFILE_ARGS="--sections fusions" times what --te-free-fusions replaces), TUNE_SHARE 0 (scripts/gpu_tune_masked.py: Triton masked kernel launch configs) (percent; 0 skips a part); GPU_BENCH_ARGS, LINEAR_BENCH_ARGS, GPU_TEST_ARGS, GPU_MULTI_ARGS, GPU_LINEAR_ARGS override each part's arguments.
-# LINEAR_TESTS_EARLY=1 starts tests/gpu/test_gpu_linear.py (carried Triton) before the first part, beside the others
-# (mostly fla's compiles: CPU work), and waits for it within the budget at the end; GPU_LINEAR_WORKERS (6) its xdist workers.
+# LINEAR_TESTS_EARLY=1 starts tests/gpu/test_gpu_linear.py (carried Triton) right after the loss bench, beside the parts
+# after it (mostly fla's compiles: CPU work), and waits for it within the budget at the end; the attention bench, the
+# profile and the loss bench time one variant after another, so they run first, on a quiet GPU; GPU_LINEAR_WORKERS (6) its xdist workers.
 # Carry `.whl`, `.mlm` and `.triton` (git-ignored). .whl: fla_core, flash_linear_attention, einops (I3);
 # liger_kernel, cut_cross_entropy (the loss bench's peers), megatron_core and pydantic (+ its needs:
 # scripts/mlm_bundle.sh, which also writes .mlm, Megatron-LM's patched training side). .triton:
@@ -101,12 +102,19 @@ $PY -c "import pydantic" 2>/dev/null || { ls .whl/typing_extensions-*.whl >/dev/
 # the linear parts with a carried newer Triton first on PYTHONPATH when there is one (.triton: fla's gated
 # backward kernels need Triton >= 3.7.1 on Hopper; scripts/triton_bundle.sh): the bench here, its GPU tests
 # (tests/gpu/test_gpu_linear.py) beside the suite below (or, LINEAR_TESTS_EARLY=1,
-# from the start, beside the benches: its first-use compiles are CPU work), in their own process with that Triton
+# from the loss bench's end, beside the later parts: its first-use compiles are CPU work), in their own process with that Triton
 . scripts/carried_triton.sh
 FLA_TRITON=$(carried_triton_path "$PY")
 LINEAR_PP="${FLA_TRITON:+$FLA_TRITON:}$PYTHONPATH"
 PYTHONPATH="$LINEAR_PP" $PY -c "import triton; print('linear parts: triton', triton.__version__, triton.__file__)" 2>&1 | tee -a "$OUT_DIR/session.log"
 LINEAR_TESTS="PYTHONPATH='$LINEAR_PP' $PY -m pytest -q -p no:cacheprovider $TIMEOUT $LINEAR_XDIST ${GPU_LINEAR_ARGS:-} tests/gpu/test_gpu_linear.py"
+part cudnn-probe ${PROBE_S:-40} bash -o pipefail -c "$PY scripts/gpu_probe_cudnn.py 2>&1 | tee -a '$OUT_DIR/session.log'"
+part attention-bench $(share ${ATTN_BENCH_SHARE:-23}) bash -o pipefail -c "$PY -m megatron_burst.bench gpu --out '$OUT_DIR/bench_gpu.jsonl' \
+  ${GPU_BENCH_ARGS:---sections sparse documents rank_block dense --seqs 32768 --doc-seqs 32768 --no-flex --repeats 5 --max-seconds 2} 2>&1 | tee '$OUT_DIR/bench_gpu.log'"
+part profile ${PROFILE_S:-0} bash -o pipefail -c "$PY scripts/gpu_profile.py --out '$OUT_DIR/profile.txt' ${PROFILE_ARGS:-} 2>&1 | tail -3"
+part loss-bench $(share ${LOSS_BENCH_SHARE:-15}) bash -o pipefail -c "$PY -m megatron_burst.bench loss --quick --plot '' \
+  --out '$OUT_DIR/bench_loss.jsonl' ${LOSS_BENCH_ARGS:-} 2>&1 | tee '$OUT_DIR/bench_loss.log'"
+# not before: their GPU work would fall on some timed variants and not on others
 EARLY_LINEAR=0
 if [ -n "$FLA_TRITON" ] && [ "${LINEAR_TESTS_EARLY:-0}" = 1 ]; then
   echo "linear-tests: start early, beside the parts below" | tee -a "$OUT_DIR/session.log"
@@ -114,12 +122,6 @@ if [ -n "$FLA_TRITON" ] && [ "${LINEAR_TESTS_EARLY:-0}" = 1 ]; then
   bash -c "$LINEAR_TESTS" > "$OUT_DIR/gpu_test_linear.log" 2>&1 &
   EARLY_LINEAR=$!
 fi
-part cudnn-probe ${PROBE_S:-40} bash -o pipefail -c "$PY scripts/gpu_probe_cudnn.py 2>&1 | tee -a '$OUT_DIR/session.log'"
-part attention-bench $(share ${ATTN_BENCH_SHARE:-23}) bash -o pipefail -c "$PY -m megatron_burst.bench gpu --out '$OUT_DIR/bench_gpu.jsonl' \
-  ${GPU_BENCH_ARGS:---sections sparse documents rank_block dense --seqs 32768 --doc-seqs 32768 --no-flex --repeats 5 --max-seconds 2} 2>&1 | tee '$OUT_DIR/bench_gpu.log'"
-part profile ${PROFILE_S:-0} bash -o pipefail -c "$PY scripts/gpu_profile.py --out '$OUT_DIR/profile.txt' ${PROFILE_ARGS:-} 2>&1 | tail -3"
-part loss-bench $(share ${LOSS_BENCH_SHARE:-15}) bash -o pipefail -c "$PY -m megatron_burst.bench loss --quick --plot '' \
-  --out '$OUT_DIR/bench_loss.jsonl' ${LOSS_BENCH_ARGS:-} 2>&1 | tee '$OUT_DIR/bench_loss.log'"
 part masked-tune $(share ${TUNE_SHARE:-0}) bash -o pipefail -c "$PY scripts/gpu_tune_masked.py --out '$OUT_DIR/tune_masked.jsonl' 2>&1 | tail -3"
 LINEAR_S=$(share ${LINEAR_BENCH_SHARE:-14})
 # traced.py: every thread's stack each TRACE_S seconds on stderr (fla's autotuning and compiles print nothing)

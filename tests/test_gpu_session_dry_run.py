@@ -51,8 +51,8 @@ def test_session_script_runs_its_parts_and_writes_the_verdict(tmp_path):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the session script is bash on the GPU machine's Linux")
 def test_linear_tests_early_start_first_and_are_waited_for(tmp_path):
-    """LINEAR_TESTS_EARLY=1 with a carried Triton bundle: test_gpu_linear.py starts before the first
-    part, runs beside the parts, and the session waits for it (within the budget) and logs its exit
+    """LINEAR_TESTS_EARLY=1 with a carried Triton bundle: test_gpu_linear.py starts right after the loss
+    bench (the benches before it time variants one after another, on a quiet GPU), runs beside the later parts, and the session waits for it (within the budget) and logs its exit
     before the verdict. The bundle here is a stand-in holding no triton (the real one imports); the
     tests run as their CPU dry run."""
     import lzma  # noqa: F401  (tarfile's xz needs it)
@@ -78,7 +78,8 @@ def test_linear_tests_early_start_first_and_are_waited_for(tmp_path):
     assert proc.returncode == 0, tail
     lines = log.splitlines()
     early = lines.index("linear-tests: start early, beside the parts below")
-    assert early < min(i for i, line in enumerate(lines) if line.startswith("cudnn-probe:")), tail
+    first = lambda part: min(i for i, line in enumerate(lines) if line.startswith(part + ":"))  # noqa: E731
+    assert first("loss-bench") < early < first("masked-tune"), tail
     assert any(line.startswith("linear-tests: exit 0 after") for line in lines), tail
     linear_log = (out / "gpu_test_linear.log").read_text()
     assert " passed" in linear_log and " deselected" in linear_log, linear_log[-2000:]
