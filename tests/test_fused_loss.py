@@ -372,7 +372,9 @@ def test_row_kernel_compiles_for_hopper_in_every_mode(grad_dtype):
                                         (False, False, False, True)):
         opts = dict(BLOCK_V=triton_kernels.GPU_BLOCK_V, STATS=stats, GRAD=grad, G_IN_Z=g_in_z, UNNORM=unnorm,
                     REF_SPAN=triton_kernels.REF_SPAN)
-        compiled = aot_compile(fn, opts, pointers, {"num_warps": triton_kernels.GPU_NUM_WARPS})
+        # the vocabulary pass passes int32 target columns (4 B per token at its peak), the forward int64
+        types = {**pointers, "TGT": "i32"} if g_in_z else pointers
+        compiled = aot_compile(fn, opts, types, {"num_warps": triton_kernels.GPU_NUM_WARPS})
         assert "cubin" in compiled.asm and compiled.metadata.shared <= 227 * 1024, (stats, grad, g_in_z, unnorm)
         if not stats and not unnorm:  # no reductions: a barrier in the PTX is the one between load and store
             assert ("bar.sync" in compiled.asm["ptx"]) == g_in_z, (grad, g_in_z)

@@ -162,7 +162,7 @@ def chunked_forward(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
         return fast.chunked_forward(h, weight, labels, wts, cfg, need_dh, need_dw)
     N, d = h.shape
     loss = torch.empty(N, dtype=torch.float32, device=h.device)
-    m_all, s_all = torch.empty_like(loss), torch.empty_like(loss)
+    m_all, s_all = fast.per_token_stats(N, h.device)
     D = torch.empty_like(h) if need_dh else None
     A = torch.zeros(cfg.v_local, d, dtype=torch.float32, device=h.device) if need_dw else None
     for r, buf, gbuf, tgt, hit in _chunks(h, labels, cfg):

@@ -115,7 +115,8 @@ from megatron_burst.loss.config import (FAST_CHUNK_BYTES, MIN_EFFICIENT_CHUNK, L
                                          fast_token_chunk as default_token_chunk)
 from megatron_burst.loss.parallel import all_reduce_stats
 
-__all__ = ["chunked_forward", "recompute_grads", "reads_once", "hidden_grad_prescale", "default_token_chunk",
+__all__ = ["chunked_forward", "recompute_grads", "reads_once", "hidden_grad_prescale", "per_token_stats",
+           "default_token_chunk",
            "bytes_per_logit", "weight_grad_mode",
            "FAST_CHUNK_BYTES", "MIN_EFFICIENT_CHUNK"]
 
@@ -327,6 +328,14 @@ def hidden_grad_prescale(wts: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, 1.0 / total, torch.ones_like(total))
 
 
+def per_token_stats(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m_all, s_all): the two [n] fp32 rows of one [2, n] buffer, so that the weight-gradient pass
+    reads them in place as its [2, n] statistics (:func:`megatron_burst.loss.vocab_pass.stats_rows`)
+    instead of stacking a copy beside the gradients at the backward's peak."""
+    both = torch.empty(2, n, dtype=torch.float32, device=device)
+    return both[0], both[1]
+
+
 def _upcast_weight(h: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
     return weight.float() if (not h.is_cuda and h.dtype != torch.float32) else None
 
@@ -338,7 +347,7 @@ def chunked_forward(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     N, d = h.shape
     need_grad = need_dh or need_dw
     loss = torch.empty(N, dtype=torch.float32, device=h.device)
-    m_all, s_all = torch.empty_like(loss), torch.empty_like(loss)
+    m_all, s_all = per_token_stats(N, h.device)
     D = torch.empty_like(h) if need_dh else None
     A = torch.empty(cfg.v_local, d, dtype=torch.float32, device=h.device) if need_dw else None
     if N == 0:
@@ -389,7 +398,7 @@ def recompute_grads(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
         z, G = bufs.views(cfg, r.stop - a)
         _logits(hr, weight, w32, z)
         tgt, _ = _targets(labels[r], cfg)
-        st = torch.stack([m_all[r], s_all[r], torch.zeros_like(m_all[r])])
+        st = torch.stack([m_all[r], s_all[r]])
         triton_kernels.ce_rows(z, tgt, st, grad=G, wts=g[r].contiguous(), compute_stats=False)
         if need_dh:
             torch.mm(G, weight, out=dh[r])

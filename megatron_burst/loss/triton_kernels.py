@@ -77,9 +77,9 @@ def ce_rows(z: torch.Tensor, tgt: torch.Tensor, stats: torch.Tensor, *, grad: Op
     z: [T, V] fp32 logits, unit column stride (any row stride); tgt: [T] int64 local target
     column, any value outside [0, V) meaning no target among these columns; ``col0``: subtracted from
     tgt first (a vocabulary tile's caller passes the shard's columns and the tile's start, so the
-    kernel shifts them: no launch per tile for it); stats: [3, T] fp32, each row with
+    kernel shifts them: no launch per tile for it; int32 or int64); stats: [3, T] fp32, each row with
     unit stride (a column slice of a [3, N] tensor works) -- written (max m, sum exp(z - m), target
-    logit or 0) when ``compute_stats``, else read (rows 0 and 1: the global m and s). ``grad``: [T, V] in
+    logit or 0) when ``compute_stats``, else read ([2, T] is enough then: the global m and s). ``grad``: [T, V] in
     the GEMM dtype, unit column stride (may be ``z`` itself for fp32, or for 16-bit the first half of
     each of z's rows: a view of z's storage whose row stride in bytes is z's): receives
     ``wts[t] * (exp(z - m) / s - [v == tgt[t]])``; ``wts``: [T] fp32. At least one of the two.
@@ -119,6 +119,9 @@ def ce_rows(z: torch.Tensor, tgt: torch.Tensor, stats: torch.Tensor, *, grad: Op
     block = _block_v(V)
     kwargs = {} if interpreting() else {"num_warps": max(1, min(GPU_NUM_WARPS, block // 256))}
     top = stats[3:5] if unnormalized else stats[:2]  # unread outside unnormalized
-    kernel[(T,)](z, g, tgt, w, stats[0], stats[1], stats[2], top[0], top[1], V, col0, z.stride(0), g.stride(0),
+    if compute_stats and stats.shape[0] < 3:
+        raise ValueError(f"ce_rows: statistics are written to 3 rows (got stats of shape {tuple(stats.shape)})")
+    z_tgt = stats[2] if compute_stats else stats[1]  # unwritten without STATS
+    kernel[(T,)](z, g, tgt, w, stats[0], stats[1], z_tgt, top[0], top[1], V, col0, z.stride(0), g.stride(0),
                  BLOCK_V=block, STATS=compute_stats and not unnormalized, GRAD=grad is not None and not unnormalized,
                  G_IN_Z=g_in_z, UNNORM=unnormalized, REF_SPAN=float(REF_SPAN), **kwargs)

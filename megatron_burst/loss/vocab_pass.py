@@ -65,7 +65,7 @@ import torch
 from megatron_burst.loss import triton_kernels
 from megatron_burst.loss.config import LossConfig
 
-__all__ = ["weight_grad_by_vocab_tiles", "weight_grad_target", "plan_vocab_tiles", "VocabTile", "TileScratch",
+__all__ = ["weight_grad_by_vocab_tiles", "weight_grad_target", "stats_rows", "plan_vocab_tiles", "VocabTile", "TileScratch",
            "tile_scratch", "VOCAB_TILE", "TILE_BYTES", "MIN_TILE_ROWS", "TAIL_BYTES"]
 
 # Vocabulary rows per tile: the GEMMs are [tn, d] x [d, vt] and [vt, tn] x [tn, d]; 2048 keeps both
@@ -253,11 +253,11 @@ def _softmax_grad(z: torch.Tensor, G: torch.Tensor, tgt: torch.Tensor, col0: int
                   g: torch.Tensor, impl: str) -> None:
     """G [tn, vt] <- g_t (exp(z - m_t) / s_t - [v == tgt_t - col0]) in G's dtype. tgt [tn]: the
     target's column in the shard, col0 the tile's first, any tgt - col0 outside [0, vt) meaning none
-    here; stats [3, tn]: rows m, s (and a free third row), each with unit stride; g [tn] contiguous."""
+    here (int32); stats [2, tn]: rows m, s, each with unit stride; g [tn] contiguous."""
     if impl == "triton":  # the kernel subtracts col0 (no launch per piece for the shift)
         triton_kernels.ce_rows(z, tgt, stats, grad=G, wts=g, compute_stats=False, col0=col0)
         return
-    tgt = tgt - col0
+    tgt = tgt.long() - col0  # (scatter takes int64 indices)
     m, s = stats[0], stats[1]
     z.sub_(m[:, None]).exp_().mul_((g / s)[:, None])
     hit = (tgt >= 0) & (tgt < z.shape[1])
@@ -294,6 +294,18 @@ def _piece(space: torch.Tensor, offset: Optional[int], numel: int, dtype: torch.
     return space[offset:offset + nbytes].view(dtype)
 
 
+def stats_rows(m_all: torch.Tensor, s_all: torch.Tensor) -> torch.Tensor:
+    """[2, N] fp32 rows (m, s): a view where m_all and s_all are the rows of one [2, N] buffer (as the
+    forward makes them: :func:`megatron_burst.loss.fast.per_token_stats`), else a stacked copy."""
+    n = m_all.numel()
+    if (m_all.dim() == s_all.dim() == 1 and m_all.stride(0) == s_all.stride(0) == 1 and s_all.numel() == n
+            and m_all.dtype == s_all.dtype == torch.float32
+            and m_all.untyped_storage().data_ptr() == s_all.untyped_storage().data_ptr()
+            and s_all.storage_offset() == m_all.storage_offset() + n):
+        return m_all.as_strided((2, n), (n, 1))
+    return torch.stack([m_all, s_all])
+
+
 def weight_grad_target(weight: torch.Tensor, main_grad: Optional[torch.Tensor], n_tokens: int, v_local: int
                        ) -> tuple[Optional[torch.Tensor], bool]:
     """(out, done) of a d weight pass: ``out`` the [v_local, d] gradient to fill in weight's dtype, or
@@ -322,6 +334,17 @@ def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: to
     """
     N, d = h.shape
     V = cfg.v_local
+    # Per token, once for all tiles (the kernel subtracts a tile's start: one launch per piece, not six):
+    # the target's column in this shard as int32, -1 - V where none (ignored, or another shard's) so
+    # that no tile's shifted column lands in [0, vt); the statistics as [2, N] rows (m, s). Formed
+    # before d weight exists (their temporaries stay below the pass's peak), and kept small: they are
+    # alive beside the gradients at that peak (4 B per token; no copy of m, s where they are rows of
+    # one buffer).
+    local = labels - cfg.vocab_start
+    tgt_all = torch.where((labels != cfg.ignore_index) & (local >= 0) & (local < V), local, -1 - V).to(torch.int32)
+    del local
+    stats_all = stats_rows(m_all, s_all)
+    g = g.contiguous()
     out, done = weight_grad_target(weight, main_grad, N, V)
     if done:
         return out
@@ -343,15 +366,6 @@ def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: to
     own = torch.empty(own_bytes, dtype=torch.uint8, device=h.device) if own_bytes else None
     result_bytes = out.view(-1).view(torch.uint8) if out is not None else None
     weight = weight.contiguous()
-    # Per token, once for all tiles (the kernel subtracts a tile's start: one launch per piece, not six):
-    # the target's column in this shard, -1 - V where none (ignored, or another shard's) so that no
-    # tile's shifted column lands in [0, vt); the statistics as [3, N] rows (the kernel reads m, s).
-    local = labels - cfg.vocab_start
-    valid_tgt = (labels != cfg.ignore_index) & (local >= 0) & (local < V)
-    tgt_all = torch.where(valid_tgt, local, -1 - V)
-    del local, valid_tgt
-    stats_all = torch.stack([m_all, s_all, torch.zeros_like(m_all)])
-    g = g.contiguous()
     for t in tiles:
         a, b, tn, vt = t.start, t.stop, t.tokens, t.stop - t.start
         lay = layout(t)

@@ -180,7 +180,11 @@ def test_weight_grad_backward_peak_is_the_gradients():
         ((loss * mask).sum() / mask.sum()).backward()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
-    limit = V * d * 2 + vocab_pass.TAIL_BYTES + 64 * N + (2 << 20)
+    # beyond d weight and the tail's own buffer: per-token vectors alone -- the incoming gradient (4 B), the
+    # valid-label mask (1 B), the loss weights as G's factor (4 B), the int32 target columns (4 B); the
+    # statistics are the forward's [2, N] buffer read in place (run 6 on an H100 had 45 B per token above
+    # the inputs in the bench, 0.04 MiB above Cut Cross-Entropy's peak, with an int64 copy and a [3, N] stack)
+    limit = V * d * 2 + vocab_pass.TAIL_BYTES + 16 * N + (64 << 10)
     assert peak <= limit, (peak / 2 ** 20, limit / 2 ** 20)
     dw_lean = w.grad.float()
     h.grad = w.grad = None
