@@ -34,15 +34,24 @@ def _timed(step, device: torch.device = torch.device("cuda")) -> dict:
     return time_fwd_bwd(step, lambda _: None, device, warmup=2, repeats=5, max_seconds=3.0)
 
 
-def _kernels(step, rows: int = 14) -> str:
+def _kernels(step, rows: int = 14, gemm_shapes: bool = False) -> str:
+    """The top ``rows`` CUDA kernels / ops of one step; ``gemm_shapes``: also aten::mm / addmm grouped by
+    their input shapes (which GEMM shapes take the time: e.g. the lean loss's vocabulary tiles by height)."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=gemm_shapes) as prof:
         step()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+    text = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+    if gemm_shapes:
+        rows_by_shape = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in ("aten::mm", "aten::addmm")]
+        rows_by_shape.sort(key=lambda e: -e.device_time_total)
+        text += "\nGEMMs by input shapes (calls, device ms in all, us per call):\n" + "\n".join(
+            f"{e.key:12s} {e.count:4d} {e.device_time_total / 1e3:8.2f} {e.device_time_total / max(1, e.count):9.1f}  "
+            f"{e.input_shapes}" for e in rows_by_shape[:60])
+    return text
 
 
 def section_loss(report) -> None:
@@ -68,11 +77,13 @@ def section_loss(report) -> None:
         logits = hidden.view(N, d) @ weight.t()
         torch.nn.functional.cross_entropy(logits.float(), labels.view(N), reduction="sum").backward()
 
-    for name, step in (("fused default (d weight in the forward)", fused("forward")),
-                       ("fused weight_grad=backward (lean)", fused("backward")), ("unfused bf16 + fp32 CE", unfused)):
+    # the lean mode first (the bar's variant), with more rows and its GEMMs by shape
+    for name, step, rows, shapes in (("fused weight_grad=backward (lean)", fused("backward"), 30, True),
+                                     ("fused default (d weight in the forward)", fused("forward"), 14, False),
+                                     ("unfused bf16 + fp32 CE", unfused, 14, False)):
         t = _timed(step)
         report(f"## loss: {name}: {t['ms']:.1f} ms, peak {t['peak_extra_mib']:.0f} MiB above the inputs\n"
-               + _kernels(step))
+               + _kernels(step, rows, shapes))
 
 
 def section_docs(report) -> None:

@@ -87,3 +87,26 @@ def test_quick_takes_the_repeats_asked_for(monkeypatch, capsys):
     bench.main(["--quick", "--device", "cpu", "--variants", "fused", "--plot", ""])
     assert [(s["tokens"], s["dtype"], s["repeats"], s["logit_std"]) for s in specs] == [
         (16384, "bfloat16", 7, 3.0), (16384, "bfloat16", 3, 1.0)]
+
+
+def test_knob_variants_set_module_constants_in_their_process():
+    """``fused_bwdw:VOCAB_TILE=4096,G_IN_LOGITS=0``: one of ours with fast-path constants set (one
+    process per variant); a bad knob, value or base is refused naming it."""
+    import argparse
+
+    from megatron_burst.bench import loss as bl
+    from megatron_burst.loss import vocab_pass
+
+    v = "fused_bwdw@2048:VOCAB_TILE=4096,G_IN_LOGITS=0"
+    assert bl.base_variant(v) == "fused_bwdw" and bl._variant_arg(v) == v
+    assert bl.variant_knobs(v) == {"VOCAB_TILE": 4096, "G_IN_LOGITS": 0}
+    old = (vocab_pass.VOCAB_TILE, vocab_pass.G_IN_LOGITS)
+    try:
+        bl.apply_knobs(v)
+        assert vocab_pass.VOCAB_TILE == 4096 and vocab_pass.G_IN_LOGITS is False
+    finally:
+        vocab_pass.VOCAB_TILE, vocab_pass.G_IN_LOGITS = old
+    for bad, says in (("fused_bwdw:TILE=4", "'TILE=4' is not KNOB=INT"), ("fused_bwdw:VOCAB_TILE=big", "is not KNOB=INT"),
+                      ("cce:VOCAB_TILE=4096", "tune our fused loss only"), ("fused_bwd", "unknown variant")):
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            bl._variant_arg(bad)

@@ -122,6 +122,16 @@ def test_loss_bar_needs_every_part_at_once(tmp_path):
     assert [r.status for r in rows] == [vd.NOT_MET, vd.MET]
     assert rows[0].figure.endswith("fails peak <= cce")
     assert rows[1].figure.endswith("forward reading each logit twice (fused_bwdw_2read): 106.5 ms")
+    # candidate settings (bench loss's knob variants) are listed beside their variant, fastest first; the
+    # bar still reads the variant itself (here: too slow, though a knob would meet it)
+    write(tmp_path, "bench_loss.jsonl", [
+        loss_line("unfused", 115.1, 12352, 2.4e-3, 2.4e-3), loss_line("cce", 175.3, 1153.67, 1.3e-2, 5e-3),
+        loss_line("fused_bwdw", 117.0, 1153.4, 1.7e-3, 1.7e-3),
+        loss_line("fused_bwdw:VOCAB_TILE=4096", 111.0, 1153.4, 1.7e-3, 1.7e-3),
+        loss_line("fused_bwdw:PIECE_COST_BYTES=0", 121.5, 1153.5, 1.7e-3, 1.7e-3)])
+    (row,) = rows_of(tmp_path, bar="fused loss")
+    assert row.status == vd.NOT_MET and row.figure.endswith(
+        "; knobs: VOCAB_TILE=4096 111.0 ms 1153.40 MiB, PIECE_COST_BYTES=0 121.5 ms 1153.50 MiB; fails time <= unfused")
     write(tmp_path, "bench_loss.jsonl", [loss_line("unfused", 100.0, 24576, 8.6e-4, 1.7e-4),
                                          loss_line("fused_bwdw", 90.0, 1000, 5.9e-4, 1.3e-4)])
     assert [r.status for r in rows_of(tmp_path, bar="fused loss")] == [vd.MISSING]  # no CCE: not comparable

@@ -24,6 +24,9 @@ and their "mean" reduction -- the same number):
   fused_bwdw     fused, weight_grad="backward" (d weight per vocabulary tile in the backward: no fp32 [V, d] accumulator)
   fused_bwdw_2read  the same with the forward's two reads of each logit (loss.fast.ONE_READ_FORWARD = False):
                  the one-read forward's A/B
+  BASE:KNOB=INT,...  one of ours with module constants of the fast path set in its process (KNOBS below:
+                 the backward's tile plan, the kernels' block sizes, the one-read forward), e.g.
+                 ``fused_bwdw:VOCAB_TILE=4096`` -- candidate settings compared in one device call
   fused_recompute  fused, impl="triton_recompute" (opt-in, not yet run on a GPU: logits recomputed tile by tile
                  in Triton kernels and never stored; d hidden and d weight in the backward; CUDA only)
   fused_torch    the same with impl="torch" (its default chunk: a 2^26-logit fp32 tile)
@@ -147,9 +150,62 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+# Tuning knobs a variant may set, ``fused_bwdw:VOCAB_TILE=4096,PIECE_COST_BYTES=67108864`` (each variant
+# runs in processes of its own): the module constants of the fast path's plan and kernels, so that one
+# device call compares candidate settings on the same inputs (ints; 0 / 1 for the switches).
+KNOBS = {name: "megatron_burst.loss.vocab_pass" for name in
+         ("VOCAB_TILE", "TILE_BYTES", "MIN_TILE_ROWS", "TAIL_BYTES", "PIECE_COST_BYTES", "ROW_ALIGN", "G_IN_LOGITS",
+          "SCRATCH_IN_RESULT")}
+KNOBS.update(ONE_READ_FORWARD="megatron_burst.loss.fast", GPU_BLOCK_V="megatron_burst.loss.triton_kernels",
+             GPU_NUM_WARPS="megatron_burst.loss.triton_kernels", FAST_CHUNK_BYTES="megatron_burst.loss.config")
+
+
 def base_variant(variant: str) -> str:
-    """``fused@2048`` -> ``fused`` (the fast path at a given token chunk)."""
-    return variant.split("@")[0]
+    """``fused@2048`` -> ``fused`` (the fast path at a given token chunk); ``fused_bwdw:KNOB=V`` ->
+    ``fused_bwdw``."""
+    return variant.split(":")[0].split("@")[0]
+
+
+def variant_knobs(variant: str) -> dict[str, int]:
+    """The knob settings of ``BASE[@CHUNK][:KNOB=INT,...]`` (see KNOBS); raises naming a bad one."""
+    if ":" not in variant:
+        return {}
+    base, _, spec = variant.partition(":")
+    knobs = {}
+    for item in spec.split(","):
+        name, eq, value = item.partition("=")
+        if name not in KNOBS or not eq or not value.lstrip("-").isdigit():
+            raise ValueError(f"variant {variant!r}: {item!r} is not KNOB=INT with KNOB one of {sorted(KNOBS)}")
+        knobs[name] = int(value)
+    if base_variant(base) not in OURS_FUSED + ("recompute",):
+        raise ValueError(f"variant {variant!r}: knobs tune our fused loss only (not {base_variant(base)!r})")
+    return knobs
+
+
+def apply_knobs(variant: str) -> None:
+    """Set ``variant``'s knobs on their modules (in the variant's own process); a switch that was a
+    bool stays a bool."""
+    import importlib
+
+    for name, value in variant_knobs(variant).items():
+        module = importlib.import_module(KNOBS[name])
+        old = getattr(module, name)
+        setattr(module, name, bool(value) if isinstance(old, bool) else value)
+    if "FAST_CHUNK_BYTES" in variant_knobs(variant):  # fast.py's own copy of the name
+        import megatron_burst.loss.fast as fast
+        fast.FAST_CHUNK_BYTES = variant_knobs(variant)["FAST_CHUNK_BYTES"]
+
+
+def _variant_arg(text: str) -> str:
+    """argparse type of --variants: a known variant, with an optional @CHUNK and :KNOBS."""
+    if base_variant(text) not in VARIANTS:
+        raise argparse.ArgumentTypeError(f"unknown variant {text!r} (choose from {', '.join(VARIANTS)}; "
+                                         f"ours may add @CHUNK and :KNOB=INT,...)")
+    try:
+        variant_knobs(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def skip_reason(variant: str, device: str, tp: int) -> str | None:
@@ -272,6 +328,7 @@ def _worker(spec: dict) -> dict:
     if base == "fused_bwdw_2read":  # (each variant runs in processes of its own)
         from megatron_burst.loss import fast
         fast.ONE_READ_FORWARD = False
+    apply_knobs(variant)
     if base in OURS_FUSED + ("recompute",):
         lc = make_loss_config(hidden, weight, labels, mask, group, IGNORE, sp, chunk, None,
                               resolve_impl(impl, hidden, fused_linear_cross_entropy))
@@ -451,7 +508,9 @@ def main(argv=None) -> None:
     p.add_argument("--fast-chunks", type=int, nargs="+", help="also run our default impl at these token chunks")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default float32 (--quick: bfloat16)")
     p.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, help="default: all that can run here")
+    p.add_argument("--variants", nargs="+", type=_variant_arg,
+                   help="default: all that can run here; ours may add @CHUNK (token chunk) and :KNOB=INT,... "
+                        f"(module constants of the fast path, one process each: {', '.join(sorted(KNOBS))})")
     p.add_argument("--repeats", type=int, default=None, help="timed steps per variant, median taken (default 3, --quick too)")
     p.add_argument("--logit-std", type=float, default=1.0,
                    help="the logits' standard deviation (the weight's scale; hidden states are N(0, 1)); "
@@ -519,7 +578,7 @@ def main(argv=None) -> None:
                 continue
             chunk = None
             if "@" in variant:
-                chunk = int(variant.split("@")[1])
+                chunk = int(variant.split(":")[0].split("@")[1])
             elif args.tile_elems and base_variant(variant) in ("fused", "fused_torch", "recompute"):
                 chunk = max(1, args.tile_elems // (V // tp))
             spec = dict(variant=variant, tokens=N, vocab=V, hidden=d, dtype=dtype, device=args.device,

@@ -243,6 +243,10 @@ def _loss_rows(records: list[dict], e2e: Optional[dict]) -> list[Row]:
             two_reads = at.get(v + "_2read")  # the A/B of the one-read forward (loss.fast.ONE_READ_FORWARD)
             if two_reads is not None:
                 figure += f"; forward reading each logit twice ({v}_2read): {two_reads['time_s'] * 1e3:.1f} ms"
+            tuned = sorted((k for k in at if k.startswith(v + ":")), key=lambda k: at[k]["time_s"])
+            if tuned:  # candidate settings of the fast path (bench loss's KNOBS), fastest first; the bar reads v
+                figure += "; knobs: " + ", ".join(f"{k.partition(':')[2]} {at[k]['time_s'] * 1e3:.1f} ms "
+                                                  f"{at[k]['peak_bytes'] / 2 ** 20:.2f} MiB" for k in tuned)
             failed = [k for k, ok in checks.items() if not ok]
             if not str(r.get("device", "")).startswith("cuda"):
                 rows.append(Row("I2", bar, figure + " (not on a GPU)", MISSING))
