@@ -125,3 +125,47 @@ def ce_rows_kernel(Z, G, TGT, WTS, MAX, SUMEXP, ZTGT, TOP, TOPIDX, V, COL0, stri
             g = tl.exp2((z - m) * LOG2E) * coef
             g = tl.where(offs == tgt, g - w, g)
             tl.store(g_row + offs, g.to(G.dtype.element_ty), mask=ok)
+
+
+def dh_rows_kernel(P, W, OUT, ST, TGT, LABELS, WDH, LOSS, M_ALL, S_ALL, D, IGNORE, stride_p, stride_w, stride_out,
+                   stride_st, BLOCK_D: tl.constexpr):
+    """The one-read forward's epilogue at TP = 1, one launch per chunk (grid: rows x cdiv(d, BLOCK_D)).
+
+    Per row t, from ``ce_rows(unnormalized=True)``'s statistics ST [5, T] (r, sum exp(z - r), z_target,
+    the row's max, its column as fp32) and TGT (the target's column, -1 where none or ignored):
+    scale = 1 / s, p_tgt = exp(z_target - r) scale where there is a target (else 0), p_top =
+    exp(max - r) scale unless the max's column is the target's (else 0); then
+
+        OUT[t] = round(w (scale P[t]) + [target] w (p_tgt - 1) W[tgt] + w p_top W[top])
+
+    with w = WDH[t], P the fp32 product E W, in that order and in fp32 (the torch composition's
+    operations, one rounding). The programs of the first column block also store the per-token
+    loss (log s - (z_target - r) where LABELS != IGNORE, else 0) and the statistics m = r, s.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    r = tl.load(ST + row)
+    s = tl.load(ST + stride_st + row)
+    zt = tl.load(ST + 2 * stride_st + row)
+    top = tl.load(ST + 3 * stride_st + row)
+    top_col = tl.load(ST + 4 * stride_st + row).to(tl.int64)
+    tgt = tl.load(TGT + row).to(tl.int64)
+    w = tl.load(WDH + row)
+    hit = tgt >= 0
+    scale = 1.0 / s
+    p_tgt = tl.where(hit, tl.exp2((zt - r) * LOG2E) * scale, 0.0)
+    p_top = tl.where(hit & (top_col == tgt), 0.0, tl.exp2((top - r) * LOG2E) * scale)
+    c_p = w * scale
+    c_tgt = tl.where(hit, w * (p_tgt - 1.0), 0.0)
+    c_top = w * p_top
+    cols = blk * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = cols < D
+    acc = tl.load(P + row * stride_p + cols, mask=ok, other=0.0) * c_p
+    acc += tl.load(W + tl.where(hit, tgt, 0) * stride_w + cols, mask=ok, other=0.0).to(tl.float32) * c_tgt
+    acc += tl.load(W + top_col * stride_w + cols, mask=ok, other=0.0).to(tl.float32) * c_top
+    tl.store(OUT + row * stride_out + cols, acc.to(OUT.dtype.element_ty), mask=ok)
+    if blk == 0:
+        valid = tl.load(LABELS + row) != IGNORE
+        tl.store(LOSS + row, tl.where(valid, tl.log(s) - tl.where(hit, zt - r, 0.0), 0.0))
+        tl.store(M_ALL + row, r)
+        tl.store(S_ALL + row, s)

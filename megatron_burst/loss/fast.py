@@ -125,6 +125,11 @@ logger = logging.getLogger("megatron_burst.loss")
 # Whether a forward that forms d hidden alone (no d weight) reads each logit once (module switch for
 # tests and benchmarks; see the module docstring).
 ONE_READ_FORWARD = True
+# Whether the one-read forward's per-chunk epilogue at TP = 1 -- the per-token factors, d hidden's
+# two fp32 column terms and its rounding, the loss and the statistics -- is one Triton launch
+# (``triton_kernels.dh_rows``) instead of ~25 torch ops (six of them [T, d]-sized passes); under TP
+# the statistics are all-reduced between, so the torch ops remain (module switch).
+FUSED_EPILOGUE = True
 
 # ------------------------------------------------------------------------------------- the GEMMs
 
@@ -293,6 +298,14 @@ def _stats_unnormalized(z: torch.Tensor, tgt: torch.Tensor, hit: torch.Tensor, c
     return m, s, zt_rel, scale, p_tgt, p_top, top_col
 
 
+def _product(E: torch.Tensor, weight: torch.Tensor, w32: Optional[torch.Tensor], P: torch.Tensor) -> None:
+    """P [T, d] fp32 <- E W (E [T, V_local] 16-bit), fp32 accumulation, no rounding to 16 bits."""
+    if E.is_cuda:
+        torch.mm(E, weight, out_dtype=torch.float32, out=P)
+    else:  # CPU (interpreter tests): bf16 values and their products are exact in fp32
+        torch.mm(E.float(), w32, out=P)
+
+
 def _hidden_grad_unnormalized(E: torch.Tensor, weight: torch.Tensor, w32: Optional[torch.Tensor], scale: torch.Tensor,
                               p_tgt: torch.Tensor, p_top: torch.Tensor, top_col: torch.Tensor, wts: torch.Tensor,
                               tgt: torch.Tensor, hit: torch.Tensor, P: torch.Tensor, out: torch.Tensor) -> None:
@@ -300,10 +313,7 @@ def _hidden_grad_unnormalized(E: torch.Tensor, weight: torch.Tensor, w32: Option
     rank's part of G W for the one-read forward (E is 0 at both columns, whose terms are formed
     here in fp32). E W goes to the fp32 buffer P [T, d]; out is rounded once, as G W straight from
     the GEMM would be."""
-    if E.is_cuda:
-        torch.mm(E, weight, out_dtype=torch.float32, out=P)
-    else:  # CPU (interpreter tests): bf16 values and their products are exact in fp32
-        torch.mm(E.float(), w32, out=P)
+    _product(E, weight, w32, P)
     P.mul_((wts * scale)[:, None])
     P.addcmul_(weight.index_select(0, tgt.clamp(min=0)), torch.where(hit, wts * (p_tgt - 1.0), 0.0)[:, None])
     P.addcmul_(weight.index_select(0, top_col), (wts * p_top)[:, None])
@@ -365,6 +375,14 @@ def chunked_forward(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
         z, G = bufs.views(cfg, r.stop - a)
         _logits(hr, weight, w32, z)
         tgt, hit = _targets(labels[r], cfg)
+        if one_read and FUSED_EPILOGUE and cfg.tp_size == 1:
+            st = torch.empty(5, r.stop - a, dtype=torch.float32, device=h.device)
+            triton_kernels.ce_rows(z, tgt, st, grad=G, unnormalized=True)
+            P = bufs.product(r.stop - a)
+            _product(G, weight, w32, P)
+            triton_kernels.dh_rows(P, weight, D[r], st, tgt, labels[r], w_dh[r], loss[r], m_all[r], s_all[r],
+                                   cfg.ignore_index)
+            continue
         if one_read:
             m, s, zt, scale, p_tgt, p_top, top_col = _stats_unnormalized(z, tgt, hit, cfg, G)
         else:

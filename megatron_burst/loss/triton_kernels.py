@@ -1,5 +1,6 @@
-"""The fused loss's Triton kernel, wrapped: per-token softmax statistics and the logits gradient of
-one token chunk (GPU; CPU via Triton's interpreter). The algorithm is in :mod:`megatron_burst.loss.fast`.
+"""The fused loss's Triton kernels, wrapped: per-token softmax statistics and the logits gradient of
+one token chunk, and the one-read forward's d hidden epilogue (GPU; CPU via Triton's interpreter).
+The algorithm is in :mod:`megatron_burst.loss.fast`.
 
 :func:`ce_rows` runs ``ce_rows_kernel`` (source: :mod:`megatron_burst.loss._triton_src`) over the
 rows of a chunk's fp32 logits ``z`` [T, V_local]: statistics (max, sum-exp, target logit), the
@@ -38,20 +39,20 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-_jitted: dict[bool, Any] = {}
+_jitted: dict[tuple[str, bool], Any] = {}
 
 
-def _kernel() -> Any:
+def _kernel(name: str = "ce_rows_kernel") -> Any:
     if not AVAILABLE:
         raise RuntimeError("impl='triton' needs the triton package: pip install triton")
     import triton
 
     from megatron_burst.loss import _triton_src
 
-    mode = interpreting()
-    if mode not in _jitted:
-        _jitted[mode] = triton.jit(_triton_src.ce_rows_kernel)
-    return _jitted[mode]
+    key = (name, interpreting())
+    if key not in _jitted:
+        _jitted[key] = triton.jit(getattr(_triton_src, name))
+    return _jitted[key]
 
 
 def check_device(t: torch.Tensor) -> None:
@@ -125,3 +126,37 @@ def ce_rows(z: torch.Tensor, tgt: torch.Tensor, stats: torch.Tensor, *, grad: Op
     kernel[(T,)](z, g, tgt, w, stats[0], stats[1], z_tgt, top[0], top[1], V, col0, z.stride(0), g.stride(0),
                  BLOCK_V=block, STATS=compute_stats and not unnormalized, GRAD=grad is not None and not unnormalized,
                  G_IN_Z=g_in_z, UNNORM=unnormalized, REF_SPAN=float(REF_SPAN), **kwargs)
+
+
+# d hidden columns per program of the epilogue: 1024 fp32 = 4 KiB of P per program, 4 warps
+DH_BLOCK_D = 1024
+INTERPRET_BLOCK_D = 16
+
+
+def dh_rows(P: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, stats: torch.Tensor, tgt: torch.Tensor,
+            labels: torch.Tensor, wdh: torch.Tensor, loss: torch.Tensor, m_all: torch.Tensor, s_all: torch.Tensor,
+            ignore_index: int) -> None:
+    """The one-read forward's epilogue at TP = 1 (one launch; ``dh_rows_kernel``'s docstring has the formula).
+
+    P: [T, d] fp32, E W; weight: [V, d] (16-bit), unit column stride; out: [T, d] in weight's dtype
+    (this chunk's rows of D); stats: [5, T] fp32 from ``ce_rows(unnormalized=True)``, unit column
+    stride; tgt: [T] the target column or -1 (``fast._targets``); labels: [T]; wdh: [T] fp32, the
+    loss weights times ``fast.hidden_grad_prescale``. Written: out, and loss, m_all, s_all ([T] fp32
+    each, any stride).
+    """
+    T, d = P.shape
+    if T == 0:
+        return
+    if P.stride(1) != 1 or weight.stride(1) != 1 or out.stride(1) != 1 or (T > 1 and stats.stride(1) != 1):
+        raise ValueError(f"dh_rows: P, weight, out and each row of stats need unit column stride (P {tuple(P.stride())}, "
+                         f"weight {tuple(weight.stride())}, out {tuple(out.stride())}, stats {tuple(stats.stride())})")
+    if any(t.numel() > 1 and t.stride(0) != 1 for t in (tgt, labels, wdh, loss, m_all, s_all)):
+        raise ValueError("dh_rows: tgt, labels, wdh, loss, m_all and s_all need unit stride")
+    if stats.shape[0] < 5 or out.shape != P.shape or weight.shape[1] != d:
+        raise ValueError(f"dh_rows: stats [5, T], out and P [T, d], weight [V, d] (got stats {tuple(stats.shape)}, "
+                         f"P {tuple(P.shape)}, out {tuple(out.shape)}, weight {tuple(weight.shape)})")
+    kernel = _kernel("dh_rows_kernel")
+    block = INTERPRET_BLOCK_D if interpreting() else min(DH_BLOCK_D, max(128, 1 << (d - 1).bit_length()))
+    kwargs = {} if interpreting() else {"num_warps": 4}
+    kernel[(T, -(-d // block))](P, weight, out, stats, tgt, labels, wdh, loss, m_all, s_all, d, ignore_index,
+                                P.stride(0), weight.stride(0), out.stride(0), stats.stride(0), BLOCK_D=block, **kwargs)
