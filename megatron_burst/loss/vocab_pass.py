@@ -89,6 +89,15 @@ ROW_ALIGN = 16
 # many tiny pieces (the tail at (16K, 128K, 4096) had 128 pieces of 48 rows x 512 tokens, and the
 # pass was host-bound on an H100).
 PIECE_COST_BYTES = 256 << 20
+# GEMMs on few vocabulary rows run far below the tensor cores' rate (too few output tiles for the SMs:
+# the profile of run 6, H100, had the 16384 rows of the plan's shrinking end -- 12.5 % of the FLOPs --
+# take ~15 of the pass's ~65 ms). GEMM_ROWS_FLOOR prices a tile of vt < GEMM_ROWS_FLOOR rows as if its
+# two GEMMs had GEMM_ROWS_FLOOR rows, their FLOPs converted to bytes at GEMM_FLOPS_PER_BYTE (Hopper:
+# ~800 TFLOP/s of bf16 GEMM over ~3.2 TB/s), so that the plan may split the tokens of a late tile
+# (an fp32 accumulator) to keep it taller. 0: off (the plan by traffic and launches alone; a candidate
+# for the bench's knob variants until a GPU run says which prices the tail right).
+GEMM_ROWS_FLOOR = 0
+GEMM_FLOPS_PER_BYTE = 250
 # Whether d weight's own unwritten rows hold the scratch (module switch for tests and benchmarks).
 SCRATCH_IN_RESULT = True
 # Whether the Triton path writes a 16-bit G over the first half of each fp32 logits row instead of a
@@ -159,9 +168,11 @@ def _own_tile(cap: int, n_tokens: int, dtype: torch.dtype, g_in_z: bool = False)
 def _bytes_per_row(vt: int, tn: int, n_tokens: int, d: int, elt: int) -> float:
     """What a tile shape costs per vocabulary row beyond its FLOPs, in bytes of memory traffic: h read
     by both GEMMs (each tile re-reads all of it), for split tokens the accumulator's
-    read-modify-write, and PIECE_COST_BYTES per (tile, token sub-chunk) piece for its launches."""
+    read-modify-write, PIECE_COST_BYTES per (tile, token sub-chunk) piece for its launches, and
+    below GEMM_ROWS_FLOOR rows the FLOPs its GEMMs waste."""
     subchunks = -(-n_tokens // tn)
-    return (2 * n_tokens * d * elt + (subchunks - 1) * 8 * vt * d + subchunks * PIECE_COST_BYTES) / vt
+    short = max(0, GEMM_ROWS_FLOOR - vt) * 4 * n_tokens * d / GEMM_FLOPS_PER_BYTE
+    return (2 * n_tokens * d * elt + (subchunks - 1) * 8 * vt * d + subchunks * PIECE_COST_BYTES + short) / vt
 
 
 def _token_options(n_tokens: int, vt: int, dtype: torch.dtype, g_in_z: bool) -> list[int]:
@@ -178,7 +189,8 @@ def plan_vocab_tiles(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, vo
     ``acc_temp`` / ``g_in_z``: as :func:`tile_scratch`. Host arithmetic only, cached per shape (and
     per value of the module's tiling constants).
     """
-    constants = (VOCAB_TILE, TILE_BYTES, MIN_TILE_ROWS, TAIL_BYTES, SPLIT_TOKENS, ALIGN, ROW_ALIGN, PIECE_COST_BYTES)
+    constants = (VOCAB_TILE, TILE_BYTES, MIN_TILE_ROWS, TAIL_BYTES, SPLIT_TOKENS, ALIGN, ROW_ALIGN, PIECE_COST_BYTES,
+                 GEMM_ROWS_FLOOR, GEMM_FLOPS_PER_BYTE)
     return _plan(n_tokens, v_local, d, dtype, vocab_chunk, in_result, dest_fp32, acc_temp, g_in_z, constants)
 
 
