@@ -459,10 +459,11 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton is not installed (pip install triton): the Triton kernels are untested")
-def test_epilogue_kernel_compiles_for_hopper():
-    """No GPU here: the one-read forward's d hidden epilogue (``dh_rows_kernel``) compiled for sm_90
-    down to a cubin with its GPU launch options (1024 columns per program, 4 warps), for bf16 and
-    fp16 weights, int64 targets and labels, so a kernel that only the interpreter accepts fails here."""
+def test_epilogue_and_transposed_kernels_compile_for_hopper():
+    """No GPU here: the one-read forward's d hidden epilogue (``dh_rows_kernel``: 1024 columns per
+    program, 4 warps) and the transposed tiles' gradient (``grad_cols_kernel``: 2048 tokens per block,
+    8 warps; with G over the logits its barrier) compiled for sm_90 down to a cubin with their GPU launch
+    options, for bf16 and fp16, so a kernel that only the interpreter accepts fails here."""
     from megatron_burst.loss import triton_kernels
     from triton_masked_cases import aot_compile
 
@@ -472,6 +473,12 @@ def test_epilogue_kernel_compiles_for_hopper():
                     "LOSS": "fp32", "M_ALL": "fp32", "S_ALL": "fp32"}
         compiled = aot_compile(fn, {"BLOCK_D": triton_kernels.DH_BLOCK_D}, pointers, {"num_warps": 4})
         assert "cubin" in compiled.asm, dt
+    fn = triton_kernels._kernel("grad_cols_kernel")
+    for dt, g_in_z in (("bf16", True), ("fp16", True), ("bf16", False), ("fp32", False)):
+        pointers = {"ZT": "fp32", "GT": dt, "TGT": "i32", "WTS": "fp32", "MAX": "fp32", "SUMEXP": "fp32"}
+        compiled = aot_compile(fn, {"BLOCK_T": triton_kernels.GRAD_COLS_BLOCK_T, "G_IN_Z": g_in_z}, pointers,
+                               {"num_warps": 8})
+        assert "cubin" in compiled.asm and ("bar.sync" in compiled.asm["ptx"]) == g_in_z, (dt, g_in_z)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,

@@ -147,6 +147,28 @@ apart = run(fused_linear_cross_entropy, loss_mask=mask, token_chunk=32, vocab_ch
             weight_grad="backward")
 out["g_in_z_vs_apart"] = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, apart)]
 vp.G_IN_LOGITS = True
+# transposed tiles (vocab_pass.TRANSPOSED_TILES: z^T = W_tile h^T, G^T by grad_cols), every kind of tile,
+# G over the logits and a G of its own, and fp32 (G^T over z^T in place), against the row-major tiles
+def rel_max(xs, ys):
+    return [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(xs, ys)]
+kw = dict(loss_mask=mask, token_chunk=32, vocab_chunk=48, impl="triton", weight_grad="backward")
+rows32 = run(fused_linear_cross_entropy, torch.float32, **kw)
+from megatron_burst.loss import triton_kernels
+calls = []
+grad_cols = triton_kernels.grad_cols
+triton_kernels.grad_cols = lambda *a, **k: calls.append(1) or grad_cols(*a, **k)
+vp.TRANSPOSED_TILES = True
+out["transposed_g_in_z"] = rel_max(run(fused_linear_cross_entropy, **kw), got)
+vp.G_IN_LOGITS = False
+out["transposed_apart"] = rel_max(run(fused_linear_cross_entropy, **kw), got)
+vp.G_IN_LOGITS = True
+out["transposed_fp32"] = rel_max(run(fused_linear_cross_entropy, torch.float32, **kw), rows32)
+vp.TRANSPOSED_TILES = False
+out["grad_cols_calls"] = len(calls)
+def n_pieces(dtype, g_in_z):
+    return sum(-(-N // t.tokens) for t in vp.plan_vocab_tiles(N, V, d, dtype, 48, in_result=True, acc_temp=False,
+                                                             dest_fp32=dtype == torch.float32, g_in_z=g_in_z))
+out["transposed_pieces"] = n_pieces(torch.bfloat16, True) + n_pieces(torch.bfloat16, False) + n_pieces(torch.float32, False)
 mask = mask * (y != IGN).float()  # the usual objective: c = 1 / sum(mask) = 1 / sum(loss weights)
 out["matched"] = errors_by_mode()[0]
 print(json.dumps(out))
@@ -172,6 +194,13 @@ def test_bf16_gradients_no_less_accurate_than_unfused():
     # kind of tile, against a G tile of its own: d hidden identical, d weight within one bf16 rounding
     assert errs["g_in_z_kinds"] == ["all", "own", "split"], errs["g_in_z_kinds"]
     assert errs["g_in_z_vs_apart"][0] == 0.0 and errs["g_in_z_vs_apart"][1] <= 2 ** -8, errs["g_in_z_vs_apart"]
+    # transposed tiles (vocab_pass.TRANSPOSED_TILES) against row-major ones: d hidden (the forward's)
+    # identical; d weight within one bf16 rounding (fp32: the summation order's reordering only)
+    # (here: bitwise the same, the CPU's fp32 products and sums alike), every piece of the three runs through
+    # the transposed kernel
+    for name, bound in (("transposed_g_in_z", 2 ** -8), ("transposed_apart", 2 ** -8), ("transposed_fp32", 1e-6)):
+        assert errs[name][0] == 0.0 and errs[name][1] <= bound, (name, errs[name])
+    assert errs["grad_cols_calls"] == errs["transposed_pieces"] > 0, errs
     # Logits of std ~7 (a trained model's range): the unfused path's bf16 logits cost it a factor ~3
     # in both gradients (here unfused 7.1e-3 / 7.2e-3, ours 2.5e-3 / 2.4e-3 and 1.9e-3): ours keeps the
     # logits in fp32.

@@ -169,3 +169,34 @@ def dh_rows_kernel(P, W, OUT, ST, TGT, LABELS, WDH, LOSS, M_ALL, S_ALL, D, IGNOR
         tl.store(LOSS + row, tl.where(valid, tl.log(s) - tl.where(hit, zt - r, 0.0), 0.0))
         tl.store(M_ALL + row, r)
         tl.store(S_ALL + row, s)
+
+
+def grad_cols_kernel(ZT, GT, TGT, WTS, MAX, SUMEXP, TN, COL0, stride_z, stride_g, BLOCK_T: tl.constexpr,
+                     G_IN_Z: tl.constexpr):
+    """The vocabulary pass's softmax gradient on a transposed tile (one program per vocabulary row v of
+    ``ZT`` [vt, TN], fp32 logits of that row against TN tokens, row stride stride_z):
+
+        GT[v, t] = w_t (exp(ZT[v, t] - m_t) / s_t - [v == TGT[t] - COL0])   in GT's dtype
+
+    with the per-token statistics m (MAX), s (SUMEXP) and weights w (WTS). G_IN_Z: GT's row v is the
+    first half of ZT's row v (16-bit G over the fp32 logits); block i's stores land on elements
+    below (t0 + BLOCK_T) / 2 of the row, all read by then: a barrier between each block's load
+    and store keeps a warp from overwriting what another has not read (as ce_rows_kernel's G_IN_Z).
+    """
+    v = tl.program_id(0)
+    z_row = ZT + v.to(tl.int64) * stride_z
+    g_row = GT + v.to(tl.int64) * stride_g
+    cols = tl.arange(0, BLOCK_T)
+    for t0 in range(0, TN, BLOCK_T):
+        offs = t0 + cols
+        ok = offs < TN
+        z = tl.load(z_row + offs, mask=ok, other=0.0)
+        m = tl.load(MAX + offs, mask=ok, other=0.0)
+        s = tl.load(SUMEXP + offs, mask=ok, other=1.0)
+        w = tl.load(WTS + offs, mask=ok, other=0.0)
+        tgt = tl.load(TGT + offs, mask=ok, other=-1) - COL0
+        if G_IN_Z:
+            tl.debug_barrier()
+        g = tl.exp2((z - m) * LOG2E) * (w / s)
+        g = tl.where(tgt == v, g - w, g)
+        tl.store(g_row + offs, g.to(GT.dtype.element_ty), mask=ok)

@@ -160,3 +160,33 @@ def dh_rows(P: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, stats: tor
     kwargs = {} if interpreting() else {"num_warps": 4}
     kernel[(T, -(-d // block))](P, weight, out, stats, tgt, labels, wdh, loss, m_all, s_all, d, ignore_index,
                                 P.stride(0), weight.stride(0), out.stride(0), stats.stride(0), BLOCK_D=block, **kwargs)
+
+
+# tokens per block of the transposed tile's row walk: 2048 fp32 = 8 KiB, 8 warps
+GRAD_COLS_BLOCK_T = 2048
+
+
+def grad_cols(zt: torch.Tensor, gt: torch.Tensor, tgt: torch.Tensor, stats: torch.Tensor, wts: torch.Tensor,
+              col0: int) -> None:
+    """The vocabulary pass's weighted softmax gradient on a transposed tile: ``gt[v, t] = wts[t] *
+    (exp(zt[v, t] - m_t) / s_t - [v == tgt[t] - col0])`` (``grad_cols_kernel``).
+
+    zt: [vt, tn] fp32 logits (a vocabulary row per row), unit column stride; gt: [vt, tn] 16-bit or zt
+    itself, unit column stride -- for 16-bit in zt's storage it must be the first half of each of zt's
+    rows (row stride in bytes equal to zt's); tgt: [tn] int32 / int64 target columns of the shard;
+    stats: [2, tn] fp32 rows m, s with unit stride; wts: [tn] fp32 contiguous.
+    """
+    vt, tn = zt.shape
+    if vt == 0 or tn == 0:
+        return
+    if zt.stride(1) != 1 or gt.stride(1) != 1 or stats.stride(-1) != 1 or wts.stride(0) != 1 or tgt.stride(0) != 1:
+        raise ValueError(f"grad_cols: unit column strides needed (zt {tuple(zt.stride())}, gt {tuple(gt.stride())}, "
+                         f"stats {tuple(stats.stride())})")
+    g_in_z = gt.dtype != zt.dtype and gt.data_ptr() == zt.data_ptr()
+    if g_in_z and vt > 1 and gt.stride(0) * gt.element_size() != zt.stride(0) * zt.element_size():
+        raise ValueError(f"grad_cols: a {gt.dtype} gt in zt's storage must lie in the first half of each of zt's rows")
+    kernel = _kernel("grad_cols_kernel")
+    block = INTERPRET_BLOCK_V if interpreting() else min(GRAD_COLS_BLOCK_T, max(128, 1 << (tn - 1).bit_length()))
+    kwargs = {} if interpreting() else {"num_warps": max(1, min(8, block // 256))}
+    kernel[(vt,)](zt, gt, tgt, wts, stats[0], stats[1], tn, col0, zt.stride(0), gt.stride(0), BLOCK_T=block,
+                  G_IN_Z=g_in_z, **kwargs)

@@ -98,6 +98,12 @@ PIECE_COST_BYTES = 256 << 20
 # for the bench's knob variants until a GPU run says which prices the tail right).
 GEMM_ROWS_FLOOR = 0
 GEMM_FLOPS_PER_BYTE = 250
+# Whether the Triton path forms each tile transposed: logits z^T = W_tile h^T [vt, tn] (a small left
+# operand against all tokens, the shape of the forward's logits GEMM, which ran at ~840 TFLOP/s on an
+# H100 where the tile's h W_tile^T ran at ~610), its softmax gradient G^T by ``grad_cols`` (the same
+# values), and d weight = G^T h with G^T as a plain row-major operand. The same scratch and plan.
+# Off until a GPU run times it (the bench's knob variants: ``fused_bwdw:TRANSPOSED_TILES=1``).
+TRANSPOSED_TILES = False
 # Whether d weight's own unwritten rows hold the scratch (module switch for tests and benchmarks).
 SCRATCH_IN_RESULT = True
 # Whether the Triton path writes a 16-bit G over the first half of each fp32 logits row instead of a
@@ -261,6 +267,17 @@ def _logits(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor, G: torch.Tensor
         torch.mm(h.float(), w.float().t(), out=out)
 
 
+def _logits_transposed(w: torch.Tensor, h: torch.Tensor, out: torch.Tensor) -> None:
+    """out [vt, tn] fp32 <- w h^T (a tile's logits, a vocabulary row per row), fp32 accumulation as
+    :func:`_logits` (the Triton path only)."""
+    if h.dtype == torch.float32:
+        torch.mm(w, h.t(), out=out)
+    elif h.is_cuda:
+        torch.mm(w, h.t(), out_dtype=torch.float32, out=out)
+    else:  # CPU (interpreter tests): bf16 values and their products are exact in fp32
+        torch.mm(w.float(), h.float().t(), out=out)
+
+
 def _softmax_grad(z: torch.Tensor, G: torch.Tensor, tgt: torch.Tensor, col0: int, stats: torch.Tensor,
                   g: torch.Tensor, impl: str) -> None:
     """G [tn, vt] <- g_t (exp(z - m_t) / s_t - [v == tgt_t - col0]) in G's dtype. tgt [tn]: the
@@ -278,24 +295,24 @@ def _softmax_grad(z: torch.Tensor, G: torch.Tensor, tgt: torch.Tensor, col0: int
         G.copy_(z)
 
 
-def _accumulate(acc: torch.Tensor, G: torch.Tensor, h: torch.Tensor, first: bool,
+def _accumulate(acc: torch.Tensor, Gt: torch.Tensor, h: torch.Tensor, first: bool,
                 tmp: Optional[torch.Tensor], scale: float) -> None:
-    """acc [vt, d] fp32 (+)= scale G^T h with fp32 products and sums (``first``: overwrite; scale
-    applied in the GEMM, to the fp32 sum). tmp: an fp32 [vt, d] scratch for the product where torch
-    cannot accumulate 16-bit operands in the GEMM."""
+    """acc [vt, d] fp32 (+)= scale Gt h (Gt [vt, tn]: G^T) with fp32 products and sums (``first``:
+    overwrite; scale applied in the GEMM, to the fp32 sum). tmp: an fp32 [vt, d] scratch for the
+    product where torch cannot accumulate 16-bit operands in the GEMM."""
     beta = 0.0 if first else 1.0  # beta 0: acc's content is ignored (NaN included), per torch.addmm
-    if G.dtype == torch.float32:
-        torch.addmm(acc, G.t(), h, beta=beta, alpha=scale, out=acc)
-    elif G.is_cuda:
+    if Gt.dtype == torch.float32:
+        torch.addmm(acc, Gt, h, beta=beta, alpha=scale, out=acc)
+    elif Gt.is_cuda:
         from megatron_burst.loss.fast import _addmm_fp32_works
-        if _addmm_fp32_works(G.device):
-            torch.addmm(acc, G.t(), h, out_dtype=torch.float32, beta=beta, alpha=scale, out=acc)
+        if _addmm_fp32_works(Gt.device):
+            torch.addmm(acc, Gt, h, out_dtype=torch.float32, beta=beta, alpha=scale, out=acc)
         elif first:  # older torch: the fp32 product, then the scale
-            torch.mm(G.t(), h, out_dtype=torch.float32, out=acc).mul_(scale)
+            torch.mm(Gt, h, out_dtype=torch.float32, out=acc).mul_(scale)
         else:  # older torch: the fp32 product into the tile's scratch, then one add
-            acc.add_(torch.mm(G.t(), h, out_dtype=torch.float32, out=tmp), alpha=scale)
+            acc.add_(torch.mm(Gt, h, out_dtype=torch.float32, out=tmp), alpha=scale)
     else:  # CPU: bf16 values and their products are exact in fp32
-        torch.addmm(acc, G.t().float(), h.float(), beta=beta, alpha=scale, out=acc)
+        torch.addmm(acc, Gt.float(), h.float(), beta=beta, alpha=scale, out=acc)
 
 
 def _piece(space: torch.Tensor, offset: Optional[int], numel: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -368,6 +385,7 @@ def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: to
     # the Triton kernel writes a 16-bit G over the first half of each fp32 logits row (the torch path's
     # in-place ops cannot: it keeps a G of its own)
     g_in_z = G_IN_LOGITS and cfg.impl == "triton" and h.dtype != torch.float32
+    transposed = TRANSPOSED_TILES and cfg.impl == "triton"
     tiles = plan_vocab_tiles(N, V, d, h.dtype, cfg.vocab_chunk, in_result=out is not None and SCRATCH_IN_RESULT,
                              dest_fp32=dest_fp32, acc_temp=acc_temp, g_in_z=g_in_z)
 
@@ -396,26 +414,33 @@ def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: to
             dest, first_overwrites = out[a:b], True  # one GEMM over all tokens (or fp32 out): no buffer
         for t0 in range(0, N, tn):
             t1 = min(t0 + tn, N)
-            n = (t1 - t0) * vt
-            z = z_flat[:n].view(t1 - t0, vt)
+            rows, cols = (vt, t1 - t0) if transposed else (t1 - t0, vt)  # the scratch's [rows, cols] layout
+            n = rows * cols
+            z = z_flat[:n].view(rows, cols)
             if g_flat is not None:
-                G = g_flat[:n].view(t1 - t0, vt)
-            elif g_in_z:  # row t of G: the first half of z's row t (the kernel orders its writes after its reads)
-                G = z_flat[:n].view(h.dtype).view(t1 - t0, 2 * vt)[:, :vt]
+                G = g_flat[:n].view(rows, cols)
+            elif g_in_z:  # row i of G: the first half of z's row i (the kernel orders its writes after its reads)
+                G = z_flat[:n].view(h.dtype).view(rows, 2 * cols)[:, :cols]
             else:
                 G = z
-            _logits(h[t0:t1], w_tile, z, G, cfg.impl)
-            _softmax_grad(z, G, tgt_all[t0:t1], a, stats_all[:, t0:t1], g[t0:t1], cfg.impl)
+            if transposed:  # z = W_tile h^T [vt, tn]: G^T directly, the d weight GEMM's left operand
+                _logits_transposed(w_tile, h[t0:t1], z)
+                triton_kernels.grad_cols(z, G, tgt_all[t0:t1], stats_all[:, t0:t1], g[t0:t1], a)
+                Gt = G
+            else:
+                _logits(h[t0:t1], w_tile, z, G, cfg.impl)
+                _softmax_grad(z, G, tgt_all[t0:t1], a, stats_all[:, t0:t1], g[t0:t1], cfg.impl)
+                Gt = G.t()
             if dest.dtype != torch.float32:
                 # Tokens not split: one GEMM over all of them straight into the 16-bit result (fp32
                 # sums scaled in the GEMM's epilogue, one rounding; beta 0: the rows' old content, maybe
                 # another tile's scratch, is ignored). CPU: in fp32, then one rounding, to be sure of it.
-                if G.is_cuda:
-                    torch.addmm(dest, G.t(), h[t0:t1], beta=0.0, alpha=scale, out=dest)
+                if Gt.is_cuda:
+                    torch.addmm(dest, Gt, h[t0:t1], beta=0.0, alpha=scale, out=dest)
                 else:
-                    dest.copy_(torch.mm(G.t().float(), h[t0:t1].float()).mul_(scale))
+                    dest.copy_(torch.mm(Gt.float(), h[t0:t1].float()).mul_(scale))
             else:
-                _accumulate(dest, G, h[t0:t1], first_overwrites and t0 == 0, tmp, scale)
+                _accumulate(dest, Gt, h[t0:t1], first_overwrites and t0 == 0, tmp, scale)
         if acc is not None:
             out[a:b].copy_(acc)  # the one rounding of this tile's gradient (acc lies past row b)
     return out if main_grad is None else None

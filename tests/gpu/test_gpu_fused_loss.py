@@ -141,6 +141,44 @@ def test_one_read_forward_against_two_reads_and_far_logits(monkeypatch):
         assert mine <= BOUND * theirs + FLOOR, f"far logits: {q} error {mine:.3e} > {BOUND} x unfused {theirs:.3e}"
 
 
+@pytest.mark.parametrize("switch", ["FUSED_EPILOGUE", "TRANSPOSED_TILES"])
+def test_fast_path_switches_give_the_same_gradients(switch, monkeypatch):
+    """weight_grad="backward", N = 4096, V = 32003, d = 1024, bf16, each of two switches of the fast path
+    flipped on the device (fast.FUSED_EPILOGUE: the one-read forward's epilogue as one Triton launch or
+    as torch ops; vocab_pass.TRANSPOSED_TILES: the backward's tiles as W_tile h^T or h W_tile^T): the
+    loss to fp32 and both gradients within one bf16 rounding of each other, and within the unfused
+    bf16 path's error against fp32 (the bench's knob variants time them)."""
+    from megatron_burst.loss import fast, vocab_pass
+
+    module = fast if switch == "FUSED_EPILOGUE" else vocab_pass
+    N, V, d = 4096, 32003, 1024
+    hidden, weight, labels, mask = _inputs(N, V, d, torch.bfloat16, seed=7)
+    n = mask.sum()
+
+    def objective(h, w):
+        return (fused_linear_cross_entropy(h, w, labels, loss_mask=mask, token_chunk=1024,
+                                           weight_grad="backward") * mask).sum() / n
+
+    def fp32(h, w):
+        return (F.cross_entropy(h.float() @ w.float().t(), labels, reduction="none") * mask).sum() / n
+
+    def unfused(h, w):
+        return (F.cross_entropy((h @ w.t()).float(), labels, reduction="none") * mask).sum() / n
+
+    ref, base = _run(fp32, hidden, weight), _run(unfused, hidden, weight)
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(module, switch, on)
+        got[on] = _run(objective, hidden, weight)
+    assert _rel(got[True][0], got[False][0]) <= 1e-6
+    for i, q in ((1, "d hidden"), (2, "d weight")):
+        apart = ((got[True][i].float() - got[False][i].float()).abs().max() / got[False][i].float().abs().max()).item()
+        assert apart <= 2 ** -8, f"{switch}: {q} apart by {apart:.2e}"
+        for on in (True, False):
+            mine, theirs = _rel(got[on][i], ref[i]), _rel(base[i], ref[i])
+            assert mine <= BOUND * theirs + FLOOR, f"{switch}={on}: {q} error {mine:.3e} > {BOUND} x unfused {theirs:.3e}"
+
+
 def test_no_tokens_by_vocab_allocation():
     """N = 8192, V = 65536, d = 1024, bf16, chunks of 1024 tokens: the peak above the inputs is D,
     A, the bf16 weight gradient and one chunk (1024 x 65536 x 6 B) -- below one bf16 N x V tensor."""
