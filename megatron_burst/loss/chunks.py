@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_burst.loss import fast
-from megatron_burst.loss.config import LossConfig
+from megatron_burst.loss.config import LossConfig, local_targets
 from megatron_burst.loss.parallel import all_reduce_stats, gather_sequence
 
 __all__ = ["chunked_forward", "hidden_grad_prescaled", "recompute_grads", "loss_without_grad"]
@@ -31,13 +31,6 @@ _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
 
 
 # ------------------------------------------------------------------------------- one token chunk
-
-
-def _local_targets(labels: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row of the target in this rank's shard, or 0; whether this rank holds the target), [T] each."""
-    local = labels - cfg.vocab_start
-    hit = (local >= 0) & (local < cfg.v_local) & (labels != cfg.ignore_index)
-    return torch.where(hit, local, 0), hit
 
 
 def _logits_torch(h: torch.Tensor, weight: torch.Tensor, buf: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
@@ -133,13 +126,13 @@ class _Buffers:
 
 def _chunks(h: torch.Tensor, labels: torch.Tensor, cfg: LossConfig) -> Iterator[tuple]:
     """Walk the tokens in chunks: yields (rows slice, buf, gbuf, local target, hit) per chunk, the
-    buffers shared by every chunk (see :class:`_Buffers`) and the targets from :func:`_local_targets`."""
+    buffers shared by every chunk (see :class:`_Buffers`) and the targets from :func:`~megatron_burst.loss.config.local_targets`."""
     N = h.shape[0]
     bufs = _Buffers(cfg, N, h.dtype, h.device)
     for a in range(0, N, cfg.token_chunk):
         rows = slice(a, min(a + cfg.token_chunk, N))
         buf, gbuf = bufs.views(cfg, rows.stop - a)
-        yield (rows, buf, gbuf) + _local_targets(labels[rows], cfg)
+        yield (rows, buf, gbuf) + local_targets(labels[rows], cfg, none=0)
 
 
 def hidden_grad_prescaled(cfg: LossConfig, dtype: torch.dtype, need_dh: bool, need_dw: bool) -> bool:

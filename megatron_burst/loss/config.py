@@ -178,6 +178,14 @@ def token_weights(labels: torch.Tensor, loss_mask: Optional[torch.Tensor], ignor
     return valid if loss_mask is None else valid * loss_mask.reshape(-1).float()
 
 
+def local_targets(labels: torch.Tensor, cfg: LossConfig, none: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the target's column in this rank's vocabulary shard, or ``none`` where this rank does not hold
+    it or the label is ignored; whether it does), [T] each (int64, bool)."""
+    local = labels - cfg.vocab_start
+    hit = (local >= 0) & (local < cfg.v_local) & (labels != cfg.ignore_index)
+    return torch.where(hit, local, none), hit
+
+
 def labels_out_of_range(labels: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
     """0-dim bool on labels' device: some label is neither ``ignore_index`` nor in [0, V). No host read."""
     bad = (labels != cfg.ignore_index) & ((labels < 0) | (labels >= cfg.vocab_size))

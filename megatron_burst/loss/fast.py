@@ -112,7 +112,7 @@ import torch.distributed as dist
 
 from megatron_burst.loss import triton_kernels
 from megatron_burst.loss.config import (FAST_CHUNK_BYTES, MIN_EFFICIENT_CHUNK, LossConfig, bytes_per_logit,  # noqa: F401
-                                         fast_token_chunk as default_token_chunk)
+                                         fast_token_chunk as default_token_chunk, local_targets)
 from megatron_burst.loss.parallel import all_reduce_stats
 
 __all__ = ["chunked_forward", "recompute_grads", "reads_once", "hidden_grad_prescale", "per_token_stats",
@@ -239,13 +239,6 @@ class _Chunk:
         return self.p[:t * self.d].view(t, self.d)
 
 
-def _targets(labels: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(local target column or -1, whether this rank holds the target), [T] each."""
-    local = labels - cfg.vocab_start
-    hit = (local >= 0) & (local < cfg.v_local) & (labels != cfg.ignore_index)
-    return torch.where(hit, local, -1), hit
-
-
 def _stats(z: torch.Tensor, tgt: torch.Tensor, hit: torch.Tensor, cfg: LossConfig,
            G: Optional[torch.Tensor], wts: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Global (max M, sum exp(z - M), z_target - M) of a chunk, [T] fp32 each; with G (and wts)
@@ -369,12 +362,13 @@ def chunked_forward(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     one_read = reads_once(h.dtype, need_dh, need_dw)
     w_dh = wts * hidden_grad_prescale(wts) if one_read else None
     bufs = _Chunk(cfg, N, h.dtype, h.device, need_grad, d, dh_fp32=one_read)
+    tgt_all, hit_all = local_targets(labels, cfg)  # once for all chunks: no small launches per chunk
     for a in range(0, N, cfg.token_chunk):
         r = slice(a, min(a + cfg.token_chunk, N))
         hr = h[r]
         z, G = bufs.views(cfg, r.stop - a)
         _logits(hr, weight, w32, z)
-        tgt, hit = _targets(labels[r], cfg)
+        tgt, hit = tgt_all[r], hit_all[r]
         if one_read and FUSED_EPILOGUE and cfg.tp_size == 1:
             st = torch.empty(5, r.stop - a, dtype=torch.float32, device=h.device)
             triton_kernels.ce_rows(z, tgt, st, grad=G, unnormalized=True)
@@ -410,12 +404,13 @@ def recompute_grads(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     weight = weight.contiguous()
     w32 = _upcast_weight(h, weight)
     bufs = _Chunk(cfg, N, h.dtype, h.device, True)
+    tgt_all, _ = local_targets(labels, cfg)
     for a in range(0, N, cfg.token_chunk):
         r = slice(a, min(a + cfg.token_chunk, N))
         hr = h[r]
         z, G = bufs.views(cfg, r.stop - a)
         _logits(hr, weight, w32, z)
-        tgt, _ = _targets(labels[r], cfg)
+        tgt = tgt_all[r]
         st = torch.stack([m_all[r], s_all[r]])
         triton_kernels.ce_rows(z, tgt, st, grad=G, wts=g[r].contiguous(), compute_stats=False)
         if need_dh:

@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_burst.loss import triton_kernels
-from megatron_burst.loss.config import LossConfig
+from megatron_burst.loss.config import LossConfig, local_targets
 from megatron_burst.loss.parallel import all_reduce_stats, gather_sequence, reduce_hidden_grad
 from megatron_burst.loss.vocab_pass import weight_grad_target
 
@@ -110,13 +110,6 @@ def _splits(n_row_tiles: int, n_vocab_tiles: int, device: torch.device) -> int:
     return max(1, min(want, n_vocab_tiles))
 
 
-def _local_targets(labels: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(local target column or -1, whether this rank holds the target), [N] each; int64 contiguous."""
-    local = labels - cfg.vocab_start
-    hit = (local >= 0) & (local < cfg.v_local) & (labels != cfg.ignore_index)
-    return torch.where(hit, local, -1).to(torch.int64).contiguous(), hit
-
-
 def lse_forward(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss [N] fp32, 0 at ignored labels; lse [N] fp32, global over TP). h: [N, d] (all tokens)."""
@@ -134,7 +127,7 @@ def lse_forward(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     splits = _splits(n_rt, n_vt, dev)
     per_split = -(-n_vt // splits)
     splits = -(-n_vt // per_split)  # no empty split
-    tgt, hit = _local_targets(labels, cfg)
+    tgt, hit = local_targets(labels.long(), cfg)  # (int64 for the kernels)
     st = torch.empty(3, splits, N, dtype=torch.float32, device=dev)
     src.lse_stats_kernel[(n_rt, splits)](h, weight, tgt, st[0], st[1], st[2], N, V, d, h.stride(0),
                                          weight.stride(0), per_split, PREC=_prec(h.dtype), **blocks, **launch)
@@ -165,7 +158,7 @@ def hidden_grad(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse
         src = _kernels()
         h, weight = h.contiguous(), weight.contiguous()
         blocks, launch = launch_config()
-        tgt, _ = _local_targets(labels, cfg)
+        tgt, _ = local_targets(labels.long(), cfg)
         src.hidden_grad_kernel[(-(-N // blocks["BLOCK_N"]),)](
             h, weight, tgt, lse.contiguous(), g.contiguous(), acc, N, cfg.v_local, d, h.stride(0), weight.stride(0),
             acc.stride(0), PREC=_prec(h.dtype), **blocks, **launch)
@@ -186,7 +179,7 @@ def weight_grad(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse
     h, weight = h.contiguous(), weight.contiguous()
     blocks, launch = launch_config()
     bv = blocks["BLOCK_V"]
-    tgt, _ = _local_targets(labels, cfg)
+    tgt, _ = local_targets(labels.long(), cfg)
     lse, g = lse.contiguous(), g.contiguous()
 
     def launch_rows(dest: torch.Tensor, v0: int, count: int, accumulate: bool) -> None:

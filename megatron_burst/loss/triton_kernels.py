@@ -140,7 +140,7 @@ def dh_rows(P: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, stats: tor
 
     P: [T, d] fp32, E W; weight: [V, d] (16-bit), unit column stride; out: [T, d] in weight's dtype
     (this chunk's rows of D); stats: [5, T] fp32 from ``ce_rows(unnormalized=True)``, unit column
-    stride; tgt: [T] the target column or -1 (``fast._targets``); labels: [T]; wdh: [T] fp32, the
+    stride; tgt: [T] the target column or -1 (``config.local_targets``); labels: [T]; wdh: [T] fp32, the
     loss weights times ``fast.hidden_grad_prescale``. Written: out, and loss, m_all, s_all ([T] fp32
     each, any stride).
     """

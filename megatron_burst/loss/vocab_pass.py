@@ -63,7 +63,7 @@ from typing import Optional
 import torch
 
 from megatron_burst.loss import triton_kernels
-from megatron_burst.loss.config import LossConfig
+from megatron_burst.loss.config import LossConfig, local_targets
 
 __all__ = ["weight_grad_by_vocab_tiles", "weight_grad_target", "stats_rows", "plan_vocab_tiles", "VocabTile", "TileScratch",
            "tile_scratch", "VOCAB_TILE", "TILE_BYTES", "MIN_TILE_ROWS", "TAIL_BYTES"]
@@ -369,9 +369,7 @@ def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: to
     # before d weight exists (their temporaries stay below the pass's peak), and kept small: they are
     # alive beside the gradients at that peak (4 B per token; no copy of m, s where they are rows of
     # one buffer).
-    local = labels - cfg.vocab_start
-    tgt_all = torch.where((labels != cfg.ignore_index) & (local >= 0) & (local < V), local, -1 - V).to(torch.int32)
-    del local
+    tgt_all = local_targets(labels, cfg, none=-1 - V)[0].to(torch.int32)
     stats_all = stats_rows(m_all, s_all)
     g = g.contiguous()
     out, done = weight_grad_target(weight, main_grad, N, V)
