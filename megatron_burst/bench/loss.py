@@ -156,7 +156,8 @@ def _peak_rss_bytes() -> int:
 KNOBS = {name: "megatron_burst.loss.vocab_pass" for name in
          ("VOCAB_TILE", "TILE_BYTES", "MIN_TILE_ROWS", "TAIL_BYTES", "PIECE_COST_BYTES", "ROW_ALIGN", "G_IN_LOGITS",
           "SCRATCH_IN_RESULT", "GEMM_ROWS_FLOOR", "GEMM_FLOPS_PER_BYTE", "TRANSPOSED_TILES")}
-KNOBS.update(ONE_READ_FORWARD="megatron_burst.loss.fast", FUSED_EPILOGUE="megatron_burst.loss.fast", GPU_BLOCK_V="megatron_burst.loss.triton_kernels",
+KNOBS.update(ONE_READ_FORWARD="megatron_burst.loss.fast", FUSED_EPILOGUE="megatron_burst.loss.fast",
+             GPU_BLOCK_V="megatron_burst.loss.triton_kernels",
              GPU_NUM_WARPS="megatron_burst.loss.triton_kernels", FAST_CHUNK_BYTES="megatron_burst.loss.config")
 
 
@@ -191,9 +192,6 @@ def apply_knobs(variant: str) -> None:
         module = importlib.import_module(KNOBS[name])
         old = getattr(module, name)
         setattr(module, name, bool(value) if isinstance(old, bool) else value)
-    if "FAST_CHUNK_BYTES" in variant_knobs(variant):  # fast.py's own copy of the name
-        import megatron_burst.loss.fast as fast
-        fast.FAST_CHUNK_BYTES = variant_knobs(variant)["FAST_CHUNK_BYTES"]
 
 
 def _variant_arg(text: str) -> str:

@@ -126,7 +126,8 @@ class _Buffers:
 
 def _chunks(h: torch.Tensor, labels: torch.Tensor, cfg: LossConfig) -> Iterator[tuple]:
     """Walk the tokens in chunks: yields (rows slice, buf, gbuf, local target, hit) per chunk, the
-    buffers shared by every chunk (see :class:`_Buffers`) and the targets from :func:`~megatron_burst.loss.config.local_targets`."""
+    buffers shared by every chunk (see :class:`_Buffers`) and the targets from
+    :func:`~megatron_burst.loss.config.local_targets`."""
     N = h.shape[0]
     bufs = _Buffers(cfg, N, h.dtype, h.device)
     for a in range(0, N, cfg.token_chunk):

@@ -148,7 +148,8 @@ def dh_rows(P: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, stats: tor
     if T == 0:
         return
     if P.stride(1) != 1 or weight.stride(1) != 1 or out.stride(1) != 1 or (T > 1 and stats.stride(1) != 1):
-        raise ValueError(f"dh_rows: P, weight, out and each row of stats need unit column stride (P {tuple(P.stride())}, "
+        raise ValueError(f"dh_rows: P, weight, out and each row of stats need unit column stride "
+                         f"(P {tuple(P.stride())}, "
                          f"weight {tuple(weight.stride())}, out {tuple(out.stride())}, stats {tuple(stats.stride())})")
     if any(t.numel() > 1 and t.stride(0) != 1 for t in (tgt, labels, wdh, loss, m_all, s_all)):
         raise ValueError("dh_rows: tgt, labels, wdh, loss, m_all and s_all need unit stride")
