@@ -267,18 +267,17 @@ def _combine_over_tp(m_loc: torch.Tensor, s_loc: torch.Tensor, zt: torch.Tensor,
     return m, sums[0], sums[1]
 
 
-def _stats_unnormalized(z: torch.Tensor, tgt: torch.Tensor, hit: torch.Tensor, cfg: LossConfig, E: torch.Tensor
-                        ) -> tuple[torch.Tensor, ...]:
-    """The one-read forward's statistics: E [T, V_local] <- exp(z - r_t), 0 at the target's column
-    and at the row's max's (this rank's reference r_t, see ``ce_rows(unnormalized=True)``).
+def _unnormalized_factors(st: torch.Tensor, tgt: torch.Tensor, hit: torch.Tensor, cfg: LossConfig
+                          ) -> tuple[torch.Tensor, ...]:
+    """The one-read forward's per-token factors from ``ce_rows(unnormalized=True)``'s statistics st
+    [5, T] (this rank's reference r_t, sum exp(z - r_t), target logit, max, max's column), whose E
+    holds exp(z - r_t) with 0 at the target's column and at the row's max's.
 
     Returns the global (reference M, sum exp(z - M), z_target - M) as :func:`_stats` does, the
     per-row factor exp(r_t - M_t) / S_t that turns E W into this rank's part of P W (P the
     softmax), the target's probability where this rank holds the target (else 0), the probability
     of this rank's max where it is not the target (else 0) and that max's column; [T] each (fp32,
     the column int64). TP > 1: :func:`_stats`'s two all-reduces."""
-    st = torch.empty(5, z.shape[0], dtype=torch.float32, device=z.device)
-    triton_kernels.ce_rows(z, tgt, st, grad=E, unnormalized=True)
     r, s_loc, zt, top, top_col = st
     if cfg.tp_size == 1:
         m, s, scale, zt_rel = r, s_loc, s_loc.reciprocal(), torch.where(hit, zt - r, 0.0)
@@ -299,14 +298,13 @@ def _product(E: torch.Tensor, weight: torch.Tensor, w32: Optional[torch.Tensor],
         torch.mm(E.float(), w32, out=P)
 
 
-def _hidden_grad_unnormalized(E: torch.Tensor, weight: torch.Tensor, w32: Optional[torch.Tensor], scale: torch.Tensor,
-                              p_tgt: torch.Tensor, p_top: torch.Tensor, top_col: torch.Tensor, wts: torch.Tensor,
-                              tgt: torch.Tensor, hit: torch.Tensor, P: torch.Tensor, out: torch.Tensor) -> None:
-    """out [T, d] <- wts_t (scale_t (E W)_t + p_top_t W_top + [hit_t] (p_tgt_t - 1) W_tgt): this
-    rank's part of G W for the one-read forward (E is 0 at both columns, whose terms are formed
-    here in fp32). E W goes to the fp32 buffer P [T, d]; out is rounded once, as G W straight from
-    the GEMM would be."""
-    _product(E, weight, w32, P)
+def _hidden_grad_unnormalized(P: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, p_tgt: torch.Tensor,
+                              p_top: torch.Tensor, top_col: torch.Tensor, wts: torch.Tensor, tgt: torch.Tensor,
+                              hit: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, d] <- wts_t (scale_t P_t + p_top_t W_top + [hit_t] (p_tgt_t - 1) W_tgt) with P = E W
+    (fp32, :func:`_product`; overwritten): this rank's part of G W for the one-read forward (E is 0
+    at both columns, whose terms are formed here in fp32), rounded once, as G W straight from the
+    GEMM would be. Under TP; at TP = 1 ``triton_kernels.dh_rows`` forms the same in one launch."""
     P.mul_((wts * scale)[:, None])
     P.addcmul_(weight.index_select(0, tgt.clamp(min=0)), torch.where(hit, wts * (p_tgt - 1.0), 0.0)[:, None])
     P.addcmul_(weight.index_select(0, top_col), (wts * p_top)[:, None])
@@ -369,23 +367,22 @@ def chunked_forward(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
         z, G = bufs.views(cfg, r.stop - a)
         _logits(hr, weight, w32, z)
         tgt, hit = tgt_all[r], hit_all[r]
-        if one_read and FUSED_EPILOGUE and cfg.tp_size == 1:
+        if one_read:
             st = torch.empty(5, r.stop - a, dtype=torch.float32, device=h.device)
             triton_kernels.ce_rows(z, tgt, st, grad=G, unnormalized=True)
-            P = bufs.product(r.stop - a)
+            P = bufs.product(r.stop - a)  # in z's storage: z is not read again
             _product(G, weight, w32, P)
-            triton_kernels.dh_rows(P, weight, D[r], st, tgt, labels[r], w_dh[r], loss[r], m_all[r], s_all[r],
-                                   cfg.ignore_index)
-            continue
-        if one_read:
-            m, s, zt, scale, p_tgt, p_top, top_col = _stats_unnormalized(z, tgt, hit, cfg, G)
+            if FUSED_EPILOGUE and cfg.tp_size == 1:
+                triton_kernels.dh_rows(P, weight, D[r], st, tgt, labels[r], w_dh[r], loss[r], m_all[r], s_all[r],
+                                       cfg.ignore_index)
+                continue
+            m, s, zt, scale, p_tgt, p_top, top_col = _unnormalized_factors(st, tgt, hit, cfg)
         else:
             m, s, zt = _stats(z, tgt, hit, cfg, G if need_grad else None, wts[r] if need_grad else None)
         loss[r] = torch.where(labels[r] != cfg.ignore_index, torch.log(s) - zt, 0.0)
         m_all[r], s_all[r] = m, s
         if one_read:
-            _hidden_grad_unnormalized(G, weight, w32, scale, p_tgt, p_top, top_col, w_dh[r], tgt, hit,
-                                      bufs.product(r.stop - a), D[r])
+            _hidden_grad_unnormalized(P, weight, scale, p_tgt, p_top, top_col, w_dh[r], tgt, hit, D[r])
         elif need_dh:
             torch.mm(G, weight, out=D[r])
         if need_dw:
