@@ -110,3 +110,20 @@ def test_knob_variants_set_module_constants_in_their_process():
                       ("cce:VOCAB_TILE=4096", "tune our fused loss only"), ("fused_bwd", "unknown variant")):
         with pytest.raises(argparse.ArgumentTypeError, match=says):
             bl._variant_arg(bad)
+
+
+def test_replot_reads_an_earlier_runs_lines(tmp_path, capsys):
+    """``--replot FILE.jsonl``: the table (and plot) of a GPU session's bench_loss.jsonl, here run 6's
+    (H100), without measuring: one row per timed variant, skipped lines left out."""
+    import os
+
+    lines = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data",
+                         "loss_h100_run6.jsonl")
+    table = bench.replot(lines, "")
+    (key, res), = table
+    assert key == (16384, 131072, 4096, 1) and list(res) == ["fused_bwdw", "unfused", "cce", "fused_bwdw_2read"]
+    out = capsys.readouterr().out
+    assert "| fused_bwdw | triton, d weight in-GEMM | 1024 | 117.0 |" in out and "| cce | - | - | 175.3 | 1.52 |" in out
+    skipped = tmp_path / "s.jsonl"
+    skipped.write_text(open(lines).readline() + json.dumps({"tokens": 1, "variant": "liger", "skipped": "x"}) + "\n")
+    assert [list(r) for _, r in bench.replot(str(skipped), "")] == [["fused_bwdw"]]

@@ -522,10 +522,16 @@ def main(argv=None) -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per (configuration, variant)")
     p.add_argument("--plot", default="docs/loss.png", help="peak memory and time per configuration; '' to skip")
     p.add_argument("--out", default=None, help="also append one JSON line per (configuration, variant) to this file")
+    p.add_argument("--replot", metavar="FILE.jsonl",
+                   help="no measurement: redraw --plot (and print the table) from the JSON lines of an earlier --out, "
+                        "e.g. a GPU session's bench_loss.jsonl")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(_worker(json.loads(args.worker))))
+        return
+    if args.replot:
+        replot(args.replot, args.plot)
         return
     if args.tp < 1 or (args.sequence_parallel and args.tp == 1):
         p.error("--tp must be >= 1, and --sequence-parallel needs --tp > 1")
@@ -619,6 +625,30 @@ def _row(N: int, V: int, d: int, tp: int, variant: str, res: dict) -> str:
             f"{r['time_s'] * 1e3:.1f} | {ratio} | {r['peak_bytes'] / 2 ** 20:.0f} | {r['saved_bytes'] / 2 ** 20:.0f} | "
             f"{r['backward_peak_bytes'] / 2 ** 20:.0f} | {r['largest_numel'] / (N * V):.2f} | {e('loss')} | "
             f"{e('dh')} | {e('dw')} |")
+
+
+def replot(jsonl: str, plot: str) -> list:
+    """The table and plot of an earlier run's JSON lines (``--out``): one group per (N, V, d, TP),
+    variants in their order there, skipped and failed ones left out. Returns the rows plotted."""
+    rows: dict = {}
+    variants, where = [], set()
+    with open(jsonl) as f:
+        for line in f:
+            r = json.loads(line)
+            if "time_s" not in r:
+                continue
+            key = (r["tokens"], r["vocab"], r["hidden"], r["tp"])
+            rows.setdefault(key, {})[r["variant"]] = r
+            if r["variant"] not in variants:
+                variants.append(r["variant"])
+            where.add(f"{r.get('dtype')}, {r.get('device_name', r.get('device'))}, torch {r.get('torch')}")
+    table = list(rows.items())
+    for (N, V, d, tp), res in table:
+        for v in res:
+            print(_row(N, V, d, tp, v, res))
+    if plot and table:
+        _plot(table, variants, plot, "; ".join(sorted(where)))
+    return table
 
 
 def _plot(rows: list, variants: list, path: str, where: str) -> None:
