@@ -635,10 +635,16 @@ class CreatedTensors(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        flat = [a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, torch.Tensor)]
-        flat += [x for a in args if isinstance(a, (list, tuple)) for x in a if isinstance(x, torch.Tensor)]
-        old = {a.untyped_storage().data_ptr() for a in flat}
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in old and t.dtype != torch.uint8:
-                self.made.append((t.dtype, t.numel()))
+        self.made += [(t.dtype, t.numel()) for t in new_storage_tensors(args, kwargs, out)]
         return out
+
+
+def new_storage_tensors(args, kwargs, out) -> list:
+    """The tensors among an op's outputs ``out`` whose storage none of its arguments has (an
+    allocation of the op: not a view, not an in-place result), uint8 ones left out (Triton's
+    interpreter copies kernel arguments as bytes)."""
+    flat = [a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+    flat += [x for a in args if isinstance(a, (list, tuple)) for x in a if isinstance(x, torch.Tensor)]
+    old = {a.untyped_storage().data_ptr() for a in flat}
+    return [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in old and t.dtype != torch.uint8]

@@ -425,6 +425,7 @@ PER_TOKEN_SCRIPT = r"""
 import json, sys, torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+from fused_loss_cases import new_storage_tensors
 from megatron_burst.loss import fused_linear_cross_entropy, vocab_pass
 N, d, V = 77, 40, 96  # N unlike every other size: a tensor is per-token by its last dimension
 class LiveBytes(TorchDispatchMode):
@@ -435,12 +436,8 @@ class LiveBytes(TorchDispatchMode):
         self.live, self.peak, self.in_pass = {}, 0, False
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        flat = [a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, torch.Tensor)]
-        flat += [x for a in args if isinstance(a, (list, tuple)) for x in a if isinstance(x, torch.Tensor)]
-        seen = {a.untyped_storage().data_ptr() for a in flat}
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.dtype != torch.uint8 and t.shape[-1:] == (N,) and t.dim() <= 2 \
-                    and t.numel() <= 3 * N and t.untyped_storage().data_ptr() not in seen:
+        for t in new_storage_tensors(args, kwargs, out):
+            if t.shape[-1:] == (N,) and t.dim() <= 2 and t.numel() <= 3 * N:
                 st = t.untyped_storage()
                 self.live.setdefault(st.data_ptr(), (StorageWeakRef(st), st.nbytes()))
         self.live = {k: v for k, v in self.live.items() if not v[0].expired()}

@@ -44,6 +44,24 @@ def _run(fn, hidden, weight):
     return obj.detach().double(), h.grad, w.grad
 
 
+def _lean_objectives(labels, mask):
+    """sum(loss * mask) / sum(mask) three ways: ours with weight_grad="backward" (chunks of 1024), fp32
+    (the reference), and unfused bf16 (bf16 logits, fp32 cross-entropy) -- functions of (h, w)."""
+    n = mask.sum()
+
+    def objective(h, w):
+        return (fused_linear_cross_entropy(h, w, labels, loss_mask=mask, token_chunk=1024,
+                                           weight_grad="backward") * mask).sum() / n
+
+    def fp32(h, w):
+        return (F.cross_entropy(h.float() @ w.float().t(), labels, reduction="none") * mask).sum() / n
+
+    def unfused(h, w):
+        return (F.cross_entropy((h @ w.t()).float(), labels, reduction="none") * mask).sum() / n
+
+    return objective, fp32, unfused
+
+
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -104,17 +122,7 @@ def test_one_read_forward_against_two_reads_and_far_logits(monkeypatch):
 
     N, V, d = 4096, 32003, 1024
     hidden, weight, labels, mask = _inputs(N, V, d, torch.bfloat16, seed=5)
-    n = mask.sum()
-
-    def objective(h, w):
-        return (fused_linear_cross_entropy(h, w, labels, loss_mask=mask, token_chunk=1024,
-                                           weight_grad="backward") * mask).sum() / n
-
-    def fp32(h, w):
-        return (F.cross_entropy(h.float() @ w.float().t(), labels, reduction="none") * mask).sum() / n
-
-    def unfused(h, w):
-        return (F.cross_entropy((h @ w.t()).float(), labels, reduction="none") * mask).sum() / n
+    objective, fp32, unfused = _lean_objectives(labels, mask)
 
     ref = _run(fp32, hidden, weight)
     one = _run(objective, hidden, weight)
@@ -153,17 +161,7 @@ def test_fast_path_switches_give_the_same_gradients(switch, monkeypatch):
     module = fast if switch == "FUSED_EPILOGUE" else vocab_pass
     N, V, d = 4096, 32003, 1024
     hidden, weight, labels, mask = _inputs(N, V, d, torch.bfloat16, seed=7)
-    n = mask.sum()
-
-    def objective(h, w):
-        return (fused_linear_cross_entropy(h, w, labels, loss_mask=mask, token_chunk=1024,
-                                           weight_grad="backward") * mask).sum() / n
-
-    def fp32(h, w):
-        return (F.cross_entropy(h.float() @ w.float().t(), labels, reduction="none") * mask).sum() / n
-
-    def unfused(h, w):
-        return (F.cross_entropy((h @ w.t()).float(), labels, reduction="none") * mask).sum() / n
+    objective, fp32, unfused = _lean_objectives(labels, mask)
 
     ref, base = _run(fp32, hidden, weight), _run(unfused, hidden, weight)
     got = {}
