@@ -459,10 +459,11 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton is not installed (pip install triton): the Triton kernels are untested")
-def test_epilogue_and_transposed_kernels_compile_for_hopper():
+def test_epilogue_and_tile_kernels_compile_for_hopper():
     """No GPU here: the one-read forward's d hidden epilogue (``dh_rows_kernel``: 1024 columns per
-    program, 4 warps) and the transposed tiles' gradient (``grad_cols_kernel``: 2048 tokens per block,
-    8 warps; with G over the logits its barrier) compiled for sm_90 down to a cubin with their GPU launch
+    program, 4 warps), the transposed tiles' gradient (``grad_cols_kernel``: 2048 tokens per block,
+    8 warps; with G over the logits its barrier) and the fused tile (``tile_grad_kernel``: a wgmma GEMM
+    with the softmax gradient in its epilogue) compiled for sm_90 down to a cubin with their GPU launch
     options, for bf16 and fp16, so a kernel that only the interpreter accepts fails here."""
     from megatron_burst.loss import triton_kernels
     from triton_masked_cases import aot_compile
@@ -479,6 +480,15 @@ def test_epilogue_and_transposed_kernels_compile_for_hopper():
         compiled = aot_compile(fn, {"BLOCK_T": triton_kernels.GRAD_COLS_BLOCK_T, "G_IN_Z": g_in_z}, pointers,
                                {"num_warps": 8})
         assert "cubin" in compiled.asm and ("bar.sync" in compiled.asm["ptx"]) == g_in_z, (dt, g_in_z)
+    # the fused tile (vocab_pass.FUSED_TILE_GRAD): its GEMM on Hopper's wgmma, in its shared-memory budget
+    fn = triton_kernels._kernel("tile_grad_kernel")
+    launch = dict(triton_kernels.TILE_GRAD_CONFIG)
+    opts = {k: launch.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+    for dt in ("bf16", "fp16"):
+        pointers = {"H": dt, "W": dt, "G": dt, "TGT": "i32", "WTS": "fp32", "MAX": "fp32", "SUMEXP": "fp32"}
+        compiled = aot_compile(fn, {**opts, "EVEN_K": True}, pointers, launch)
+        assert "cubin" in compiled.asm and "wgmma" in compiled.asm["ptx"], dt
+        assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -581,3 +591,39 @@ def test_triton_kernels_under_interpreter():
                               "Triton softmax-gradient pass per token chunk)"]
     assert auto["walks"] == 5 and auto["paths"] == {"scaled": 1, "recompute": 0}
     assert auto["err"] <= 1e-6
+
+
+TILE_GRAD_SCRIPT = r"""
+import json, torch
+from megatron_burst.loss import triton_kernels as tk
+g = torch.Generator().manual_seed(0)
+out = {}
+for tn, vt, d in ((40, 24, 48), (37, 21, 40)):  # ragged blocks; K a multiple of the block or not
+    h = torch.randn(tn, d, generator=g).bfloat16()
+    w = (torch.randn(vt, d, generator=g) * 0.3).bfloat16()
+    z = h.float() @ w.float().t()
+    m = z.max(1).values + 0.5
+    s = torch.exp(z - m[:, None]).sum(1) * 3
+    wts = torch.rand(tn, generator=g)
+    tgt = torch.randint(0, 60, (tn,), generator=g).to(torch.int32)  # some in this tile (columns 10..), some not
+    got = torch.full((tn, vt), float("nan")).bfloat16()
+    tk.tile_grad(h, w, got, tgt, torch.stack([m, s]), wts, 10)
+    ref = torch.exp(z - m[:, None]) / s[:, None] * wts[:, None]
+    t = tgt.long() - 10
+    hit = (t >= 0) & (t < vt)
+    ref[torch.arange(tn)[hit], t[hit]] -= wts[hit]
+    out[f"{tn}x{vt}x{d}"] = {"excess": ((got.float() - ref).abs() - 2 ** -8 * ref.abs()).max().item(),
+                             "hits": int(hit.sum())}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (pip install triton): the Triton kernels are untested")
+def test_tile_grad_kernel_against_its_formula():
+    """``triton_kernels.tile_grad`` (interpreted), the fused tile of vocab_pass.FUSED_TILE_GRAD: its G
+    equals w (exp(h w^T - m) / s - onehot) from fp32 logits to G's one bf16 rounding, on ragged blocks,
+    with K a multiple of the block and not, target columns inside the tile and outside it."""
+    res = run_interpreted("", code=TILE_GRAD_SCRIPT, timeout=300)
+    for shape, r in res.items():
+        assert r["excess"] <= 1e-7 and r["hits"] > 0, (shape, r)

@@ -165,6 +165,16 @@ vp.G_IN_LOGITS = True
 out["transposed_fp32"] = rel_max(run(fused_linear_cross_entropy, torch.float32, **kw), rows32)
 vp.TRANSPOSED_TILES = False
 out["grad_cols_calls"] = len(calls)
+# the tile's logits GEMM and softmax gradient in one Triton kernel (vocab_pass.FUSED_TILE_GRAD; 16-bit)
+fused_calls = []
+tile_grad = triton_kernels.tile_grad
+triton_kernels.tile_grad = lambda *a, **k: fused_calls.append(1) or tile_grad(*a, **k)
+vp.FUSED_TILE_GRAD = True
+out["fused_tile_grad"] = rel_max(run(fused_linear_cross_entropy, **kw), got)
+vp.FUSED_TILE_GRAD = False
+out["tile_grad_calls"] = len(fused_calls)
+out["tile_grad_pieces"] = sum(-(-N // t.tokens) for t in vp.plan_vocab_tiles(
+    N, V, d, torch.bfloat16, 48, in_result=True, acc_temp=False, dest_fp32=False, g_in_z=True, fused=True))
 def n_pieces(dtype, g_in_z):
     return sum(-(-N // t.tokens) for t in vp.plan_vocab_tiles(N, V, d, dtype, 48, in_result=True, acc_temp=False,
                                                              dest_fp32=dtype == torch.float32, g_in_z=g_in_z))
@@ -201,6 +211,11 @@ def test_bf16_gradients_no_less_accurate_than_unfused():
     for name, bound in (("transposed_g_in_z", 2 ** -8), ("transposed_apart", 2 ** -8), ("transposed_fp32", 1e-6)):
         assert errs[name][0] == 0.0 and errs[name][1] <= bound, (name, errs[name])
     assert errs["grad_cols_calls"] == errs["transposed_pieces"] > 0, errs
+    # the tile's GEMM and softmax gradient in one Triton kernel (vocab_pass.FUSED_TILE_GRAD): d weight
+    # within one bf16 rounding (its fp32 logits summed in another order), every piece through it
+    fused = errs["fused_tile_grad"]
+    assert fused[0] == 0.0 and fused[1] <= 2 ** -8, fused
+    assert errs["tile_grad_calls"] == errs["tile_grad_pieces"] > 0, errs
     # Logits of std ~7 (a trained model's range): the unfused path's bf16 logits cost it a factor ~3
     # in both gradients (here unfused 7.1e-3 / 7.2e-3, ours 2.5e-3 / 2.4e-3 and 1.9e-3): ours keeps the
     # logits in fp32.
@@ -277,27 +292,31 @@ def test_scratch_inside_the_weight_gradient_is_exact(dtype, monkeypatch):
 
 @pytest.mark.parametrize("shape", [(16384, 131072, 4096), (4096, 32768, 1024), (65536, 32768, 4096),
                                    (8192, 152064, 5120), (1000, 5000, 64)])
-@pytest.mark.parametrize("acc_temp,g_in_z,floor", [(False, False, 0), (True, False, 0), (False, True, 0),
-                                                   (False, True, 1024)])
-def test_scratch_plan_stays_behind_its_rows(shape, acc_temp, g_in_z, floor, monkeypatch):
+@pytest.mark.parametrize("acc_temp,g_in_z,floor,fused", [(False, False, 0, False), (True, False, 0, False),
+                                                         (False, True, 0, False), (False, True, 1024, False),
+                                                         (False, True, 0, True)])
+def test_scratch_plan_stays_behind_its_rows(shape, acc_temp, g_in_z, floor, fused, monkeypatch):
     """The plan at real shapes (bf16, (N, V, d)): tiles cover the vocabulary in order; every borrowed
     scratch lies in d weight's storage past its own tile's rows; the own buffer is at most
     TAIL_BYTES (1 MiB) -- so the backward's peak above the two bf16 gradients is <= 1 MiB plus
     [3, N]-sized statistics (at (16K, 128K, 4096): 1152 MiB + 1 MiB, Cut Cross-Entropy's 1154 MiB
     measured on the issue's H200) -- and the tile count stays bounded. ``floor``: vocab_pass.GEMM_ROWS_FLOOR
     (short tiles priced by the FLOPs their GEMMs waste), a candidate the bench's knob variants time: the
-    same invariants, and at (16K, 128K, 4096) fewer rows in tiles of under 512 rows."""
+    same invariants, and at (16K, 128K, 4096) fewer rows in tiles of under 512 rows. ``fused``:
+    vocab_pass.FUSED_TILE_GRAD's 2 B of scratch per logit: the same invariants, and fewer pieces and
+    short-tile rows there than the 4 B plan."""
     N, V, d = shape
     monkeypatch.setattr(vocab_pass, "GEMM_ROWS_FLOOR", floor)
     tiles = vocab_pass.plan_vocab_tiles(N, V, d, torch.bfloat16, 16384, in_result=True, dest_fp32=False,
-                                        acc_temp=acc_temp, g_in_z=g_in_z)
+                                        acc_temp=acc_temp, g_in_z=g_in_z, fused=fused)
     assert tiles[0].start == 0 and tiles[-1].stop == V
     assert all(a.stop == b.start for a, b in zip(tiles, tiles[1:]))
     # heights (the scratch's leading dimension) aligned for tensor-core GEMMs, but the last tile's
     assert all((t.stop - t.start) % vocab_pass.ROW_ALIGN == 0 for t in tiles[:-1]), [t.stop - t.start for t in tiles]
     own = 0
     for t in tiles:
-        lay = vocab_pass.tile_scratch(t.stop - t.start, t.tokens, N, d, torch.bfloat16, False, acc_temp, g_in_z)
+        lay = vocab_pass.tile_scratch(t.stop - t.start, t.tokens, N, d, torch.bfloat16, False, acc_temp, g_in_z,
+                                      fused)
         if t.offset is None:
             own = max(own, lay.nbytes)
         else:
@@ -309,7 +328,13 @@ def test_scratch_plan_stays_behind_its_rows(shape, acc_temp, g_in_z, floor, monk
     # against 64, and by the traffic model of _bytes_per_row less memory traffic than the own-buffer
     # plan there (no accumulator read-modify-write where all tokens fit in one GEMM).
     assert len(tiles) <= 3 * len(plain) + 48, (len(tiles), len(plain))
-    if g_in_z and shape == (16384, 131072, 4096) and not floor:  # 4 B of scratch per logit instead of 6
+    if fused and shape == (16384, 131072, 4096):
+        four = vocab_pass.plan_vocab_tiles(N, V, d, torch.bfloat16, 16384, in_result=True, dest_fp32=False,
+                                           acc_temp=acc_temp, g_in_z=True)
+        pieces = [sum(-(-N // t.tokens) for t in p) for p in (tiles, four)]
+        short = [sum(t.stop - t.start for t in p if t.stop - t.start < 512) for p in (tiles, four)]
+        assert pieces[0] < pieces[1] and short[0] < short[1], (pieces, short)
+    if g_in_z and shape == (16384, 131072, 4096) and not floor and not fused:  # 4 B of scratch per logit, not 6
         pieces = sum(-(-N // t.tokens) for t in tiles)
         assert pieces <= 130, pieces  # 201 with a G tile of its own
     if floor:

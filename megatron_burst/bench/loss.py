@@ -155,7 +155,8 @@ def _peak_rss_bytes() -> int:
 # device call compares candidate settings on the same inputs (ints; 0 / 1 for the switches).
 KNOBS = {name: "megatron_burst.loss.vocab_pass" for name in
          ("VOCAB_TILE", "TILE_BYTES", "MIN_TILE_ROWS", "TAIL_BYTES", "PIECE_COST_BYTES", "ROW_ALIGN", "G_IN_LOGITS",
-          "SCRATCH_IN_RESULT", "GEMM_ROWS_FLOOR", "GEMM_FLOPS_PER_BYTE", "TRANSPOSED_TILES")}
+          "SCRATCH_IN_RESULT", "GEMM_ROWS_FLOOR", "GEMM_FLOPS_PER_BYTE", "TRANSPOSED_TILES",
+          "FUSED_TILE_GRAD")}
 KNOBS.update(ONE_READ_FORWARD="megatron_burst.loss.fast", FUSED_EPILOGUE="megatron_burst.loss.fast",
              GPU_BLOCK_V="megatron_burst.loss.triton_kernels",
              GPU_NUM_WARPS="megatron_burst.loss.triton_kernels", FAST_CHUNK_BYTES="megatron_burst.loss.config")

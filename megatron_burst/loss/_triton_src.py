@@ -200,3 +200,53 @@ def grad_cols_kernel(ZT, GT, TGT, WTS, MAX, SUMEXP, TN, COL0, stride_z, stride_g
         g = tl.exp2((z - m) * LOG2E) * (w / s)
         g = tl.where(tgt == v, g - w, g)
         tl.store(g_row + offs, g.to(GT.dtype.element_ty), mask=ok)
+
+
+def tile_grad_kernel(H, W, G, TGT, WTS, MAX, SUMEXP, TN, VT, D, COL0, stride_h, stride_w, stride_g,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     EVEN_K: tl.constexpr, WIDEN: tl.constexpr = False):
+    """The vocabulary pass's tile in one GEMM: ``G[t, v] = w_t (exp(z - m_t) / s_t - [v == TGT[t] - COL0])``
+    with z = (H W^T)[t, v] accumulated in fp32 in registers and never stored (H [TN, D] the tokens, W
+    [VT, D] the tile's weight rows, both 16-bit, unit column stride; G [TN, VT] 16-bit). One program
+    per [BLOCK_M, BLOCK_N] block of G, in groups of GROUP_M row blocks (the programs of a group share
+    W's blocks in L2). EVEN_K: D is a multiple of BLOCK_K (no mask on the K loads). WIDEN (Triton's CPU
+    interpreter, whose dot mishandles 16-bit operands): the blocks go to fp32 first, exact products
+    summed in fp32 as the tensor cores do."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(TN, BLOCK_M)
+    num_n = tl.cdiv(VT, BLOCK_N)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    ok_m = rm < TN
+    ok_n = rn < VT
+    h_ptr = H + rm[:, None].to(tl.int64) * stride_h + rk[None, :]
+    w_ptr = W + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(h_ptr, mask=ok_m[:, None], other=0.0)
+            b = tl.load(w_ptr, mask=ok_n[:, None], other=0.0)
+        else:
+            ok_k = (k0 + rk) < D
+            a = tl.load(h_ptr, mask=ok_m[:, None] & ok_k[None, :], other=0.0)
+            b = tl.load(w_ptr, mask=ok_n[:, None] & ok_k[None, :], other=0.0)
+        if WIDEN:
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+        h_ptr += BLOCK_K
+        w_ptr += BLOCK_K
+    m = tl.load(MAX + rm, mask=ok_m, other=0.0)
+    s = tl.load(SUMEXP + rm, mask=ok_m, other=1.0)
+    w = tl.load(WTS + rm, mask=ok_m, other=0.0)
+    tgt = tl.load(TGT + rm, mask=ok_m, other=-1) - COL0
+    g = tl.exp2((acc - m[:, None]) * LOG2E) * (w / s)[:, None]
+    g = tl.where(rn[None, :] == tgt[:, None], g - w[:, None], g)
+    g_ptr = G + rm[:, None].to(tl.int64) * stride_g + rn[None, :]
+    tl.store(g_ptr, g.to(G.dtype.element_ty), mask=ok_m[:, None] & ok_n[None, :])

@@ -191,3 +191,37 @@ def grad_cols(zt: torch.Tensor, gt: torch.Tensor, tgt: torch.Tensor, stats: torc
     kwargs = {} if interpreting() else {"num_warps": max(1, min(8, block // 256))}
     kernel[(vt,)](zt, gt, tgt, wts, stats[0], stats[1], tn, col0, zt.stride(0), gt.stride(0), BLOCK_T=block,
                   G_IN_Z=g_in_z, **kwargs)
+
+
+# tile_grad's launch on the GPU: 128 x 256 blocks of G, K in steps of 64, 8 warps, 3 stages (a common
+# Hopper wgmma configuration for bf16: (128 + 256) x 64 x 2 B x 3 = 144 KiB of shared memory); the
+# interpreter walks 16 x 16 x 16 blocks so the tests cover ragged blocks and several K steps
+TILE_GRAD_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+INTERPRET_TILE_GRAD_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, WIDEN=True)
+
+
+def tile_grad(h: torch.Tensor, w: torch.Tensor, g_out: torch.Tensor, tgt: torch.Tensor, stats: torch.Tensor,
+              wts: torch.Tensor, col0: int) -> None:
+    """One vocabulary tile's weighted softmax gradient straight from its GEMM (``tile_grad_kernel``):
+    ``g_out[t, v] = wts[t] * (exp((h w^T)[t, v] - m_t) / s_t - [v == tgt[t] - col0])``, the logits
+    accumulated in fp32 and never stored.
+
+    h: [tn, d] and w: [vt, d], 16-bit, unit column stride; g_out: [tn, vt] 16-bit, unit column stride;
+    tgt: [tn] int32 / int64 target columns of the shard; stats: [2, tn] fp32 rows m, s with unit
+    stride; wts: [tn] fp32 contiguous.
+    """
+    tn, d = h.shape
+    vt = w.shape[0]
+    if tn == 0 or vt == 0:
+        return
+    if h.dtype == torch.float32 or w.dtype != h.dtype or g_out.dtype != h.dtype:
+        raise ValueError(f"tile_grad: 16-bit h, w and g_out of one dtype (got {h.dtype}, {w.dtype}, {g_out.dtype})")
+    if (h.stride(1) != 1 or w.stride(1) != 1 or g_out.stride(1) != 1 or stats.stride(-1) != 1
+            or wts.stride(0) != 1 or tgt.stride(0) != 1 or w.shape[1] != d or tuple(g_out.shape) != (tn, vt)):
+        raise ValueError(f"tile_grad: h [tn, d], w [vt, d], g_out [tn, vt] with unit column strides (got h "
+                         f"{tuple(h.shape)}/{h.stride()}, w {tuple(w.shape)}/{w.stride()}, g_out {tuple(g_out.shape)}/"
+                         f"{g_out.stride()})")
+    cfg = dict(INTERPRET_TILE_GRAD_CONFIG if interpreting() else TILE_GRAD_CONFIG)
+    grid = (-(-tn // cfg["BLOCK_M"]) * -(-vt // cfg["BLOCK_N"]),)
+    _kernel("tile_grad_kernel")[grid](h, w, g_out, tgt, wts, stats[0], stats[1], tn, vt, d, col0, h.stride(0),
+                                      w.stride(0), g_out.stride(0), EVEN_K=d % cfg["BLOCK_K"] == 0, **cfg)

@@ -50,6 +50,10 @@ Where that scratch lives (:func:`plan_vocab_tiles`):
   fixed tiles, ``vt`` = min(vocab_chunk, VOCAB_TILE) rows, ``tn`` tokens from TILE_BYTES; at the
   shape above vt = 2048, tn = 4096: 48 MiB of logits / G and a 32 MiB accumulator.
 
+``FUSED_TILE_GRAD`` (off until timed) forms a tile's G in one Triton GEMM with the softmax gradient in
+its epilogue (``triton_kernels.tile_grad``): no fp32 logits at all, 2 B of scratch per logit, so at
+(16K, 128K, 4096) the shrinking end is 8192 rows (16384 with 4 B) and the pass 88 pieces (126).
+
 Every tile overwrites its scratch before reading it and writes its rows of the result only after its
 last read of the scratch, so the borrowed rows' content never matters (tests: a result poisoned
 with NaN, every kind of tile).
@@ -104,6 +108,12 @@ GEMM_FLOPS_PER_BYTE = 250
 # values), and d weight = G^T h with G^T as a plain row-major operand. The same scratch and plan.
 # Off until a GPU run times it (the bench's knob variants: ``fused_bwdw:TRANSPOSED_TILES=1``).
 TRANSPOSED_TILES = False
+# Whether the Triton path forms each tile's G in one Triton GEMM (``triton_kernels.tile_grad``: h W_tile^T
+# accumulated in fp32 in registers, the softmax gradient in its epilogue, G stored in 16 bits) instead
+# of cuBLAS's fp32 logits and the row kernel: no fp32 logits written and read back (8 B per logit),
+# and 2 B of scratch per logit instead of 4, so the plan's shrinking end keeps taller tiles. Its GEMM
+# is Triton's, not cuBLAS's (wgmma on Hopper). Off until a GPU run times it (``FUSED_TILE_GRAD=1``).
+FUSED_TILE_GRAD = False
 # Whether d weight's own unwritten rows hold the scratch (module switch for tests and benchmarks).
 SCRATCH_IN_RESULT = True
 # Whether the Triton path writes a 16-bit G over the first half of each fp32 logits row instead of a
@@ -120,7 +130,8 @@ def _align(n: int) -> int:
 class TileScratch:
     """Byte offsets of one tile's scratch pieces (None: not needed) and its total size.
 
-    z: fp32 logits [tn, vt]; g: 16-bit G [tn, vt] (None for fp32: G overwrites z); acc: fp32
+    z: fp32 logits [tn, vt] (``fused``: the 16-bit G itself); g: 16-bit G [tn, vt] (None for fp32: G
+    overwrites z); acc: fp32
     accumulator [vt, d] (tokens split, 16-bit destination); tmp: fp32 product [vt, d] (a 16-bit GEMM
     accumulated into fp32 where torch cannot do it in the GEMM)."""
 
@@ -132,16 +143,19 @@ class TileScratch:
 
 
 def tile_scratch(vt: int, tn: int, n_tokens: int, d: int, dtype: torch.dtype, dest_fp32: bool,
-                 acc_temp: bool, g_in_z: bool = False) -> TileScratch:
+                 acc_temp: bool, g_in_z: bool = False, fused: bool = False) -> TileScratch:
     """The scratch layout of a tile of ``vt`` vocabulary rows walked in sub-chunks of ``tn`` of the
     ``n_tokens`` tokens. ``dest_fp32``: the destination accumulates in fp32 itself (fp32 result or
     Megatron's main_grad); ``acc_temp``: this torch has no in-GEMM fp32 accumulation of 16-bit
     operands (:func:`megatron_burst.loss.fast._addmm_fp32_works`); ``g_in_z``: a 16-bit G lies in
-    the first half of each fp32 row of z (the Triton kernel writes it there), no G piece."""
+    the first half of each fp32 row of z (the Triton kernel writes it there), no G piece; ``fused``
+    (16-bit): the logits never leave the GEMM (``triton_kernels.tile_grad``), the z piece holds the
+    16-bit G alone (2 B per logit)."""
     wide = dtype == torch.float32
-    off = _align(4 * tn * vt)
+    fused = fused and not wide
+    off = _align((2 if fused else 4) * tn * vt)
     g = None
-    if not wide and not g_in_z:
+    if not wide and not g_in_z and not fused:
         g, off = off, _align(off + 2 * tn * vt)
     acc = tmp = None
     if not wide and tn < n_tokens and not dest_fp32:
@@ -162,9 +176,12 @@ class VocabTile:
     offset: Optional[int]
 
 
-def _own_tile(cap: int, n_tokens: int, dtype: torch.dtype, g_in_z: bool = False) -> tuple[int, int]:
+def _own_tile(cap: int, n_tokens: int, dtype: torch.dtype, g_in_z: bool = False, fused: bool = False
+              ) -> tuple[int, int]:
     """(vt, tn) of the own-buffer plan: vt = cap rows, tn tokens from TILE_BYTES."""
     per_elem = 4 if dtype == torch.float32 or g_in_z else 6
+    if fused and dtype != torch.float32:
+        per_elem = 2
     tn = max(1, min(n_tokens, TILE_BYTES // (per_elem * cap)))
     if 256 <= tn < n_tokens:
         tn -= tn % 128  # whole GEMM tiles
@@ -181,34 +198,35 @@ def _bytes_per_row(vt: int, tn: int, n_tokens: int, d: int, elt: int) -> float:
     return (2 * n_tokens * d * elt + (subchunks - 1) * 8 * vt * d + subchunks * PIECE_COST_BYTES + short) / vt
 
 
-def _token_options(n_tokens: int, vt: int, dtype: torch.dtype, g_in_z: bool) -> list[int]:
-    own = _own_tile(vt, n_tokens, dtype, g_in_z)[1]
+def _token_options(n_tokens: int, vt: int, dtype: torch.dtype, g_in_z: bool, fused: bool = False) -> list[int]:
+    own = _own_tile(vt, n_tokens, dtype, g_in_z, fused)[1]
     return sorted({n_tokens, own} | {t for t in SPLIT_TOKENS if t < n_tokens}, reverse=True)
 
 
 def plan_vocab_tiles(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, vocab_chunk: int, *,
-                     in_result: bool, dest_fp32: bool, acc_temp: bool, g_in_z: bool = False) -> tuple[VocabTile, ...]:
+                     in_result: bool, dest_fp32: bool, acc_temp: bool, g_in_z: bool = False,
+                     fused: bool = False) -> tuple[VocabTile, ...]:
     """The tiles of one pass over ``v_local`` vocabulary rows (see the module docstring).
 
     ``in_result``: the scratch may live in the result's storage ([v_local, d] in ``dtype``, not yet
     written) past each tile's rows; else every tile uses the own buffer. ``dest_fp32`` /
-    ``acc_temp`` / ``g_in_z``: as :func:`tile_scratch`. Host arithmetic only, cached per shape (and
+    ``acc_temp`` / ``g_in_z`` / ``fused``: as :func:`tile_scratch`. Host arithmetic only, cached per shape (and
     per value of the module's tiling constants).
     """
     constants = (VOCAB_TILE, TILE_BYTES, MIN_TILE_ROWS, TAIL_BYTES, SPLIT_TOKENS, ALIGN, ROW_ALIGN, PIECE_COST_BYTES,
                  GEMM_ROWS_FLOOR, GEMM_FLOPS_PER_BYTE)
-    return _plan(n_tokens, v_local, d, dtype, vocab_chunk, in_result, dest_fp32, acc_temp, g_in_z, constants)
+    return _plan(n_tokens, v_local, d, dtype, vocab_chunk, in_result, dest_fp32, acc_temp, g_in_z, fused, constants)
 
 
 @functools.lru_cache(maxsize=256)
 def _plan(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, vocab_chunk: int, in_result: bool,
-          dest_fp32: bool, acc_temp: bool, g_in_z: bool, constants: tuple) -> tuple[VocabTile, ...]:
+          dest_fp32: bool, acc_temp: bool, g_in_z: bool, fused: bool, constants: tuple) -> tuple[VocabTile, ...]:
     cap = max(1, min(vocab_chunk, VOCAB_TILE, v_local))
 
     def scratch(vt: int, tn: int) -> int:
-        return tile_scratch(vt, tn, n_tokens, d, dtype, dest_fp32, acc_temp, g_in_z).nbytes
+        return tile_scratch(vt, tn, n_tokens, d, dtype, dest_fp32, acc_temp, g_in_z, fused).nbytes
 
-    vt, tn = _own_tile(cap, n_tokens, dtype, g_in_z)
+    vt, tn = _own_tile(cap, n_tokens, dtype, g_in_z, fused)
     if not in_result or scratch(vt, tn) <= TAIL_BYTES:  # small shapes: nothing worth borrowing
         return tuple(VocabTile(a, min(a + vt, v_local), tn, None) for a in range(0, v_local, vt))
     elt = torch.finfo(dtype).bits // 8
@@ -223,7 +241,7 @@ def _plan(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, vocab_chunk: 
         sizes = sorted({_aligned_rows(top), *range(MIN_TILE_ROWS, top + 1, MIN_TILE_ROWS)}, reverse=True)
         for vt in (x for x in sizes if x >= min(MIN_TILE_ROWS, cap)):
             offset = _align((a + vt) * row_bytes)
-            for tn in _token_options(n_tokens, vt, dtype, g_in_z):
+            for tn in _token_options(n_tokens, vt, dtype, g_in_z, fused):
                 if scratch(vt, tn) <= total - offset:
                     key = (_bytes_per_row(vt, tn, n_tokens, d, elt), -vt)
                     if best is None or key < best[0]:
@@ -237,7 +255,8 @@ def _plan(n_tokens: int, v_local: int, d: int, dtype: torch.dtype, vocab_chunk: 
     if a < v_local:  # the last rows: an own buffer of at most TAIL_BYTES where some shape fits
         rem = v_local - a
         heights = {min(cap, rem), *range(ROW_ALIGN, min(cap, rem) + 1, ROW_ALIGN)}  # the whole rest in one, or aligned
-        options = [(vt, tn) for vt in sorted(heights, reverse=True) for tn in _token_options(n_tokens, vt, dtype, g_in_z)]
+        options = [(vt, tn) for vt in sorted(heights, reverse=True)
+                   for tn in _token_options(n_tokens, vt, dtype, g_in_z, fused)]
         fits = [(_bytes_per_row(vt, tn, n_tokens, d, elt), vt, tn) for vt, tn in options if scratch(vt, tn) <= TAIL_BYTES]
         if fits:
             _, vt, tn = min(fits)
@@ -383,12 +402,14 @@ def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: to
     # the Triton kernel writes a 16-bit G over the first half of each fp32 logits row (the torch path's
     # in-place ops cannot: it keeps a G of its own)
     g_in_z = G_IN_LOGITS and cfg.impl == "triton" and h.dtype != torch.float32
-    transposed = TRANSPOSED_TILES and cfg.impl == "triton"
+    # the logits GEMM and the softmax gradient in one Triton kernel (16-bit; G the only scratch)
+    fused = FUSED_TILE_GRAD and cfg.impl == "triton" and h.dtype != torch.float32
+    transposed = TRANSPOSED_TILES and cfg.impl == "triton" and not fused
     tiles = plan_vocab_tiles(N, V, d, h.dtype, cfg.vocab_chunk, in_result=out is not None and SCRATCH_IN_RESULT,
-                             dest_fp32=dest_fp32, acc_temp=acc_temp, g_in_z=g_in_z)
+                             dest_fp32=dest_fp32, acc_temp=acc_temp, g_in_z=g_in_z, fused=fused)
 
     def layout(t: VocabTile) -> TileScratch:
-        return tile_scratch(t.stop - t.start, t.tokens, N, d, h.dtype, dest_fp32, acc_temp, g_in_z)
+        return tile_scratch(t.stop - t.start, t.tokens, N, d, h.dtype, dest_fp32, acc_temp, g_in_z, fused)
 
     own_bytes = max((layout(t).nbytes for t in tiles if t.offset is None), default=0)
     own = torch.empty(own_bytes, dtype=torch.uint8, device=h.device) if own_bytes else None
@@ -398,7 +419,7 @@ def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: to
         a, b, tn, vt = t.start, t.stop, t.tokens, t.stop - t.start
         lay = layout(t)
         space = own if t.offset is None else result_bytes[t.offset:t.offset + lay.nbytes]
-        z_flat = _piece(space, lay.z, tn * vt, torch.float32)
+        z_flat = _piece(space, lay.z, tn * vt, h.dtype if fused else torch.float32)
         g_flat = _piece(space, lay.g, tn * vt, h.dtype)
         acc = _piece(space, lay.acc, vt * d, torch.float32)
         tmp = _piece(space, lay.tmp, vt * d, torch.float32)
@@ -417,11 +438,15 @@ def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: to
             z = z_flat[:n].view(rows, cols)
             if g_flat is not None:
                 G = g_flat[:n].view(rows, cols)
-            elif g_in_z:  # row i of G: the first half of z's row i (the kernel orders its writes after its reads)
+            elif g_in_z and not fused:  # row i of G: the first half of z's row i (the kernel orders its writes
+                # after its reads)
                 G = z_flat[:n].view(h.dtype).view(rows, 2 * cols)[:, :cols]
             else:
                 G = z
-            if transposed:  # z = W_tile h^T [vt, tn]: G^T directly, the d weight GEMM's left operand
+            if fused:  # G is the z piece: the logits stay in the kernel's registers
+                triton_kernels.tile_grad(h[t0:t1], w_tile, G, tgt_all[t0:t1], stats_all[:, t0:t1], g[t0:t1], a)
+                Gt = G.t()
+            elif transposed:  # z = W_tile h^T [vt, tn]: G^T directly, the d weight GEMM's left operand
                 _logits_transposed(w_tile, h[t0:t1], z)
                 triton_kernels.grad_cols(z, G, tgt_all[t0:t1], stats_all[:, t0:t1], g[t0:t1], a)
                 Gt = G

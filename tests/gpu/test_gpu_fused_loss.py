@@ -149,11 +149,12 @@ def test_one_read_forward_against_two_reads_and_far_logits(monkeypatch):
         assert mine <= BOUND * theirs + FLOOR, f"far logits: {q} error {mine:.3e} > {BOUND} x unfused {theirs:.3e}"
 
 
-@pytest.mark.parametrize("switch", ["FUSED_EPILOGUE", "TRANSPOSED_TILES"])
+@pytest.mark.parametrize("switch", ["FUSED_EPILOGUE", "TRANSPOSED_TILES", "FUSED_TILE_GRAD"])
 def test_fast_path_switches_give_the_same_gradients(switch, monkeypatch):
-    """weight_grad="backward", N = 4096, V = 32003, d = 1024, bf16, each of two switches of the fast path
+    """weight_grad="backward", N = 4096, V = 32003, d = 1024, bf16, each of three switches of the fast path
     flipped on the device (fast.FUSED_EPILOGUE: the one-read forward's epilogue as one Triton launch or
-    as torch ops; vocab_pass.TRANSPOSED_TILES: the backward's tiles as W_tile h^T or h W_tile^T): the
+    as torch ops; vocab_pass.TRANSPOSED_TILES: the backward's tiles as W_tile h^T or h W_tile^T;
+    vocab_pass.FUSED_TILE_GRAD: a tile's logits GEMM and softmax gradient in one Triton kernel): the
     loss to fp32 and both gradients within one bf16 rounding of each other, and within the unfused
     bf16 path's error against fp32 (the bench's knob variants time them)."""
     from megatron_burst.loss import fast, vocab_pass
