@@ -69,8 +69,8 @@ import torch
 from megatron_burst.loss import triton_kernels
 from megatron_burst.loss.config import LossConfig, local_targets
 
-__all__ = ["weight_grad_by_vocab_tiles", "weight_grad_target", "stats_rows", "plan_vocab_tiles", "VocabTile", "TileScratch",
-           "tile_scratch", "VOCAB_TILE", "TILE_BYTES", "MIN_TILE_ROWS", "TAIL_BYTES"]
+__all__ = ["weight_grad_by_vocab_tiles", "weight_grad_target", "stats_rows", "plan_vocab_tiles", "VocabTile",
+           "TileScratch", "tile_scratch", "VOCAB_TILE", "TILE_BYTES", "MIN_TILE_ROWS", "TAIL_BYTES"]
 
 # Vocabulary rows per tile: the GEMMs are [tn, d] x [d, vt] and [vt, tn] x [tn, d]; 2048 keeps both
 # compute-bound on Hopper at tn >= 1024 while the tile accumulator stays 32 MiB at d = 4096.
@@ -131,9 +131,8 @@ class TileScratch:
     """Byte offsets of one tile's scratch pieces (None: not needed) and its total size.
 
     z: fp32 logits [tn, vt] (``fused``: the 16-bit G itself); g: 16-bit G [tn, vt] (None for fp32: G
-    overwrites z); acc: fp32
-    accumulator [vt, d] (tokens split, 16-bit destination); tmp: fp32 product [vt, d] (a 16-bit GEMM
-    accumulated into fp32 where torch cannot do it in the GEMM)."""
+    overwrites z); acc: fp32 accumulator [vt, d] (tokens split, 16-bit destination); tmp: fp32 product
+    [vt, d] (a 16-bit GEMM accumulated into fp32 where torch cannot do it in the GEMM)."""
 
     z: int
     g: Optional[int]  # None: G overwrites z (fp32), or lies in the first half of z's rows (g_in_z)
@@ -275,26 +274,22 @@ def _logits(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor, G: torch.Tensor
     """out [tn, vt] fp32 <- h w^T, rounded as the forward rounded them (the statistics m, s were
     formed from these very values: any other rounding would break softmax's normalization).
     G: the tile's 16-bit G scratch (free until the softmax gradient is written into it)."""
-    if h.dtype == torch.float32:
-        torch.mm(h, w.t(), out=out)
-    elif impl == "torch":
+    if impl == "torch" and h.dtype != torch.float32:
         torch.mm(h, w.t(), out=G)  # the torch path's logits are in the input dtype (as Megatron's)
         out.copy_(G)
-    elif h.is_cuda:
-        torch.mm(h, w.t(), out_dtype=torch.float32, out=out)
-    else:  # CPU (interpreter tests): bf16 values and their products are exact in fp32
-        torch.mm(h.float(), w.float().t(), out=out)
+    else:
+        _fp32_product(h, w, out)
 
 
-def _logits_transposed(w: torch.Tensor, h: torch.Tensor, out: torch.Tensor) -> None:
-    """out [vt, tn] fp32 <- w h^T (a tile's logits, a vocabulary row per row), fp32 accumulation as
-    :func:`_logits` (the Triton path only)."""
-    if h.dtype == torch.float32:
-        torch.mm(w, h.t(), out=out)
-    elif h.is_cuda:
-        torch.mm(w, h.t(), out_dtype=torch.float32, out=out)
+def _fp32_product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out [rows of a, rows of b] fp32 <- a b^T with fp32 accumulation and no rounding to 16 bits
+    (a tile's logits as h W_tile^T, or transposed as W_tile h^T)."""
+    if a.dtype == torch.float32:
+        torch.mm(a, b.t(), out=out)
+    elif a.is_cuda:
+        torch.mm(a, b.t(), out_dtype=torch.float32, out=out)
     else:  # CPU (interpreter tests): bf16 values and their products are exact in fp32
-        torch.mm(w.float(), h.float().t(), out=out)
+        torch.mm(a.float(), b.float().t(), out=out)
 
 
 def _softmax_grad(z: torch.Tensor, G: torch.Tensor, tgt: torch.Tensor, col0: int, stats: torch.Tensor,
@@ -447,7 +442,7 @@ def weight_grad_by_vocab_tiles(h: torch.Tensor, weight: torch.Tensor, labels: to
                 triton_kernels.tile_grad(h[t0:t1], w_tile, G, tgt_all[t0:t1], stats_all[:, t0:t1], g[t0:t1], a)
                 Gt = G.t()
             elif transposed:  # z = W_tile h^T [vt, tn]: G^T directly, the d weight GEMM's left operand
-                _logits_transposed(w_tile, h[t0:t1], z)
+                _fp32_product(w_tile, h[t0:t1], z)
                 triton_kernels.grad_cols(z, G, tgt_all[t0:t1], stats_all[:, t0:t1], g[t0:t1], a)
                 Gt = G
             else:
