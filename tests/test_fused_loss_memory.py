@@ -154,9 +154,15 @@ def rel_max(xs, ys):
 kw = dict(loss_mask=mask, token_chunk=32, vocab_chunk=48, impl="triton", weight_grad="backward")
 rows32 = run(fused_linear_cross_entropy, torch.float32, **kw)
 from megatron_burst.loss import triton_kernels
-calls = []
-grad_cols = triton_kernels.grad_cols
-triton_kernels.grad_cols = lambda *a, **k: calls.append(1) or grad_cols(*a, **k)
+def counted(name):  # the calls of triton_kernels.<name> from now on
+    calls, fn = [], getattr(triton_kernels, name)
+    setattr(triton_kernels, name, lambda *a, **k: calls.append(1) or fn(*a, **k))
+    return calls
+def n_pieces(dtype, g_in_z, fused=False):
+    return sum(-(-N // t.tokens) for t in vp.plan_vocab_tiles(N, V, d, dtype, 48, in_result=True, acc_temp=False,
+                                                             dest_fp32=dtype == torch.float32, g_in_z=g_in_z,
+                                                             fused=fused))
+calls = counted("grad_cols")
 vp.TRANSPOSED_TILES = True
 out["transposed_g_in_z"] = rel_max(run(fused_linear_cross_entropy, **kw), got)
 vp.G_IN_LOGITS = False
@@ -166,18 +172,12 @@ out["transposed_fp32"] = rel_max(run(fused_linear_cross_entropy, torch.float32, 
 vp.TRANSPOSED_TILES = False
 out["grad_cols_calls"] = len(calls)
 # the tile's logits GEMM and softmax gradient in one Triton kernel (vocab_pass.FUSED_TILE_GRAD; 16-bit)
-fused_calls = []
-tile_grad = triton_kernels.tile_grad
-triton_kernels.tile_grad = lambda *a, **k: fused_calls.append(1) or tile_grad(*a, **k)
+fused_calls = counted("tile_grad")
 vp.FUSED_TILE_GRAD = True
 out["fused_tile_grad"] = rel_max(run(fused_linear_cross_entropy, **kw), got)
 vp.FUSED_TILE_GRAD = False
 out["tile_grad_calls"] = len(fused_calls)
-out["tile_grad_pieces"] = sum(-(-N // t.tokens) for t in vp.plan_vocab_tiles(
-    N, V, d, torch.bfloat16, 48, in_result=True, acc_temp=False, dest_fp32=False, g_in_z=True, fused=True))
-def n_pieces(dtype, g_in_z):
-    return sum(-(-N // t.tokens) for t in vp.plan_vocab_tiles(N, V, d, dtype, 48, in_result=True, acc_temp=False,
-                                                             dest_fp32=dtype == torch.float32, g_in_z=g_in_z))
+out["tile_grad_pieces"] = n_pieces(torch.bfloat16, True, fused=True)
 out["transposed_pieces"] = n_pieces(torch.bfloat16, True) + n_pieces(torch.bfloat16, False) + n_pieces(torch.float32, False)
 mask = mask * (y != IGN).float()  # the usual objective: c = 1 / sum(mask) = 1 / sum(loss weights)
 out["matched"] = errors_by_mode()[0]
