@@ -598,7 +598,7 @@ import json, torch
 from megatron_burst.loss import triton_kernels as tk
 g = torch.Generator().manual_seed(0)
 out = {}
-for tn, vt, d in ((40, 24, 48), (37, 21, 40)):  # ragged blocks; K a multiple of the block or not
+for tn, vt, d in ((40, 40, 64), (37, 21, 40)):  # ragged blocks (32 in the interpreter); K a multiple of them or not
     h = torch.randn(tn, d, generator=g).bfloat16()
     w = (torch.randn(vt, d, generator=g) * 0.3).bfloat16()
     z = h.float() @ w.float().t()

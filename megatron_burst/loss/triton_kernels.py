@@ -195,9 +195,9 @@ def grad_cols(zt: torch.Tensor, gt: torch.Tensor, tgt: torch.Tensor, stats: torc
 
 # tile_grad's launch on the GPU: 128 x 256 blocks of G, K in steps of 64, 8 warps, 3 stages (a common
 # Hopper wgmma configuration for bf16: (128 + 256) x 64 x 2 B x 3 = 144 KiB of shared memory); the
-# interpreter walks 16 x 16 x 16 blocks so the tests cover ragged blocks and several K steps
+# interpreter walks 32 x 32 x 32 blocks (the tests' shapes still ragged, with several K steps)
 TILE_GRAD_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
-INTERPRET_TILE_GRAD_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, WIDEN=True)
+INTERPRET_TILE_GRAD_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, WIDEN=True)
 
 
 def tile_grad(h: torch.Tensor, w: torch.Tensor, g_out: torch.Tensor, tgt: torch.Tensor, stats: torch.Tensor,
