@@ -127,3 +127,4 @@ def test_replot_reads_an_earlier_runs_lines(tmp_path, capsys):
     skipped = tmp_path / "s.jsonl"
     skipped.write_text(open(lines).readline() + json.dumps({"tokens": 1, "variant": "liger", "skipped": "x"}) + "\n")
     assert [list(r) for _, r in bench.replot(str(skipped), "")] == [["fused_bwdw"]]
+    assert [list(r) for _, r in bench.replot(lines, "", ["cce", "unfused"])] == [["unfused", "cce"]]

@@ -137,6 +137,7 @@ out["large_logits"] = errors_by_mode()[0]
 W = (W0 * 3).bfloat16()
 from megatron_burst.loss import vocab_pass as vp  # scratch in d weight's own rows, every tile kind
 vp.VOCAB_TILE, vp.MIN_TILE_ROWS, vp.SPLIT_TOKENS, vp.TAIL_BYTES, vp.ALIGN = 32, 4, (64, 32), 4096, 16
+vp.FUSED_TILE_GRAD = False  # the row kernel's tiles (G over the logits, apart, transposed); the fused tile below
 got = run(fused_linear_cross_entropy, loss_mask=mask, token_chunk=32, vocab_chunk=48, impl="triton",
           weight_grad="backward")
 out["backward_in_result"] = [((a - b).norm() / b.norm()).item() for a, b in zip(got, R)]
@@ -170,9 +171,8 @@ vp.TRANSPOSED_TILES = False
 out["grad_cols_calls"] = len(calls)
 # the tile's logits GEMM and softmax gradient in one Triton kernel (vocab_pass.FUSED_TILE_GRAD; 16-bit)
 fused_calls = counted("tile_grad")
-vp.FUSED_TILE_GRAD = True
+vp.FUSED_TILE_GRAD = True  # (the default)
 out["fused_tile_grad"] = rel_max(run(fused_linear_cross_entropy, **kw), got)
-vp.FUSED_TILE_GRAD = False
 out["tile_grad_calls"] = len(fused_calls)
 out["tile_grad_pieces"] = n_pieces(torch.bfloat16, True, fused=True)
 out["transposed_pieces"] = n_pieces(torch.bfloat16, True) + n_pieces(torch.float32, False)

@@ -75,6 +75,8 @@ import sys
 import tempfile
 import time
 
+from typing import Optional
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -525,14 +527,14 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None, help="also append one JSON line per (configuration, variant) to this file")
     p.add_argument("--replot", metavar="FILE.jsonl",
                    help="no measurement: redraw --plot (and print the table) from the JSON lines of an earlier --out, "
-                        "e.g. a GPU session's bench_loss.jsonl")
+                        "e.g. a GPU session's bench_loss.jsonl (--variants: just those)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(_worker(json.loads(args.worker))))
         return
     if args.replot:
-        replot(args.replot, args.plot)
+        replot(args.replot, args.plot, args.variants)
         return
     if args.tp < 1 or (args.sequence_parallel and args.tp == 1):
         p.error("--tp must be >= 1, and --sequence-parallel needs --tp > 1")
@@ -628,15 +630,16 @@ def _row(N: int, V: int, d: int, tp: int, variant: str, res: dict) -> str:
             f"{e('dh')} | {e('dw')} |")
 
 
-def replot(jsonl: str, plot: str) -> list:
+def replot(jsonl: str, plot: str, only: Optional[list] = None) -> list:
     """The table and plot of an earlier run's JSON lines (``--out``): one group per (N, V, d, TP),
-    variants in their order there, skipped and failed ones left out. Returns the rows plotted."""
+    variants in their order there (``only``: just these), skipped and failed ones left out. Returns
+    the rows plotted."""
     rows: dict = {}
     variants, where = [], set()
     with open(jsonl) as f:
         for line in f:
             r = json.loads(line)
-            if "time_s" not in r:
+            if "time_s" not in r or (only and r["variant"] not in only):
                 continue
             key = (r["tokens"], r["vocab"], r["hidden"], r["tp"])
             rows.setdefault(key, {})[r["variant"]] = r

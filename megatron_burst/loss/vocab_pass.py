@@ -50,9 +50,10 @@ Where that scratch lives (:func:`plan_vocab_tiles`):
   fixed tiles, ``vt`` = min(vocab_chunk, VOCAB_TILE) rows, ``tn`` tokens from TILE_BYTES; at the
   shape above vt = 2048, tn = 4096: 48 MiB of logits / G and a 32 MiB accumulator.
 
-``FUSED_TILE_GRAD`` (off until timed) forms a tile's G in one Triton GEMM with the softmax gradient in
-its epilogue (``triton_kernels.tile_grad``): no fp32 logits at all, 2 B of scratch per logit, so at
-(16K, 128K, 4096) the shrinking end is 8192 rows (16384 with 4 B) and the pass 88 pieces (126).
+``FUSED_TILE_GRAD`` (the default for 16-bit inputs on the Triton path) forms a tile's G in one Triton
+GEMM with the softmax gradient in its epilogue (``triton_kernels.tile_grad``): no fp32 logits at all,
+2 B of scratch per logit, so at (16K, 128K, 4096) the shrinking end is 8192 rows (16384 with 4 B) and
+the pass 88 pieces (126).
 
 Every tile overwrites its scratch before reading it and writes its rows of the result only after its
 last read of the scratch, so the borrowed rows' content never matters (tests: a result poisoned
@@ -98,22 +99,26 @@ PIECE_COST_BYTES = 256 << 20
 # take ~15 of the pass's ~65 ms). GEMM_ROWS_FLOOR prices a tile of vt < GEMM_ROWS_FLOOR rows as if its
 # two GEMMs had GEMM_ROWS_FLOOR rows, their FLOPs converted to bytes at GEMM_FLOPS_PER_BYTE (Hopper:
 # ~800 TFLOP/s of bf16 GEMM over ~3.2 TB/s), so that the plan may split the tokens of a late tile
-# (an fp32 accumulator) to keep it taller. 0: off (the plan by traffic and launches alone; a candidate
-# for the bench's knob variants until a GPU run says which prices the tail right).
+# (an fp32 accumulator) to keep it taller. 0: off (the plan by traffic and launches alone). On an H100
+# (2026-11-28) 1024 gave 115.0 against 116.5 ms with the row kernel but nothing with the fused tile
+# (113.8 against 113.5), the default since.
 GEMM_ROWS_FLOOR = 0
 GEMM_FLOPS_PER_BYTE = 250
 # Whether the Triton path forms each tile transposed: logits z^T = W_tile h^T [vt, tn] (a small left
 # operand against all tokens, the shape of the forward's logits GEMM, which ran at ~840 TFLOP/s on an
 # H100 where the tile's h W_tile^T ran at ~610), its softmax gradient G^T by ``grad_cols`` (the same
 # values), and d weight = G^T h with G^T as a plain row-major operand. The same scratch and plan.
-# Off until a GPU run times it (the bench's knob variants: ``fused_bwdw:TRANSPOSED_TILES=1``).
+# Off: timed on an H100 (2026-11-28) at 117.5 ms against the row-major tiles' 116.5 -- no gain (the
+# fused tile below is the default and supersedes it; kept as a knob, ``fused_bwdw:TRANSPOSED_TILES=1``).
 TRANSPOSED_TILES = False
 # Whether the Triton path forms each tile's G in one Triton GEMM (``triton_kernels.tile_grad``: h W_tile^T
 # accumulated in fp32 in registers, the softmax gradient in its epilogue, G stored in 16 bits) instead
 # of cuBLAS's fp32 logits and the row kernel: no fp32 logits written and read back (8 B per logit),
 # and 2 B of scratch per logit instead of 4, so the plan's shrinking end keeps taller tiles. Its GEMM
-# is Triton's, not cuBLAS's (wgmma on Hopper). Off until a GPU run times it (``FUSED_TILE_GRAD=1``).
-FUSED_TILE_GRAD = False
+# is Triton's, not cuBLAS's (wgmma on Hopper). Timed on an H100 (2026-11-28, (16K, 128K, 4096) bf16, two
+# calls): 113.5 / 115.6 ms against 116.5 ms without it and 117.4 / 117.2 ms unfused, the same errors and
+# peak -- on by default (module switch; the bench's ``fused_bwdw:FUSED_TILE_GRAD=0`` is the A/B).
+FUSED_TILE_GRAD = True
 # Whether d weight's own unwritten rows hold the scratch (module switch for tests and benchmarks).
 SCRATCH_IN_RESULT = True
 # Whether the Triton path writes a 16-bit G over the first half of each fp32 logits row instead of a
