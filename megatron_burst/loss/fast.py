@@ -116,7 +116,7 @@ from megatron_burst.loss.config import (FAST_CHUNK_BYTES, MIN_EFFICIENT_CHUNK, L
 from megatron_burst.loss.parallel import all_reduce_stats
 
 __all__ = ["chunked_forward", "recompute_grads", "reads_once", "hidden_grad_prescale", "per_token_stats",
-           "default_token_chunk",
+           "stats_rows", "default_token_chunk",
            "bytes_per_logit", "weight_grad_mode",
            "FAST_CHUNK_BYTES", "MIN_EFFICIENT_CHUNK"]
 
@@ -331,10 +331,22 @@ def hidden_grad_prescale(wts: torch.Tensor) -> torch.Tensor:
 
 def per_token_stats(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(m_all, s_all): the two [n] fp32 rows of one [2, n] buffer, so that the weight-gradient pass
-    reads them in place as its [2, n] statistics (:func:`megatron_burst.loss.vocab_pass.stats_rows`)
+    reads them in place as its [2, n] statistics (:func:`stats_rows`)
     instead of stacking a copy beside the gradients at the backward's peak."""
     both = torch.empty(2, n, dtype=torch.float32, device=device)
     return both[0], both[1]
+
+
+def stats_rows(m_all: torch.Tensor, s_all: torch.Tensor) -> torch.Tensor:
+    """[2, N] fp32 rows (m, s): a view where m_all and s_all are the rows of one [2, N] buffer (as the
+    forward makes them: :func:`per_token_stats`), else a stacked copy."""
+    n = m_all.numel()
+    if (m_all.dim() == s_all.dim() == 1 and m_all.stride(0) == s_all.stride(0) == 1 and s_all.numel() == n
+            and m_all.dtype == s_all.dtype == torch.float32
+            and m_all.untyped_storage().data_ptr() == s_all.untyped_storage().data_ptr()
+            and s_all.storage_offset() == m_all.storage_offset() + n):
+        return m_all.as_strided((2, n), (n, 1))
+    return torch.stack([m_all, s_all])
 
 
 def _upcast_weight(h: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
@@ -402,14 +414,13 @@ def recompute_grads(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     w32 = _upcast_weight(h, weight)
     bufs = _Chunk(cfg, N, h.dtype, h.device, True)
     tgt_all, _ = local_targets(labels, cfg)
+    stats_all, g = stats_rows(m_all, s_all), g.contiguous()  # once, not per chunk
     for a in range(0, N, cfg.token_chunk):
         r = slice(a, min(a + cfg.token_chunk, N))
         hr = h[r]
         z, G = bufs.views(cfg, r.stop - a)
         _logits(hr, weight, w32, z)
-        tgt = tgt_all[r]
-        st = torch.stack([m_all[r], s_all[r]])
-        triton_kernels.ce_rows(z, tgt, st, grad=G, wts=g[r].contiguous(), compute_stats=False)
+        triton_kernels.ce_rows(z, tgt_all[r], stats_all[:, r], grad=G, wts=g[r], compute_stats=False)
         if need_dh:
             torch.mm(G, weight, out=dh[r])
         if need_dw:

@@ -1,5 +1,7 @@
 """The fused loss's Triton kernels, wrapped: per-token softmax statistics and the logits gradient of
-one token chunk, and the one-read forward's d hidden epilogue (GPU; CPU via Triton's interpreter).
+one token chunk (``ce_rows``), the one-read forward's d hidden epilogue (``dh_rows``), and the
+vocabulary pass's tile gradient, fused with its GEMM (``tile_grad``) or on a transposed tile
+(``grad_cols``) (GPU; CPU via Triton's interpreter).
 The algorithm is in :mod:`megatron_burst.loss.fast`.
 
 :func:`ce_rows` runs ``ce_rows_kernel`` (source: :mod:`megatron_burst.loss._triton_src`) over the

@@ -69,8 +69,9 @@ import torch
 
 from megatron_burst.loss import triton_kernels
 from megatron_burst.loss.config import LossConfig, local_targets
+from megatron_burst.loss.fast import stats_rows
 
-__all__ = ["weight_grad_by_vocab_tiles", "weight_grad_target", "stats_rows", "plan_vocab_tiles", "VocabTile",
+__all__ = ["weight_grad_by_vocab_tiles", "weight_grad_target", "plan_vocab_tiles", "VocabTile",
            "TileScratch", "tile_scratch", "VOCAB_TILE", "TILE_BYTES", "MIN_TILE_ROWS", "TAIL_BYTES"]
 
 # Vocabulary rows per tile: the GEMMs are [tn, d] x [d, vt] and [vt, tn] x [tn, d]; 2048 keeps both
@@ -340,18 +341,6 @@ def _piece(space: torch.Tensor, offset: Optional[int], numel: int, dtype: torch.
         return None
     nbytes = numel * (torch.finfo(dtype).bits // 8)
     return space[offset:offset + nbytes].view(dtype)
-
-
-def stats_rows(m_all: torch.Tensor, s_all: torch.Tensor) -> torch.Tensor:
-    """[2, N] fp32 rows (m, s): a view where m_all and s_all are the rows of one [2, N] buffer (as the
-    forward makes them: :func:`megatron_burst.loss.fast.per_token_stats`), else a stacked copy."""
-    n = m_all.numel()
-    if (m_all.dim() == s_all.dim() == 1 and m_all.stride(0) == s_all.stride(0) == 1 and s_all.numel() == n
-            and m_all.dtype == s_all.dtype == torch.float32
-            and m_all.untyped_storage().data_ptr() == s_all.untyped_storage().data_ptr()
-            and s_all.storage_offset() == m_all.storage_offset() + n):
-        return m_all.as_strided((2, n), (n, 1))
-    return torch.stack([m_all, s_all])
 
 
 def weight_grad_target(weight: torch.Tensor, main_grad: Optional[torch.Tensor], n_tokens: int, v_local: int
